@@ -1,0 +1,122 @@
+"""Ed25519 identities and the exact bytes that get signed on the wire.
+
+Both ends of every signature import these helpers, so the signed payloads can never drift
+apart between the coordinator, the node agent and the client.
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+from cryptography.exceptions import InvalidSignature
+from cryptography.hazmat.primitives import serialization
+from cryptography.hazmat.primitives.asymmetric.ed25519 import (
+    Ed25519PrivateKey,
+    Ed25519PublicKey,
+)
+
+from protos.tessera.v1 import client_api_pb2, coordinator_pb2
+
+PUBLIC_KEY_BYTES = 32
+SIGNATURE_BYTES = 64
+
+# Domain separation: a signature made for one purpose can never be replayed as another.
+_REGISTER_DOMAIN = b"tessera/v1/register\n"
+_CAPABILITY_DOMAIN = b"tessera/v1/capability\n"
+_OUTPUT_DOMAIN = b"tessera/v1/stage-output\n"
+
+
+def node_id(public_key: bytes) -> str:
+    """The node id is a digest of its public key: same key, same id; no key, no id."""
+    if len(public_key) != PUBLIC_KEY_BYTES:
+        raise ValueError(
+            f"an Ed25519 public key has {PUBLIC_KEY_BYTES} bytes, got {len(public_key)}"
+        )
+    return "n" + hashlib.sha256(b"tessera-node-id\n" + public_key).hexdigest()[:23]
+
+
+def generate_private_key() -> Ed25519PrivateKey:
+    return Ed25519PrivateKey.generate()
+
+
+def private_key_to_pem(key: Ed25519PrivateKey) -> bytes:
+    return key.private_bytes(
+        serialization.Encoding.PEM,
+        serialization.PrivateFormat.PKCS8,
+        serialization.NoEncryption(),
+    )
+
+
+def private_key_from_pem(data: bytes) -> Ed25519PrivateKey:
+    key = serialization.load_pem_private_key(data, password=None)
+    if not isinstance(key, Ed25519PrivateKey):
+        raise ValueError("the key file does not hold an Ed25519 private key")
+    return key
+
+
+def public_key_bytes(key: Ed25519PrivateKey | Ed25519PublicKey) -> bytes:
+    public = key.public_key() if isinstance(key, Ed25519PrivateKey) else key
+    return public.public_bytes(serialization.Encoding.Raw, serialization.PublicFormat.Raw)
+
+
+def verify(public_key: bytes, signature: bytes, payload: bytes) -> bool:
+    """True only for a well-formed key and a valid signature; never raises on bad input."""
+    if len(public_key) != PUBLIC_KEY_BYTES or len(signature) != SIGNATURE_BYTES:
+        return False
+    try:
+        Ed25519PublicKey.from_public_bytes(public_key).verify(signature, payload)
+    except (InvalidSignature, ValueError):
+        return False
+    return True
+
+
+def register_payload(request: coordinator_pb2.RegisterRequest) -> bytes:
+    """What a node signs to register: the nonce plus everything it claims about itself."""
+    unsigned = coordinator_pb2.RegisterRequest()
+    unsigned.CopyFrom(request)
+    unsigned.ClearField("signature")
+    return _REGISTER_DOMAIN + unsigned.SerializeToString(deterministic=True)
+
+
+def sign_register(key: Ed25519PrivateKey, request: coordinator_pb2.RegisterRequest) -> None:
+    request.signature = key.sign(register_payload(request))
+
+
+def capability_payload(claims: bytes) -> bytes:
+    return _CAPABILITY_DOMAIN + claims
+
+
+def sign_capability(
+    key: Ed25519PrivateKey, claims: client_api_pb2.CapabilityClaims
+) -> client_api_pb2.SignedCapability:
+    raw = claims.SerializeToString(deterministic=True)
+    return client_api_pb2.SignedCapability(claims=raw, signature=key.sign(capability_payload(raw)))
+
+
+def open_capability(
+    coordinator_public_key: bytes, signed: client_api_pb2.SignedCapability
+) -> client_api_pb2.CapabilityClaims | None:
+    """The claims if the coordinator signed them, else None. Expiry is the caller's check."""
+    if not verify(coordinator_public_key, signed.signature, capability_payload(signed.claims)):
+        return None
+    claims = client_api_pb2.CapabilityClaims()
+    try:
+        claims.ParseFromString(signed.claims)
+    except Exception:  # a valid signature over garbage is still garbage
+        return None
+    return claims
+
+
+def output_payload(
+    session_id: str, step: int, layer_start: int, layer_end: int, output_sha256: bytes
+) -> bytes:
+    """What a stage node signs for each reply: (session, step, stage layers, sha256(output))."""
+    return b"".join(
+        [
+            _OUTPUT_DOMAIN,
+            session_id.encode(),
+            b"\n",
+            f"{step}:{layer_start}:{layer_end}\n".encode(),
+            output_sha256,
+        ]
+    )

@@ -1,0 +1,62 @@
+from protos.tessera.v1 import common_pb2 as _common_pb2
+from protos.tessera.v1 import client_api_pb2 as _client_api_pb2
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class ForwardRequest(_message.Message):
+    __slots__ = ("capability", "session_id", "step", "model", "layers", "start_pos", "input")
+    CAPABILITY_FIELD_NUMBER: _ClassVar[int]
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    LAYERS_FIELD_NUMBER: _ClassVar[int]
+    START_POS_FIELD_NUMBER: _ClassVar[int]
+    INPUT_FIELD_NUMBER: _ClassVar[int]
+    capability: _client_api_pb2.SignedCapability
+    session_id: str
+    step: int
+    model: str
+    layers: _common_pb2.LayerRange
+    start_pos: int
+    input: _common_pb2.Tensor
+    def __init__(self, capability: _Optional[_Union[_client_api_pb2.SignedCapability, _Mapping]] = ..., session_id: _Optional[str] = ..., step: _Optional[int] = ..., model: _Optional[str] = ..., layers: _Optional[_Union[_common_pb2.LayerRange, _Mapping]] = ..., start_pos: _Optional[int] = ..., input: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ...) -> None: ...
+
+class ForwardResponse(_message.Message):
+    __slots__ = ("step", "output", "compute_ms", "cache_length", "signature")
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    OUTPUT_FIELD_NUMBER: _ClassVar[int]
+    COMPUTE_MS_FIELD_NUMBER: _ClassVar[int]
+    CACHE_LENGTH_FIELD_NUMBER: _ClassVar[int]
+    SIGNATURE_FIELD_NUMBER: _ClassVar[int]
+    step: int
+    output: _common_pb2.Tensor
+    compute_ms: float
+    cache_length: int
+    signature: bytes
+    def __init__(self, step: _Optional[int] = ..., output: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., compute_ms: _Optional[float] = ..., cache_length: _Optional[int] = ..., signature: _Optional[bytes] = ...) -> None: ...
+
+class EndSessionRequest(_message.Message):
+    __slots__ = ("session_id", "capability")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    CAPABILITY_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    capability: _client_api_pb2.SignedCapability
+    def __init__(self, session_id: _Optional[str] = ..., capability: _Optional[_Union[_client_api_pb2.SignedCapability, _Mapping]] = ...) -> None: ...
+
+class PingRequest(_message.Message):
+    __slots__ = ("payload",)
+    PAYLOAD_FIELD_NUMBER: _ClassVar[int]
+    payload: bytes
+    def __init__(self, payload: _Optional[bytes] = ...) -> None: ...
+
+class PingResponse(_message.Message):
+    __slots__ = ("payload", "node_id")
+    PAYLOAD_FIELD_NUMBER: _ClassVar[int]
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    payload: bytes
+    node_id: str
+    def __init__(self, payload: _Optional[bytes] = ..., node_id: _Optional[str] = ...) -> None: ...
