@@ -1,0 +1,269 @@
+"""Placement: turns planner output into AssignShard/DropShard commands and tracks readiness.
+
+It re-plans (debounced) whenever a node comes, goes, drains or is banned, and whenever a
+model is added or removed. New shards are loaded before superseded ones are dropped, so a
+node growing its range keeps serving while it fetches.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from collections.abc import Awaitable, Callable, Iterable
+from dataclasses import dataclass
+
+from coordinator.model_store.layout import ModelLayout
+from coordinator.planner import ModelPlan, ModelSpec, NodeSpec, Shard, plan
+from coordinator.router import Holder
+from protos.tessera.v1 import common_pb2, coordinator_pb2, node_pb2
+
+log = logging.getLogger("tessera.placement")
+
+# CPU nodes compute in fp32; GPU nodes in fp16/bf16.
+_DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
+
+
+@dataclass(frozen=True)
+class PlacementNode:
+    """What placement needs to know about an online node."""
+
+    node_id: str
+    address: str
+    capabilities: node_pb2.Capabilities
+    load: float = 0.0
+
+
+def model_spec(name: str, config_json: str) -> ModelSpec:
+    layout = ModelLayout.from_config(json.loads(config_json))
+    shapes = layout.expected_shapes()
+
+    def numel(tensor: str) -> int:
+        n = 1
+        for d in shapes[tensor]:
+            n *= d
+        return n
+
+    prefix = "model.layers.0."
+    per_layer = sum(numel(t) for t in shapes if t.startswith(prefix))
+    embed = numel("model.embed_tokens.weight")
+    head = numel("model.norm.weight") + (
+        embed if layout.tie_word_embeddings else numel("lm_head.weight")
+    )
+    return ModelSpec(
+        name=name,
+        num_layers=layout.num_layers,
+        params_per_layer=per_layer,
+        embed_params=embed,
+        head_params=head,
+        kv_values_per_token_per_layer=2 * layout.num_kv_heads * layout.head_dim,
+    )
+
+
+def compute_dtype(capabilities: node_pb2.Capabilities) -> str:
+    if capabilities.device_kind == "cuda":
+        return "bfloat16" if "bfloat16" in capabilities.dtypes else "float16"
+    return "float32"
+
+
+def node_spec(node: PlacementNode, kv_tokens: int) -> NodeSpec:
+    caps = node.capabilities
+    return NodeSpec(
+        node_id=node.node_id,
+        usable_bytes=caps.memory_usable_bytes,
+        speed=max(caps.matmul_tflops, 1e-3),
+        dtype_bytes=_DTYPE_BYTES[compute_dtype(caps)],
+        kv_tokens=kv_tokens,
+    )
+
+
+SendCommand = Callable[[str, coordinator_pb2.Command], Awaitable[bool]]
+
+
+class Placement:
+    def __init__(
+        self,
+        send_command: SendCommand,
+        *,
+        replicas: int = 2,
+        min_stages: int = 1,
+        kv_tokens: int = 2048,
+        debounce_s: float = 0.2,
+        on_change: Callable[[str], None] | None = None,
+    ) -> None:
+        self._send = send_command
+        self.replicas = replicas
+        self.min_stages = min_stages
+        self.kv_tokens = kv_tokens
+        self._debounce_s = debounce_s
+        self._on_change = on_change
+        self._models: dict[str, ModelSpec] = {}
+        self._nodes: dict[str, PlacementNode] = {}
+        self._plans: dict[str, ModelPlan] = {}
+        # (node_id, model) -> shard the node was told to load, and what it reported
+        self._assigned: dict[tuple[str, str], Shard] = {}
+        self._state: dict[tuple[str, Shard], int] = {}
+        self._superseded: dict[tuple[str, str], Shard] = {}  # drop once the new one is ready
+        self._replan_task: asyncio.Task[None] | None = None
+        self._lock = asyncio.Lock()
+
+    # ---- inputs -------------------------------------------------------------------------
+
+    def set_models(self, models: Iterable[ModelSpec]) -> None:
+        self._models = {m.name: m for m in models}
+        self.schedule_replan()
+
+    def node_up(self, node: PlacementNode) -> None:
+        self._nodes[node.node_id] = node
+        self.schedule_replan()
+
+    def node_down(self, node_id: str) -> None:
+        """The node left, drains or was banned: its shards no longer count."""
+        if self._nodes.pop(node_id, None) is None:
+            return
+        for key in [k for k in self._assigned if k[0] == node_id]:
+            del self._assigned[key]
+            self._superseded.pop(key, None)
+        for key in [k for k in self._state if k[0] == node_id]:
+            del self._state[key]
+        self.schedule_replan()
+
+    def update_load(self, node_id: str, load: float) -> None:
+        node = self._nodes.get(node_id)
+        if node is not None:
+            self._nodes[node_id] = PlacementNode(
+                node.node_id, node.address, node.capabilities, load
+            )
+
+    async def shard_status(self, node_id: str, status: node_pb2.ShardStatus) -> None:
+        shard = Shard(status.model, status.layers.start, status.layers.end)
+        self._state[(node_id, shard)] = status.state
+        if status.state == node_pb2.SHARD_STATE_FAILED:
+            log.warning(
+                "node %s failed to load %s [%d, %d): %s",
+                node_id,
+                shard.model,
+                shard.start,
+                shard.end,
+                status.error,
+            )
+        if status.state == node_pb2.SHARD_STATE_READY:
+            log.info(
+                "node %s is ready with %s layers [%d, %d)",
+                node_id,
+                shard.model,
+                shard.start,
+                shard.end,
+            )
+            old = self._superseded.pop((node_id, shard.model), None)
+            if old is not None and old != shard:
+                await self._drop(node_id, old)
+        if self._on_change:
+            self._on_change(shard.model)
+
+    # ---- outputs ------------------------------------------------------------------------
+
+    def boundaries(self, model: str) -> list[int] | None:
+        p = self._plans.get(model)
+        return list(p.boundaries) if p else None
+
+    def ready_holders(self, model: str) -> list[Holder]:
+        holders = []
+        for (node_id, shard), state in self._state.items():
+            node = self._nodes.get(node_id)
+            if shard.model != model or state != node_pb2.SHARD_STATE_READY or node is None:
+                continue
+            speed = max(node.capabilities.matmul_tflops, 1e-3)
+            holders.append(
+                Holder(node_id, node.address, shard.start, shard.end, 1.0 / speed, node.load)
+            )
+        return holders
+
+    def coverage(self, model: str) -> list[int]:
+        spec = self._models.get(model)
+        if spec is None:
+            return []
+        counts = [0] * spec.num_layers
+        for h in self.ready_holders(model):
+            for layer in range(h.start, min(h.end, spec.num_layers)):
+                counts[layer] += 1
+        return counts
+
+    def plan_of(self, model: str) -> ModelPlan | None:
+        return self._plans.get(model)
+
+    # ---- re-planning --------------------------------------------------------------------
+
+    def schedule_replan(self) -> None:
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            return
+        if self._replan_task is None or self._replan_task.done():
+            self._replan_task = loop.create_task(self._debounced_replan())
+
+    async def _debounced_replan(self) -> None:
+        await asyncio.sleep(self._debounce_s)
+        await self.replan()
+
+    async def replan(self) -> None:
+        async with self._lock:
+            nodes = [node_spec(n, self.kv_tokens) for n in self._nodes.values()]
+            self._plans = plan(
+                list(self._models.values()),
+                nodes,
+                previous=self._plans,
+                replicas=self.replicas,
+                min_stages=self.min_stages,
+            )
+            await self._apply()
+
+    async def _apply(self) -> None:
+        wanted: dict[tuple[str, str], Shard] = {}
+        for name, model_plan in self._plans.items():
+            for node_id, shard in model_plan.holders.items():
+                wanted[(node_id, name)] = shard
+            missing = model_plan.missing_layers()
+            if missing:
+                spans = ", ".join(f"{a}-{b - 1}" for a, b in missing)
+                log.warning("model %s is unavailable: no node can hold layers %s", name, spans)
+        for key, shard in wanted.items():
+            current = self._assigned.get(key)
+            if current == shard:
+                continue
+            node_id, model = key
+            spec = self._models[model]
+            if await self._assign(node_id, shard, spec):
+                self._assigned[key] = shard
+                if current is not None:
+                    self._superseded[key] = current
+        for key in [k for k in self._assigned if k not in wanted]:
+            shard = self._assigned.pop(key)
+            await self._drop(key[0], shard)
+
+    async def _assign(self, node_id: str, shard: Shard, spec: ModelSpec) -> bool:
+        node = self._nodes[node_id]
+        log.info(
+            "assigning %s layers [%d, %d) to node %s", shard.model, shard.start, shard.end, node_id
+        )
+        self._state[(node_id, shard)] = node_pb2.SHARD_STATE_ASSIGNED
+        command = coordinator_pb2.Command(
+            assign=coordinator_pb2.AssignShard(
+                model=shard.model,
+                layers=common_pb2.LayerRange(start=shard.start, end=shard.end),
+                dtype=compute_dtype(node.capabilities),
+                kv_tokens_budget=self.kv_tokens,
+                num_layers=spec.num_layers,
+            )
+        )
+        return await self._send(node_id, command)
+
+    async def _drop(self, node_id: str, shard: Shard) -> None:
+        self._state.pop((node_id, shard), None)
+        command = coordinator_pb2.Command(
+            drop=coordinator_pb2.DropShard(
+                model=shard.model,
+                layers=common_pb2.LayerRange(start=shard.start, end=shard.end),
+            )
+        )
+        await self._send(node_id, command)

@@ -1,0 +1,208 @@
+"""Sessions: routes plus capability tokens that stage nodes verify offline.
+
+The coordinator keeps no per-session state that a restart could lose: a Reroute or
+CloseSession is authorised by the capability the coordinator itself signed, so a client
+whose session began before a coordinator restart can still fail over after it.
+"""
+
+from __future__ import annotations
+
+import logging
+import secrets
+import time
+from collections.abc import Callable
+
+import grpc
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+from coordinator.placement import Placement
+from coordinator.router import Hop, NoRouteError, cover_span, route
+from protos import identity
+from protos.tessera.v1 import client_api_pb2, common_pb2
+
+log = logging.getLogger("tessera.sessions")
+
+MAX_SESSION_TOKENS = 1 << 20
+TOKEN_TTL_S = 3600.0
+_MAX_NAME = 256
+
+
+class SessionError(Exception):
+    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+
+class Sessions:
+    def __init__(
+        self,
+        signing_key: Ed25519PrivateKey,
+        placement: Placement,
+        model_info: Callable[[str], client_api_pb2.ModelInfo | None],
+        model_names: Callable[[], list[str]],
+        *,
+        token_ttl_s: float = TOKEN_TTL_S,
+    ) -> None:
+        self._key = signing_key
+        self._public = identity.public_key_bytes(signing_key)
+        self._placement = placement
+        self._model_info = model_info
+        self._model_names = model_names
+        self._ttl_ms = int(token_ttl_s * 1000)
+
+    # ---- RPCs (the server maps SessionError to a gRPC status) -----------------------------
+
+    def open_session(
+        self, request: client_api_pb2.OpenSessionRequest
+    ) -> client_api_pb2.SessionGrant:
+        info = self._known_model(request.model)
+        if not 1 <= request.max_length <= MAX_SESSION_TOKENS:
+            raise SessionError(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"max_length must be between 1 and {MAX_SESSION_TOKENS}, got {request.max_length}",
+            )
+        if len(request.account) > _MAX_NAME:
+            raise SessionError(grpc.StatusCode.INVALID_ARGUMENT, "account name is too long")
+        boundaries = self._placement.boundaries(info.name)
+        holders = self._placement.ready_holders(info.name)
+        if not boundaries or not holders:
+            raise SessionError(
+                grpc.StatusCode.UNAVAILABLE,
+                f"model {info.name!r} is not served yet: no node has finished loading it "
+                "(nodes may still be fetching weights; try again shortly)",
+            )
+        try:
+            stages = route(boundaries, holders)
+        except NoRouteError as e:
+            raise SessionError(
+                grpc.StatusCode.UNAVAILABLE, f"model {info.name!r} is unavailable: {e}"
+            ) from None
+        session_id = "s" + secrets.token_hex(12)
+        grants = [_hop(hop) for s in stages for hop in (s.primary, *s.alternates)]
+        claims = self._claims(session_id, info.name, request.max_length, request.account, grants)
+        log.info(
+            "session %s for %s: %s",
+            session_id,
+            info.name,
+            " -> ".join(f"{s.primary.node_id}[{s.start},{s.end})" for s in stages),
+        )
+        return client_api_pb2.SessionGrant(
+            session_id=session_id,
+            stages=[
+                client_api_pb2.RouteStage(
+                    layers=_range(s.start, s.end),
+                    primary=_hop(s.primary),
+                    alternates=[_hop(a) for a in s.alternates],
+                )
+                for s in stages
+            ],
+            capability=identity.sign_capability(self._key, claims),
+            num_layers=info.num_layers,
+            hidden_size=info.hidden_size,
+            vocab_size=info.vocab_size,
+        )
+
+    def reroute(self, request: client_api_pb2.RerouteRequest) -> client_api_pb2.RerouteResponse:
+        claims = self._verified(request.session_id, request.capability)
+        info = self._known_model(claims.model)
+        span = request.span
+        if not 0 <= span.start < span.end <= info.num_layers:
+            raise SessionError(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"span [{span.start}, {span.end}) is not within the model's "
+                f"{info.num_layers} layers",
+            )
+        exclude = set(request.exclude_node_ids)
+        try:
+            hops = cover_span(
+                span.start, span.end, self._placement.ready_holders(info.name), exclude
+            )
+        except NoRouteError as e:
+            raise SessionError(grpc.StatusCode.UNAVAILABLE, f"cannot reroute: {e}") from None
+        log.info(
+            "session %s rerouted layers [%d, %d) away from %s (%s): %s",
+            claims.session_id,
+            span.start,
+            span.end,
+            ",".join(sorted(exclude)) or "-",
+            request.reason or "no reason",
+            " -> ".join(f"{h.node_id}[{h.start},{h.end})" for h in hops),
+        )
+        grants = [g for g in claims.grants if g.node_id not in exclude]
+        new_grants = [_hop(h) for h in hops]
+        claims = self._claims(
+            claims.session_id,
+            claims.model,
+            claims.max_tokens,
+            claims.account,
+            [*grants, *new_grants],
+        )
+        return client_api_pb2.RerouteResponse(
+            hops=new_grants, capability=identity.sign_capability(self._key, claims)
+        )
+
+    def close_session(self, request: client_api_pb2.CloseSessionRequest) -> common_pb2.Empty:
+        claims = self._verified(request.session_id, request.capability)
+        log.info("session %s closed", claims.session_id)
+        return common_pb2.Empty()
+
+    # ---- helpers ----------------------------------------------------------------------------
+
+    def _known_model(self, name: str) -> client_api_pb2.ModelInfo:
+        if not name or len(name) > _MAX_NAME:
+            raise SessionError(grpc.StatusCode.INVALID_ARGUMENT, "give a model name")
+        info = self._model_info(name)
+        if info is None:
+            known = ", ".join(sorted(self._model_names())) or "none yet"
+            raise SessionError(
+                grpc.StatusCode.NOT_FOUND, f"unknown model {name!r}; known models: {known}"
+            )
+        return info
+
+    def _verified(
+        self, session_id: str, signed: client_api_pb2.SignedCapability
+    ) -> client_api_pb2.CapabilityClaims:
+        claims = identity.open_capability(self._public, signed)
+        if claims is None:
+            raise SessionError(
+                grpc.StatusCode.UNAUTHENTICATED, "the capability was not signed by this coordinator"
+            )
+        if claims.session_id != session_id:
+            raise SessionError(
+                grpc.StatusCode.PERMISSION_DENIED, "the capability belongs to another session"
+            )
+        if claims.expires_unix_ms < time.time() * 1000:
+            raise SessionError(
+                grpc.StatusCode.UNAUTHENTICATED, "the session's capability expired; open a new one"
+            )
+        return claims
+
+    def _claims(
+        self,
+        session_id: str,
+        model: str,
+        max_tokens: int,
+        account: str,
+        grants: list[client_api_pb2.Hop],
+    ) -> client_api_pb2.CapabilityClaims:
+        now = int(time.time() * 1000)
+        return client_api_pb2.CapabilityClaims(
+            session_id=session_id,
+            model=model,
+            grants=grants,
+            issued_unix_ms=now,
+            expires_unix_ms=now + self._ttl_ms,
+            max_tokens=max_tokens,
+            account=account,
+        )
+
+
+def _range(start: int, end: int) -> common_pb2.LayerRange:
+    return common_pb2.LayerRange(start=start, end=end)
+
+
+def _hop(hop: Hop) -> client_api_pb2.Hop:
+    return client_api_pb2.Hop(
+        node_id=hop.node_id, address=hop.address, layers=_range(hop.start, hop.end)
+    )

@@ -1,0 +1,141 @@
+"""Placement drives nodes through commands; sessions route over READY shards with tokens."""
+
+import json
+import time
+
+import grpc
+import pytest
+
+from coordinator.placement import Placement, PlacementNode, model_spec
+from coordinator.sessions import SessionError, Sessions
+from protos import identity
+from protos.tessera.v1 import client_api_pb2, common_pb2, node_pb2
+
+CONFIG = json.dumps(
+    {
+        "architectures": ["LlamaForCausalLM"],
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 6,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "vocab_size": 100,
+        "rms_norm_eps": 1e-5,
+        "hidden_act": "silu",
+    }
+)
+
+
+def caps(gb: float = 4.0, tflops: float = 1.0) -> node_pb2.Capabilities:
+    return node_pb2.Capabilities(
+        device_kind="cpu", memory_usable_bytes=int(gb * 2**30), matmul_tflops=tflops
+    )
+
+
+class Swarm:
+    """Records the commands placement sends, and lets the test report shard states."""
+
+    def __init__(self) -> None:
+        self.commands: list[tuple[str, str, int, int]] = []
+
+    async def send(self, node_id: str, command) -> bool:
+        kind = command.WhichOneof("kind")
+        body = getattr(command, kind)
+        self.commands.append((node_id, kind, body.layers.start, body.layers.end))
+        return True
+
+
+async def ready_all(placement: Placement, swarm: Swarm) -> None:
+    for node_id, kind, start, end in list(swarm.commands):
+        if kind == "assign":
+            await placement.shard_status(
+                node_id,
+                node_pb2.ShardStatus(
+                    model="m",
+                    layers=common_pb2.LayerRange(start=start, end=end),
+                    state=node_pb2.SHARD_STATE_READY,
+                ),
+            )
+
+
+def make(min_stages: int = 3):
+    swarm = Swarm()
+    placement = Placement(swarm.send, replicas=2, min_stages=min_stages, debounce_s=0)
+    spec = model_spec("m", CONFIG)
+    placement.set_models([spec])
+    info = client_api_pb2.ModelInfo(name="m", num_layers=6, hidden_size=64, vocab_size=100)
+    key = identity.generate_private_key()
+    sessions = Sessions(key, placement, lambda n: info if n == "m" else None, lambda: ["m"])
+    return swarm, placement, sessions, key
+
+
+async def test_three_nodes_get_a_three_stage_pipeline_and_sessions_route_it():
+    swarm, placement, sessions, key = make()
+    for i in range(3):
+        placement.node_up(PlacementNode(f"n{i}", f"127.0.0.1:{9000 + i}", caps()))
+    await placement.replan()
+    assert {c[1] for c in swarm.commands} == {"assign"}
+    with pytest.raises(SessionError) as err:  # nothing READY yet
+        sessions.open_session(client_api_pb2.OpenSessionRequest(model="m", max_length=32))
+    assert err.value.code == grpc.StatusCode.UNAVAILABLE
+    await ready_all(placement, swarm)
+    assert placement.coverage("m") == [2] * 6
+    grant = sessions.open_session(client_api_pb2.OpenSessionRequest(model="m", max_length=32))
+    assert [(s.layers.start, s.layers.end) for s in grant.stages] == [(0, 2), (2, 4), (4, 6)]
+    assert len({s.primary.node_id for s in grant.stages}) == 3
+    claims = identity.open_capability(identity.public_key_bytes(key), grant.capability)
+    assert claims.session_id == grant.session_id and claims.max_tokens == 32
+    granted = {(g.node_id, g.layers.start, g.layers.end) for g in claims.grants}
+    for s in grant.stages:
+        for hop in (s.primary, *s.alternates):
+            assert (hop.node_id, hop.layers.start, hop.layers.end) in granted
+
+
+async def test_a_node_leaving_is_replanned_and_reroute_avoids_it():
+    swarm, placement, sessions, _ = make()
+    for i in range(3):
+        placement.node_up(PlacementNode(f"n{i}", f"127.0.0.1:{9000 + i}", caps()))
+    await placement.replan()
+    await ready_all(placement, swarm)
+    grant = sessions.open_session(client_api_pb2.OpenSessionRequest(model="m", max_length=32))
+    middle = grant.stages[1]
+    placement.node_down(middle.primary.node_id)
+    await placement.replan()
+    reply = sessions.reroute(
+        client_api_pb2.RerouteRequest(
+            session_id=grant.session_id,
+            capability=grant.capability,
+            span=middle.layers,
+            exclude_node_ids=[middle.primary.node_id],
+        )
+    )
+    assert reply.hops and all(h.node_id != middle.primary.node_id for h in reply.hops)
+    assert reply.hops[0].layers.start == 2 and reply.hops[-1].layers.end == 4
+
+
+async def test_unknown_model_and_bad_lengths_and_forged_capabilities_are_refused():
+    _, placement, sessions, _ = make()
+    with pytest.raises(SessionError) as err:
+        sessions.open_session(client_api_pb2.OpenSessionRequest(model="nope", max_length=8))
+    assert err.value.code == grpc.StatusCode.NOT_FOUND and "known models: m" in err.value.message
+    with pytest.raises(SessionError) as err:
+        sessions.open_session(client_api_pb2.OpenSessionRequest(model="m", max_length=0))
+    assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT
+    other = identity.generate_private_key()
+    forged = identity.sign_capability(
+        other,
+        client_api_pb2.CapabilityClaims(
+            session_id="s1", model="m", expires_unix_ms=int(time.time() * 1000) + 10_000
+        ),
+    )
+    with pytest.raises(SessionError) as err:
+        sessions.reroute(client_api_pb2.RerouteRequest(session_id="s1", capability=forged))
+    assert err.value.code == grpc.StatusCode.UNAUTHENTICATED
+
+
+def test_model_spec_counts_parameters_like_the_checkpoint():
+    spec = model_spec("m", CONFIG)
+    # q(64x64) k,v(32x64 each) o(64x64) + mlp 3x(64x128) + 2 norms
+    assert spec.params_per_layer == 64 * 64 * 2 + 32 * 64 * 2 + 3 * 64 * 128 + 2 * 64
+    assert spec.embed_params == 100 * 64 and spec.head_params == 64 + 100 * 64
+    assert spec.kv_values_per_token_per_layer == 2 * 2 * 16
