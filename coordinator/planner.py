@@ -130,12 +130,22 @@ def plan(
     plans: dict[str, ModelPlan] = {}
     for model in models:
         old = previous.get(model.name)
-        kept = _surviving(old, model, by_id, used) if old else None
-        model_plan = kept or _fresh_layout(model, node_list, used, min_stages)
+        before = dict(used)
+        model_plan = _surviving(old, model, by_id, used) if old else None
+        if model_plan is not None:
+            _fill_replicas(model_plan, model, node_list, used, replicas)
+            if model_plan.missing_layers():
+                # The survivors cannot fill the hole in the old layout: cut a new one
+                # rather than keep a model unservable while nodes sit idle.
+                used.clear()
+                used.update(before)
+                model_plan = None
         if model_plan is None:
-            plans[model.name] = ModelPlan(model.name, [0, model.num_layers])
-            continue
-        _fill_replicas(model_plan, model, node_list, used, replicas)
+            model_plan = _fresh_layout(model, node_list, used, min_stages)
+            if model_plan is None:
+                plans[model.name] = ModelPlan(model.name, [0, model.num_layers])
+                continue
+            _fill_replicas(model_plan, model, node_list, used, replicas)
         plans[model.name] = model_plan
     return plans
 
@@ -240,21 +250,21 @@ def _fill_replicas(
     replicas: int,
 ) -> None:
     stages = model_plan.stages()
-    # 1. Idle nodes join the stage with the fewest holders that fits them.
+    counts = model_plan.replicas_per_stage()
+    # 1. Idle nodes join the stage with the fewest holders that fits them. `replicas` is
+    # a floor, not a cap: every extra holder is extra served throughput.
     for node in nodes:
         if node.node_id in model_plan.holders:
             continue
-        counts = model_plan.replicas_per_stage()
         order = sorted(
             range(len(stages)), key=lambda i: (counts[i], -(stages[i][1] - stages[i][0]))
         )
         for i in order:
-            if counts[i] >= replicas:
-                break
             a, b = stages[i]
             if fits(model, node, a, b, used[node.node_id]):
                 model_plan.holders[node.node_id] = Shard(model.name, a, b)
                 used[node.node_id] += shard_bytes(model, node, a, b)
+                counts[i] += 1
                 break
     # 2. Holders with spare memory grow into a neighbouring stage that lacks replicas.
     by_id = {n.node_id: n for n in nodes}

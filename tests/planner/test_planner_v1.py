@@ -107,8 +107,29 @@ def test_a_leaving_node_moves_no_surviving_shard_except_to_grow(nodes, data):
     gone = data.draw(st.sampled_from(sorted(first["m"].holders)))
     rest = [n for n in nodes if n.node_id != gone]
     second = plan([MODEL], rest, previous=first)
+    assert gone not in second["m"].holders
+    if second["m"].boundaries != first["m"].boundaries:
+        # A new layout is only allowed when the old one could not be filled again.
+        fresh = plan([MODEL], rest)
+        assert second["m"].boundaries == fresh["m"].boundaries
+        return
     for nid, shard in second["m"].holders.items():
         before = first["m"].holders.get(nid)
         if before is not None:
             assert shard.covers(before.start, before.end), "surviving shards are kept"
-    assert gone not in second["m"].holders
+
+
+def test_a_hole_the_survivors_cannot_fill_gets_a_new_layout():
+    # Two big nodes form the pipeline; small nodes hold only 3 layers each.
+    big = [node(0, 0.15), node(1, 0.15)]
+    small = [node(i, 0.06) for i in range(2, 8)]
+    first = plan([MODEL], big + small, replicas=1)
+    assert len(first["m"].stages()) == 2
+    second = plan([MODEL], [big[0], *small], previous=first, replicas=1)
+    assert not second["m"].missing_layers(), "the idle small nodes must restore coverage"
+
+
+def test_spare_nodes_add_replicas_beyond_the_floor():
+    nodes = [node(i, 1.0) for i in range(5)]
+    p = plan([MODEL], nodes, replicas=2)["m"]
+    assert len(p.holders) == 5
