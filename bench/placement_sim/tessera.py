@@ -1,0 +1,93 @@
+"""Tessera as the coordinator runs it: coordinator.planner.plan + coordinator.router.route.
+
+Inputs are adapted the way coordinator/placement.py adapts them: speed = the card's FP16
+TFLOPS, fp16 weights, the coordinator's KV budget; the router's per-layer cost is
+1 / speed and its load is the node's active session count.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+from coordinator.planner import ModelPlan, ModelSpec, NodeSpec, plan
+from coordinator.router import Holder, NoRouteError, route
+
+from .regions import Site
+from .swarm import Hop, SimNode, Swarm, fetched_bytes
+
+
+class TesseraSystem:
+    def __init__(self, swarm: Swarm, *, replicas: int | None = 2, name: str = "tessera") -> None:
+        """`replicas=None` asks for as many replicas as there are nodes (use every node)."""
+        self.swarm = swarm
+        self.replicas = replicas
+        self.name = name
+        model = swarm.model
+        self.spec = ModelSpec(
+            name=model.name,
+            num_layers=model.num_layers,
+            params_per_layer=model.params_per_layer,
+            embed_params=model.embed_params,
+            head_params=model.head_params,
+            kv_values_per_token_per_layer=model.kv_values_per_token_per_layer,
+        )
+        self.plan: ModelPlan | None = None
+
+    def _node_specs(self) -> list[NodeSpec]:
+        return [
+            NodeSpec(
+                n.node_id,
+                usable_bytes=n.usable_bytes,
+                speed=n.gpu.fp16_tflops,
+                dtype_bytes=2,
+                kv_tokens=self.swarm.params.kv_tokens,
+            )
+            for n in self.swarm.nodes.values()
+        ]
+
+    def _replan(self) -> int:
+        replicas = self.replicas or max(1, len(self.swarm.nodes))
+        previous = {self.spec.name: self.plan} if self.plan is not None else None
+        old = self.ranges()
+        self.plan = plan([self.spec], self._node_specs(), previous, replicas=replicas)[
+            self.spec.name
+        ]
+        return sum(
+            fetched_bytes(self.swarm.model, old.get(nid), rng) for nid, rng in self.ranges().items()
+        )
+
+    def start(self) -> None:
+        self.plan = None
+        self._replan()
+
+    def join(self, node: SimNode, now_s: float) -> int:
+        return self._replan()
+
+    def leave(self, node_id: str, now_s: float) -> int:
+        return self._replan()
+
+    def ranges(self) -> dict[str, tuple[int, int]]:
+        if self.plan is None:
+            return {}
+        return {nid: (s.start, s.end) for nid, s in self.plan.holders.items()}
+
+    def route(self, client: Site, load: Mapping[str, int], full: set[str]) -> list[Hop] | None:
+        if self.plan is None or not self.plan.holders:
+            return None
+        holders = [
+            Holder(
+                nid,
+                nid,
+                s.start,
+                s.end,
+                1.0 / self.swarm.nodes[nid].gpu.fp16_tflops,
+                float(load.get(nid, 0)),
+            )
+            for nid, s in self.plan.holders.items()
+            if nid in self.swarm.nodes
+        ]
+        try:
+            stages = route(self.plan.boundaries, holders, exclude=full)
+        except NoRouteError:
+            return None
+        return [Hop(st.primary.node_id, st.start, st.end) for st in stages]

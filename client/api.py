@@ -1,0 +1,473 @@
+"""The user-facing client: list nodes and models, and generate text through the swarm.
+
+    from client import Client
+
+    with Client("coord.example.org:7000") as c:
+        for token in c.generate("llama-tiny", prompt="Once upon a time", max_new_tokens=32):
+            print(token.text, end="", flush=True)
+        print(c.last_run.failovers)
+
+``Client`` is synchronous (it runs an event loop on a private thread); ``AsyncClient`` is
+the same API for asyncio code.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import threading
+import time
+from collections.abc import AsyncIterator, Coroutine, Iterator, Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+import grpc
+import numpy as np
+
+from client.channels import ChannelPool, open_channel
+from client.driver import DriverConfig, PipelineDriver
+from client.errors import (
+    CoordinatorError,
+    CoordinatorUnavailable,
+    ModelNotFound,
+    TesseraError,
+)
+from client.records import FailoverEvent, HopRecord, StageTiming
+from client.sampling import Sampler, SamplingParams
+from client.tokenizer import TextTokenizer, load_tokenizer
+from protos.tessera.v1 import (
+    client_api_pb2,
+    client_api_pb2_grpc,
+    common_pb2,
+    node_pb2,
+)
+
+DEFAULT_COORDINATOR = "127.0.0.1:7000"
+COORDINATOR_ENV = "TESSERA_COORDINATOR"
+
+T = TypeVar("T")
+
+
+def default_coordinator() -> str:
+    return os.environ.get(COORDINATOR_ENV) or DEFAULT_COORDINATOR
+
+
+@dataclass(frozen=True)
+class GeneratedToken:
+    index: int  # 0 for the first generated token
+    id: int
+    text: str  # the piece of text this token completes ("" without a tokenizer)
+    stage_timings: tuple[StageTiming, ...]  # requests made to produce this token
+    failovers: tuple[FailoverEvent, ...] = ()  # fail-overs that happened on the way
+
+
+@dataclass
+class GenerationResult:
+    model: str
+    session_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int] = field(default_factory=list)
+    text: str | None = None  # None when the model has no tokenizer
+    route: list[HopRecord] = field(default_factory=list)  # the route at the end of the run
+    initial_route: list[HopRecord] = field(default_factory=list)
+    timings: list[StageTiming] = field(default_factory=list)
+    failovers: list[FailoverEvent] = field(default_factory=list)
+    finish_reason: str = ""  # "length" | "eos" | "error"
+    wall_s: float = 0.0
+    first_token_s: float = 0.0
+
+    @property
+    def tokens_per_s(self) -> float:
+        decode_s = self.wall_s - self.first_token_s
+        decoded = len(self.token_ids) - 1
+        return decoded / decode_s if decoded > 0 and decode_s > 0 else 0.0
+
+    def stage_summary(self) -> list[dict[str, Any]]:
+        """Per hop of the final route: request count and mean/p95 wall and compute times."""
+        summary = []
+        for hop in self.route:
+            rows = [
+                t
+                for t in self.timings
+                if t.node_id == hop.node_id and (t.start, t.end) == (hop.start, hop.end)
+            ]
+            wall = np.array([t.wall_ms for t in rows]) if rows else np.zeros(1)
+            compute = np.array([t.compute_ms for t in rows]) if rows else np.zeros(1)
+            summary.append(
+                {
+                    "node_id": hop.node_id,
+                    "address": hop.address,
+                    "layers": [hop.start, hop.end],
+                    "requests": len(rows),
+                    "wall_ms_mean": round(float(wall.mean()), 3),
+                    "wall_ms_p95": round(float(np.percentile(wall, 95)), 3),
+                    "compute_ms_mean": round(float(compute.mean()), 3),
+                }
+            )
+        return summary
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "model": self.model,
+            "session_id": self.session_id,
+            "prompt_token_ids": self.prompt_token_ids,
+            "token_ids": self.token_ids,
+            "text": self.text,
+            "finish_reason": self.finish_reason,
+            "route": [h.to_json() for h in self.route],
+            "initial_route": [h.to_json() for h in self.initial_route],
+            "stages": self.stage_summary(),
+            "timings": [t.to_json() for t in self.timings],
+            "failovers": [f.to_json() for f in self.failovers],
+            "wall_s": round(self.wall_s, 4),
+            "first_token_s": round(self.first_token_s, 4),
+            "tokens_per_s": round(self.tokens_per_s, 3),
+        }
+
+
+@dataclass(frozen=True)
+class _ModelHandle:
+    detail: client_api_pb2.ModelDetail
+    tokenizer: TextTokenizer | None
+    eos_ids: frozenset[int]
+
+
+class AsyncClient:
+    """The asyncio client. Create and use it inside one running event loop."""
+
+    def __init__(
+        self,
+        coordinator: str | None = None,
+        *,
+        account: str = "",
+        timeout_s: float = 15.0,
+        driver_config: DriverConfig | None = None,
+    ) -> None:
+        self.coordinator = coordinator or default_coordinator()
+        self.account = account
+        self.timeout_s = timeout_s
+        self.driver_config = driver_config or DriverConfig()
+        self._channel = open_channel(self.coordinator)
+        self._stub = client_api_pb2_grpc.ClientApiStub(self._channel)
+        self._stage_channels = ChannelPool()
+        self._models: dict[str, _ModelHandle] = {}
+        self.last_run: GenerationResult | None = None
+
+    async def __aenter__(self) -> AsyncClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    async def close(self) -> None:
+        await self._stage_channels.close()
+        await self._channel.close()
+
+    # ---- directory ------------------------------------------------------------------
+
+    async def nodes(self, include_offline: bool = False) -> list[node_pb2.NodeInfo]:
+        request = client_api_pb2.ListNodesRequest(include_offline=include_offline)
+        response = await self._call("listing nodes", self._stub.ListNodes, request)
+        return list(response.nodes)
+
+    async def models(self) -> list[client_api_pb2.ModelInfo]:
+        response = await self._call("listing models", self._stub.ListModels, common_pb2.Empty())
+        return list(response.models)
+
+    async def model(self, name: str) -> client_api_pb2.ModelDetail:
+        return (await self._model(name)).detail
+
+    # ---- generation -----------------------------------------------------------------
+
+    async def generate(
+        self,
+        model: str,
+        prompt: str | None = None,
+        token_ids: Sequence[int] | None = None,
+        max_new_tokens: int = 32,
+        temperature: float = 0.0,
+        top_p: float = 1.0,
+        seed: int | None = None,
+        *,
+        stop_at_eos: bool = True,
+    ) -> AsyncIterator[GeneratedToken]:
+        """Yield generated tokens as they come; ``last_run`` holds the full record after."""
+        if (prompt is None) == (token_ids is None):
+            raise ValueError("pass exactly one of prompt= (text) or token_ids= (a list of ints)")
+        if max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
+        sampler = Sampler(SamplingParams(temperature=temperature, top_p=top_p, seed=seed))
+        handle = await self._model(model)
+        prompt_ids = self._prompt_ids(handle, model, prompt, token_ids)
+        grant = await self._call(
+            "opening a session",
+            self._stub.OpenSession,
+            client_api_pb2.OpenSessionRequest(
+                model=model, max_length=len(prompt_ids) + max_new_tokens, account=self.account
+            ),
+        )
+        driver = PipelineDriver(
+            grant,
+            model,
+            rerouter=self._reroute,
+            channels=self._stage_channels,
+            config=self.driver_config,
+        )
+        result = GenerationResult(
+            model=model,
+            session_id=grant.session_id,
+            prompt_token_ids=list(prompt_ids),
+            text="" if handle.tokenizer else None,
+            initial_route=driver.route,
+        )
+        self.last_run = result
+        decoder = handle.tokenizer.stream(prompt_ids) if handle.tokenizer else None
+        began = time.monotonic()
+        result.finish_reason = "error"
+        try:
+            next_input: list[int] = list(prompt_ids)
+            for index in range(max_new_tokens):
+                seen_timings, seen_failovers = len(driver.timings), len(driver.failovers)
+                logits = await driver.step(next_input, last_only=True)
+                token = sampler(logits[0])
+                if index == 0:
+                    result.first_token_s = time.monotonic() - began
+                result.token_ids.append(token)
+                piece = decoder.push(token) if decoder else ""
+                if result.text is not None:
+                    result.text += piece
+                result.timings = list(driver.timings)
+                result.failovers = list(driver.failovers)
+                result.route = driver.route
+                result.wall_s = time.monotonic() - began
+                yield GeneratedToken(
+                    index=index,
+                    id=token,
+                    text=piece,
+                    stage_timings=tuple(driver.timings[seen_timings:]),
+                    failovers=tuple(driver.failovers[seen_failovers:]),
+                )
+                if stop_at_eos and token in handle.eos_ids:
+                    result.finish_reason = "eos"
+                    break
+                next_input = [token]
+            else:
+                result.finish_reason = "length"
+            if decoder is not None and result.text is not None:
+                result.text += decoder.flush()
+        finally:
+            result.wall_s = time.monotonic() - began
+            result.route = driver.route
+            await self._end_session(driver, grant)
+
+    async def generate_all(self, model: str, **kwargs: Any) -> GenerationResult:
+        """Run ``generate`` to the end and return its record."""
+        async for _ in self.generate(model, **kwargs):
+            pass
+        assert self.last_run is not None
+        return self.last_run
+
+    # ---- internals ------------------------------------------------------------------
+
+    async def _model(self, name: str) -> _ModelHandle:
+        handle = self._models.get(name)
+        if handle is not None:
+            return handle
+        try:
+            detail = await self._call(
+                f"looking up model {name!r}", self._stub.GetModel, common_pb2.ModelRef(name=name)
+            )
+        except CoordinatorError as err:
+            if err.code != grpc.StatusCode.NOT_FOUND:
+                raise
+            known = [m.name for m in await self.models()]
+            raise ModelNotFound(name, known) from err
+        config = json.loads(detail.config_json) if detail.config_json else {}
+        handle = _ModelHandle(
+            detail=detail,
+            tokenizer=load_tokenizer(detail.tokenizer_json),
+            eos_ids=_eos_ids(config),
+        )
+        self._models[name] = handle
+        return handle
+
+    def _prompt_ids(
+        self,
+        handle: _ModelHandle,
+        model: str,
+        prompt: str | None,
+        token_ids: Sequence[int] | None,
+    ) -> list[int]:
+        if token_ids is not None:
+            ids = [int(t) for t in token_ids]
+        else:
+            if handle.tokenizer is None:
+                raise TesseraError(
+                    f"model {model!r} was imported without a tokenizer, so text prompts cannot "
+                    "be encoded; pass token ids instead (--token-ids 1,2,3)"
+                )
+            ids = handle.tokenizer.encode(prompt or "")
+        if not ids:
+            raise ValueError("the prompt is empty; give at least one token")
+        vocab = handle.detail.info.vocab_size
+        bad = [t for t in ids if not 0 <= t < vocab]
+        if vocab and bad:
+            raise ValueError(f"token id {bad[0]} is outside the vocabulary [0, {vocab})")
+        return ids
+
+    async def _reroute(
+        self, request: client_api_pb2.RerouteRequest
+    ) -> client_api_pb2.RerouteResponse:
+        return await self._stub.Reroute(request, timeout=self.timeout_s)
+
+    async def _end_session(
+        self, driver: PipelineDriver, grant: client_api_pb2.SessionGrant
+    ) -> None:
+        await driver.close()
+        request = client_api_pb2.CloseSessionRequest(
+            session_id=grant.session_id, capability=grant.capability
+        )
+        try:
+            await self._stub.CloseSession(request, timeout=self.timeout_s)
+        except grpc.aio.AioRpcError:
+            pass  # the session expires on its own; a failed close must not hide the result
+
+    async def _call(self, what: str, method: Any, request: Any) -> Any:
+        try:
+            return await method(request, timeout=self.timeout_s)
+        except grpc.aio.AioRpcError as err:
+            code = err.code()
+            # UNAVAILABLE over a working connection is the coordinator's own answer (e.g. a
+            # model not served yet); over a broken one it means we never reached it.
+            connected = self._channel.get_state() == grpc.ChannelConnectivity.READY
+            if code == grpc.StatusCode.DEADLINE_EXCEEDED or (
+                code == grpc.StatusCode.UNAVAILABLE and not connected
+            ):
+                raise CoordinatorUnavailable(self.coordinator, err.details() or code.name) from err
+            raise CoordinatorError(what, code, err.details() or "") from err
+
+
+def _eos_ids(config: dict[str, Any]) -> frozenset[int]:
+    eos = config.get("eos_token_id")
+    if isinstance(eos, int):
+        return frozenset({eos})
+    if isinstance(eos, list):
+        return frozenset(e for e in eos if isinstance(e, int))
+    return frozenset()
+
+
+class _LoopThread:
+    """An event loop on a daemon thread, so synchronous callers can drive async code."""
+
+    def __init__(self) -> None:
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(
+            target=self.loop.run_forever, name="tessera-client", daemon=True
+        )
+        self._thread.start()
+
+    def run(self, coro: Coroutine[Any, Any, T]) -> T:
+        future: Future[T] = asyncio.run_coroutine_threadsafe(coro, self.loop)
+        try:
+            return future.result()
+        except BaseException:
+            # Ctrl-C in the caller: stop the coroutine too, so its cleanup runs.
+            future.cancel()
+            raise
+
+    def close(self) -> None:
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self._thread.join(timeout=5)
+        self.loop.close()
+
+
+class Client:
+    """Synchronous client; see the module docstring for an example."""
+
+    def __init__(
+        self,
+        coordinator: str | None = None,
+        *,
+        account: str = "",
+        timeout_s: float = 15.0,
+        driver_config: DriverConfig | None = None,
+    ) -> None:
+        self._loop = _LoopThread()
+
+        async def build() -> AsyncClient:
+            return AsyncClient(
+                coordinator, account=account, timeout_s=timeout_s, driver_config=driver_config
+            )
+
+        self._async = self._loop.run(build())
+        self.coordinator = self._async.coordinator
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        if self._loop.loop.is_closed():
+            return
+        self._loop.run(self._async.close())
+        self._loop.close()
+
+    @property
+    def last_run(self) -> GenerationResult | None:
+        return self._async.last_run
+
+    def nodes(self, include_offline: bool = False) -> list[node_pb2.NodeInfo]:
+        return self._loop.run(self._async.nodes(include_offline))
+
+    def models(self) -> list[client_api_pb2.ModelInfo]:
+        return self._loop.run(self._async.models())
+
+    def model(self, name: str) -> client_api_pb2.ModelDetail:
+        return self._loop.run(self._async.model(name))
+
+    def generate(
+        self,
+        model: str,
+        prompt: str | None = None,
+        token_ids: Sequence[int] | None = None,
+        max_new_tokens: int = 32,
+        temperature: float = 0.0,
+        top_p: float = 1.0,
+        seed: int | None = None,
+        *,
+        stop_at_eos: bool = True,
+    ) -> Iterator[GeneratedToken]:
+        """Yield tokens as they are generated; see ``AsyncClient.generate``."""
+        stream = self._async.generate(
+            model,
+            prompt=prompt,
+            token_ids=token_ids,
+            max_new_tokens=max_new_tokens,
+            temperature=temperature,
+            top_p=top_p,
+            seed=seed,
+            stop_at_eos=stop_at_eos,
+        )
+
+        async def next_token() -> GeneratedToken:
+            return await stream.__anext__()
+
+        try:
+            while True:
+                try:
+                    token = self._loop.run(next_token())
+                except StopAsyncIteration:
+                    return
+                yield token
+        finally:
+            self._loop.run(stream.aclose())
+
+    def generate_all(self, model: str, **kwargs: Any) -> GenerationResult:
+        for _ in self.generate(model, **kwargs):
+            pass
+        assert self.last_run is not None
+        return self.last_run

@@ -1,0 +1,311 @@
+"""`tessera`: the user's command line (nodes, models, generate, demo)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from google.protobuf import json_format
+
+from client.api import COORDINATOR_ENV, Client, default_coordinator
+from client.errors import TesseraError
+from protos.tessera.v1 import client_api_pb2, node_pb2
+
+log = logging.getLogger("tessera")
+
+EXAMPLES = f"""\
+examples:
+  tessera nodes --coordinator coord.example.org:7000
+  tessera models
+  tessera generate --model llama-tiny --prompt "Once upon a time" --max-new-tokens 32
+  tessera generate --model llama-tiny --token-ids 1,15,27 --max-new-tokens 8 --json
+  tessera demo
+
+The coordinator defaults to ${COORDINATOR_ENV}, else {default_coordinator()}.
+"""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="tessera",
+        description="Use a Tessera swarm: see its nodes and models, and generate text "
+        "through a pipeline of community GPUs that fails over when a node leaves.",
+        epilog=EXAMPLES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument(
+        "-v", "--verbose", action="store_true", help="log what the client does (to stderr)"
+    )
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND")
+
+    nodes = commands.add_parser(
+        "nodes",
+        help="list the swarm's nodes",
+        description="List the nodes registered with the coordinator: id, name, state, "
+        "device, usable memory, measured matmul TFLOPS and when it was last heard from.",
+    )
+    _add_coordinator(nodes)
+    nodes.add_argument("--all", action="store_true", help="include offline and banned nodes")
+    nodes.add_argument("--json", action="store_true", help="print JSON for scripts")
+
+    models = commands.add_parser(
+        "models",
+        help="list the models the swarm serves",
+        description="List imported models, their size and whether every layer has a "
+        "ready replica right now.",
+    )
+    _add_coordinator(models)
+    models.add_argument("--json", action="store_true", help="print JSON for scripts")
+
+    gen = commands.add_parser(
+        "generate",
+        help="generate text through the swarm",
+        description="Open a session, stream the generated text to the terminal, and close "
+        "the session. If a stage node fails mid-generation the client switches to a "
+        "replica and replays its inputs, so greedy output is unchanged.",
+        epilog='example: tessera generate --model llama-tiny --prompt "Hello" '
+        "--max-new-tokens 16 --json",
+    )
+    _add_coordinator(gen)
+    gen.add_argument("--model", required=True, help="model name (see `tessera models`)")
+    prompt = gen.add_mutually_exclusive_group(required=True)
+    prompt.add_argument("--prompt", help="prompt text (needs a model with a tokenizer)")
+    prompt.add_argument("--token-ids", help="prompt as comma-separated token ids, e.g. 1,15,27")
+    gen.add_argument(
+        "--max-new-tokens", type=int, required=True, help="how many tokens to generate at most"
+    )
+    gen.add_argument(
+        "--temperature", type=float, default=0.0, help="0 = greedy (default); higher = more random"
+    )
+    gen.add_argument(
+        "--top-p", type=float, default=1.0, help="nucleus sampling mass in (0, 1] (default 1)"
+    )
+    gen.add_argument("--seed", type=int, help="seed for sampling, for reproducible runs")
+    gen.add_argument("--account", default="", help="account billed for the session")
+    gen.add_argument(
+        "--no-stop-at-eos", action="store_true", help="keep going past end-of-sequence tokens"
+    )
+    gen.add_argument(
+        "--json",
+        action="store_true",
+        help="print one JSON object (token_ids, text, route, per-stage timings, failovers) "
+        "instead of streaming text",
+    )
+
+    commands.add_parser(
+        "demo",
+        help="run a local swarm on this machine and watch a fail-over",
+        description="Start a coordinator and several node agents on loopback, generate "
+        "through them, kill a node mid-generation and show the recovery.",
+        add_help=False,
+    )
+    return parser
+
+
+def _add_coordinator(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--coordinator",
+        default=None,
+        metavar="HOST:PORT",
+        help=f"coordinator address (default: ${COORDINATOR_ENV} or {default_coordinator()})",
+    )
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args_list = list(sys.argv[1:] if argv is None else argv)
+    if args_list and args_list[0] == "demo":
+        return _demo(args_list[1:])
+    parser = build_parser()
+    args = parser.parse_args(args_list)
+    logging.basicConfig(
+        level=logging.INFO if args.verbose else logging.WARNING,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    if args.command is None:
+        parser.print_help()
+        return 2
+    try:
+        if args.command == "nodes":
+            return _nodes(args)
+        if args.command == "models":
+            return _models(args)
+        return _generate(args, parser)
+    except TesseraError as err:
+        print(f"tessera: {err}", file=sys.stderr)
+        return 1
+    except ValueError as err:
+        print(f"tessera: {err}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("\ntessera: interrupted", file=sys.stderr)
+        return 130
+
+
+def _demo(argv: list[str]) -> int:
+    # Imported lazily: the demo pulls in process management the other commands never need.
+    try:
+        from client import demo
+    except ModuleNotFoundError as err:
+        if err.name != "client.demo":
+            raise
+        print("tessera: this installation has no demo (client/demo.py is missing)", file=sys.stderr)
+        return 1
+    return int(demo.main(argv) or 0)
+
+
+# ---- nodes ------------------------------------------------------------------------------
+
+_STATE_NAMES = {
+    node_pb2.NODE_STATE_ONLINE: "online",
+    node_pb2.NODE_STATE_SUSPECT: "suspect",
+    node_pb2.NODE_STATE_OFFLINE: "offline",
+    node_pb2.NODE_STATE_DRAINING: "draining",
+    node_pb2.NODE_STATE_BANNED: "banned",
+}
+
+
+def _nodes(args: argparse.Namespace) -> int:
+    with Client(args.coordinator) as client:
+        nodes = client.nodes(include_offline=args.all)
+    if args.json:
+        print(json.dumps([_message_json(n) for n in nodes], indent=2))
+        return 0
+    if not nodes:
+        hint = "" if args.all else " (online ones; --all shows every node)"
+        print(f"no nodes{hint}")
+        return 0
+    now_ms = time.time() * 1000
+    rows = [
+        [
+            n.node_id,
+            n.name,
+            _STATE_NAMES.get(n.state, "?"),
+            f"{n.capabilities.device_kind}: {n.capabilities.device_name}".strip(": "),
+            _bytes(n.capabilities.memory_usable_bytes),
+            f"{n.capabilities.matmul_tflops:.2f}",
+            _ago(now_ms - n.last_seen_unix_ms) if n.last_seen_unix_ms else "never",
+        ]
+        for n in nodes
+    ]
+    print(_table(["ID", "NAME", "STATE", "DEVICE", "MEMORY", "TFLOPS", "LAST SEEN"], rows))
+    return 0
+
+
+def _models(args: argparse.Namespace) -> int:
+    with Client(args.coordinator) as client:
+        models = client.models()
+    if args.json:
+        print(json.dumps([_message_json(m) for m in models], indent=2))
+        return 0
+    if not models:
+        print("no models (import one with `tessera-coordinator models add DIR`)")
+        return 0
+    rows = [
+        [
+            m.name,
+            m.architecture,
+            str(m.num_layers),
+            _bytes(m.total_bytes),
+            "yes" if m.has_tokenizer else "no",
+            "ready" if m.available else f"unavailable: {m.unavailable_reason}",
+        ]
+        for m in models
+    ]
+    print(_table(["NAME", "ARCHITECTURE", "LAYERS", "SIZE", "TOKENIZER", "STATUS"], rows))
+    return 0
+
+
+# ---- generate ---------------------------------------------------------------------------
+
+
+def _generate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    token_ids = None
+    if args.token_ids is not None:
+        try:
+            token_ids = [int(t) for t in args.token_ids.replace(" ", "").split(",") if t]
+        except ValueError:
+            parser.error(f"--token-ids must be comma-separated integers, got {args.token_ids!r}")
+    if args.max_new_tokens < 1:
+        parser.error("--max-new-tokens must be at least 1")
+    with Client(args.coordinator, account=args.account) as client:
+        stream = client.generate(
+            args.model,
+            prompt=args.prompt,
+            token_ids=token_ids,
+            max_new_tokens=args.max_new_tokens,
+            temperature=args.temperature,
+            top_p=args.top_p,
+            seed=args.seed,
+            stop_at_eos=not args.no_stop_at_eos,
+        )
+        for token in stream:
+            if args.json:
+                continue
+            for event in token.failovers:
+                print(
+                    f"\n[fail-over: layers [{event.start}, {event.end}) moved from "
+                    f"{event.failed_node_id} to {', '.join(event.replacement_node_ids)}, "
+                    f"stalled {event.stalled_ms:.0f} ms]",
+                    file=sys.stderr,
+                )
+            piece = token.text if token.text else ("" if args.prompt else f"{token.id} ")
+            if piece:
+                sys.stdout.write(piece)
+                sys.stdout.flush()
+        result = client.last_run
+    assert result is not None
+    if args.json:
+        print(json.dumps(result.to_json(), indent=2))
+    else:
+        sys.stdout.write("\n")
+        print(
+            f"[{len(result.token_ids)} tokens, {result.tokens_per_s:.1f} tokens/s, "
+            f"{len(result.route)} hops, {len(result.failovers)} fail-overs]",
+            file=sys.stderr,
+        )
+    return 0
+
+
+# ---- formatting -------------------------------------------------------------------------
+
+
+def _message_json(message: node_pb2.NodeInfo | client_api_pb2.ModelInfo) -> dict[str, Any]:
+    return json_format.MessageToDict(message, preserving_proto_field_name=True)
+
+
+def _table(header: list[str], rows: list[list[str]]) -> str:
+    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
+    lines = [
+        "  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True))
+        for row in [header, *rows]
+    ]
+    return "\n".join(line.rstrip() for line in lines)
+
+
+def _bytes(count: int) -> str:
+    value = float(count)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if value < 1024 or unit == "TiB":
+            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
+        value /= 1024
+    return f"{count} B"
+
+
+def _ago(ms: float) -> str:
+    seconds = max(0.0, ms / 1000)
+    if seconds < 60:
+        return f"{seconds:.0f}s ago"
+    if seconds < 3600:
+        return f"{seconds / 60:.0f}m ago"
+    if seconds < 86400:
+        return f"{seconds / 3600:.0f}h ago"
+    return f"{seconds / 86400:.0f}d ago"
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,198 @@
+"""`tessera demo`: a whole swarm on this machine, a generation, a node killed mid-generation.
+
+1. write a small Llama-style checkpoint;
+2. start a coordinator and three node agents on loopback and import the model;
+3. generate through the three-stage pipeline and print the route;
+4. generate again and `kill -9` the node serving the middle stage after a few tokens:
+   the driver fails over to a replica, replays the history, and the output is identical;
+5. print tokens/s, the stall, and which node served what.
+
+Every process started here is stopped on exit, Ctrl-C included.
+"""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import sys
+import tempfile
+import time
+from pathlib import Path
+from types import FrameType
+from typing import Any
+
+from client.api import Client, GenerationResult
+from client.demo_checkpoint import write_demo_checkpoint
+from client.local_swarm import LocalSwarm
+
+MODEL = "demo-llama"
+PROMPT = "The swarm says: "
+NODES = ("alpha", "bravo", "charlie")
+
+
+def add_parser(subparsers: Any) -> None:
+    parser = subparsers.add_parser(
+        "demo",
+        help="run a local swarm, generate, kill a node mid-generation, show the fail-over",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--tokens", type=int, default=48, help="tokens to generate (default 48)")
+    parser.add_argument(
+        "--kill-after",
+        type=int,
+        default=12,
+        help="kill the middle stage's node after this many tokens (default 12)",
+    )
+    parser.add_argument(
+        "--workdir", type=Path, help="keep logs and state here (default: a temporary folder)"
+    )
+    parser.set_defaults(func=run)
+
+
+def _say(text: str) -> None:
+    print(text, flush=True)
+
+
+def _route_text(result: GenerationResult, names: dict[str, str], initial: bool = True) -> str:
+    hops = result.initial_route if initial else result.route
+    return "  ->  ".join(
+        f"{names.get(h.node_id, h.node_id)} [layers {h.start}-{h.end - 1}]" for h in hops
+    )
+
+
+def _terminate(signum: int, frame: FrameType | None) -> None:
+    raise KeyboardInterrupt
+
+
+def run(args: argparse.Namespace) -> int:
+    signal.signal(signal.SIGTERM, _terminate)
+    with tempfile.TemporaryDirectory(prefix="tessera-demo-") as tmp:
+        workdir = args.workdir or Path(tmp)
+        try:
+            return _demo(workdir, args.tokens, args.kill_after)
+        except KeyboardInterrupt:
+            _say("\ninterrupted: stopping every process the demo started")
+            return 130
+
+
+def _demo(workdir: Path, tokens: int, kill_after: int) -> int:
+    t0 = time.monotonic()
+    checkpoint = write_demo_checkpoint(workdir / "checkpoint")
+    _say(f"1. wrote a small Llama-style checkpoint to {checkpoint}")
+    # Three stages even though the model is small, so the pipeline is visible.
+    with LocalSwarm(
+        workdir,
+        coordinator_args=["--min-stages", "3", "--replicas", "2", "--heartbeat-interval", "1"],
+    ) as swarm:
+        address = swarm.start_coordinator()
+        _say(f"2. coordinator serving on {address}; starting nodes {', '.join(NODES)}")
+        nodes = [swarm.start_node(name) for name in NODES]
+        swarm.wait_registered(nodes)
+        names = {p.node_id: p.name for p in nodes}
+        for p in nodes:
+            _say(f"   node {p.name:8s} registered as {p.node_id}")
+        swarm.add_model(checkpoint, MODEL)
+        _say(f"   imported the checkpoint as model {MODEL!r}; nodes are loading their shards")
+        with Client(address) as client:
+            _wait_available(client)
+            _say(f"   model available after {time.monotonic() - t0:.1f}s")
+
+            _say(f"\n3. generating {tokens} tokens through the pipeline")
+            reference = _generate(client, tokens)
+            _say(f"   route: {_route_text(reference, names)}")
+            _say(f"   output: {reference.text!r}")
+
+            _say(
+                f"\n4. generating again; the middle stage's node is killed after "
+                f"{kill_after} tokens"
+            )
+            victim_id = reference.initial_route[len(reference.initial_route) // 2].node_id
+            victim = swarm.node(victim_id)
+            killed_at = 0.0
+
+            def on_token(index: int) -> None:
+                nonlocal killed_at
+                if index + 1 == kill_after:
+                    victim.kill9()
+                    killed_at = time.monotonic()
+                    _say(
+                        f"   kill -9 {victim.name} (pid {victim.popen.pid}) after "
+                        f"{kill_after} tokens"
+                    )
+
+            faulty = _generate(client, tokens, on_token)
+            for event in faulty.failovers:
+                replacement = ", ".join(names.get(n, n) for n in event.replacement_node_ids)
+                _say(
+                    f"   fail-over at position {event.position}: layers {event.start}-{event.end - 1} "
+                    f"moved from {names.get(event.failed_node_id, event.failed_node_id)} to "
+                    f"{replacement} via {event.via}, replayed {event.replayed_tokens} tokens, "
+                    f"stalled {event.stalled_ms:.0f} ms ({event.reason})"
+                )
+            _say(f"   route after: {_route_text(faulty, names, initial=False)}")
+            same = faulty.token_ids == reference.token_ids
+            _say(f"   output: {faulty.text!r}")
+            _say(f"   identical to the run without a failure: {'yes' if same else 'NO'}")
+
+            _say("\n5. summary")
+            _summary(reference, faulty, names)
+        if not same:
+            _say(
+                "the outputs differ: this is a bug, please report it with the logs in "
+                f"{workdir / 'logs'}"
+            )
+            return 1
+        _say(f"\ndone in {time.monotonic() - t0:.1f}s; stopping the swarm")
+    return 0
+
+
+def _wait_available(client: Client, timeout_s: float = 180.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        models = {m.name: m for m in client.models()}
+        info = models.get(MODEL)
+        if info is not None and info.available:
+            return
+        time.sleep(0.3)
+    raise RuntimeError(f"model {MODEL} did not become available in {timeout_s:.0f}s")
+
+
+def _generate(client: Client, tokens: int, on_token: Any = None) -> GenerationResult:
+    for token in client.generate(MODEL, prompt=PROMPT, max_new_tokens=tokens, stop_at_eos=False):
+        if on_token is not None:
+            on_token(token.index)
+    assert client.last_run is not None
+    return client.last_run
+
+
+def _summary(reference: GenerationResult, faulty: GenerationResult, names: dict[str, str]) -> None:
+    _say(
+        f"   without failure: {reference.tokens_per_s:6.1f} tokens/s, first token after "
+        f"{reference.first_token_s * 1000:.0f} ms"
+    )
+    _say(
+        f"   with a kill -9:  {faulty.tokens_per_s:6.1f} tokens/s, first token after "
+        f"{faulty.first_token_s * 1000:.0f} ms"
+    )
+    stall = sum(e.stalled_ms for e in faulty.failovers)
+    _say(f"   stall caused by the failure: {stall:.0f} ms in {len(faulty.failovers)} fail-over(s)")
+    served: dict[tuple[str, int, int], int] = {}
+    for t in reference.timings + faulty.timings:
+        key = (t.node_id, t.start, t.end)
+        served[key] = served.get(key, 0) + t.tokens
+    _say("   who served what (both runs):")
+    for (node_id, start, end), count in sorted(served.items(), key=lambda kv: kv[0][1]):
+        _say(f"     {names.get(node_id, node_id):8s} layers {start}-{end - 1}: {count} tokens")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="tessera demo")
+    sub = parser.add_subparsers()
+    add_parser(sub)
+    args = parser.parse_args(["demo", *(argv or [])])
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

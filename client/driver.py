@@ -1,0 +1,539 @@
+"""The pipeline driver: walks a session's route hop by hop and survives node failures.
+
+Token ids go to the hop that starts at layer 0, each hop's hidden states go to the next,
+and the last hop answers with logits. Every input is recorded per boundary in a
+``RouteHistory`` before it is sent. When a hop fails (stream error, or no answer within
+a deadline derived from that hop's recent step times), the driver takes the next
+alternate of that stage, or asks the coordinator to ``Reroute`` the span, replays the
+boundary's whole history from position 0 to rebuild the replacement's KV cache, and
+carries on. The replay's last positions are the current step's output, so a fail-over
+costs one replay and greedy output stays identical to a run without the failure.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+import time
+from collections import deque
+from collections.abc import Awaitable, Callable, Iterable
+from dataclasses import dataclass, field
+
+import grpc
+import numpy as np
+
+from client.channels import ChannelPool
+from client.errors import PipelineError, RequestRejected
+from client.records import FailoverEvent, HopRecord, Receipt, StageTiming
+from client.route_history import RouteHistory, Span, covers
+from protos import codec
+from protos.tessera.v1 import client_api_pb2, common_pb2, stage_pb2, stage_pb2_grpc
+
+log = logging.getLogger(__name__)
+
+# Any node would answer these the same way: retrying elsewhere only hides the bug.
+CLIENT_FAULT_CODES = frozenset(
+    {
+        grpc.StatusCode.INVALID_ARGUMENT,
+        grpc.StatusCode.PERMISSION_DENIED,
+        grpc.StatusCode.UNAUTHENTICATED,
+        grpc.StatusCode.OUT_OF_RANGE,
+    }
+)
+# The node is fine but lost this session's cache (idle expiry, restart): replay it there.
+REPLAY_SAME_NODE_CODES = frozenset({grpc.StatusCode.FAILED_PRECONDITION})
+
+Rerouter = Callable[[client_api_pb2.RerouteRequest], Awaitable[client_api_pb2.RerouteResponse]]
+
+
+@dataclass(frozen=True)
+class DriverConfig:
+    # Straggler deadline for a decode step: max(floor, factor x p95 of recent steps).
+    deadline_floor_s: float = 5.0
+    deadline_factor: float = 4.0
+    # Prefill chunks, replays and the first decode steps have no reference time yet.
+    cold_timeout_s: float = 120.0
+    min_samples: int = 3
+    window: int = 32
+    max_failovers_per_step: int = 6
+    max_chunk_tokens: int = 512
+    # Headroom below the 64 MiB message limit for the protobuf envelope.
+    message_budget_bytes: int = codec.MAX_MESSAGE_BYTES * 3 // 4
+    end_session_timeout_s: float = 2.0
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    num_layers: int
+    hidden_size: int
+    vocab_size: int
+
+
+class HopFailure(Exception):
+    """A hop did not answer usefully; another node (or a replay) may fix it."""
+
+    def __init__(self, reason: str, code: grpc.StatusCode | None = None) -> None:
+        super().__init__(reason)
+        self.code = code
+
+
+@dataclass
+class _Slot:
+    """One position of the route: a span, the node serving it, and its spare nodes."""
+
+    span: Span
+    hop: HopRecord
+    alternates: list[HopRecord]
+    call: grpc.aio.StreamStreamCall | None = None
+    capability_version_sent: int = -1
+    decode_seconds: deque[float] = field(default_factory=lambda: deque(maxlen=32))
+
+    def close_stream(self) -> None:
+        if self.call is not None:
+            self.call.cancel()
+        self.call = None
+        self.capability_version_sent = -1
+
+
+class PipelineDriver:
+    """Drives one session. Use from one event loop; calls to ``step`` must not overlap."""
+
+    def __init__(
+        self,
+        grant: client_api_pb2.SessionGrant,
+        model: str,
+        *,
+        rerouter: Rerouter | None = None,
+        channels: ChannelPool | None = None,
+        config: DriverConfig | None = None,
+    ) -> None:
+        self.config = config or DriverConfig()
+        self.session_id = grant.session_id
+        self.model = model
+        self.shape = ModelShape(grant.num_layers, grant.hidden_size, grant.vocab_size)
+        self._capability = grant.capability
+        self._capability_version = 0
+        self.max_tokens = _claims(grant.capability).max_tokens
+        self._slots = [_slot_from_stage(stage, self.config.window) for stage in grant.stages]
+        self._check_route()
+        self._history = RouteHistory([slot.span for slot in self._slots])
+        self._rerouter = rerouter
+        self._owns_channels = channels is None
+        self._channels = channels or ChannelPool()
+        self._excluded: set[str] = set()
+        self._used: dict[str, HopRecord] = {s.hop.node_id: s.hop for s in self._slots}
+        self._length = 0
+        self._step = 0
+        self._failovers_this_step = 0
+        self._replayed_this_step: set[tuple[str, Span]] = set()
+        self.timings: list[StageTiming] = []
+        self.failovers: list[FailoverEvent] = []
+        self.receipts: list[Receipt] = []
+
+    # ---- public surface -------------------------------------------------------------
+
+    @property
+    def length(self) -> int:
+        """Positions every hop holds in its cache for this session."""
+        return self._length
+
+    @property
+    def route(self) -> list[HopRecord]:
+        return [slot.hop for slot in self._slots]
+
+    @property
+    def steps_taken(self) -> int:
+        return self._step
+
+    async def step(
+        self,
+        token_ids: np.ndarray | Iterable[int],
+        start_pos: int | None = None,
+        *,
+        last_only: bool = False,
+    ) -> np.ndarray:
+        """Run token ids through the pipeline and return float32 logits.
+
+        ``token_ids`` is [T] or [B, T]. The result is [B, T, vocab], or [B, vocab] for the
+        last position only with ``last_only``. ``start_pos`` defaults to appending; an
+        earlier position rolls every hop back first (speculative decoding, retries).
+        """
+        ids = self._check_tokens(token_ids)
+        start = self._length if start_pos is None else start_pos
+        if not 0 <= start <= self._length:
+            raise ValueError(
+                f"start_pos {start} must be within [0, {self._length}] (the tokens sent so far)"
+            )
+        total = start + ids.shape[1]
+        if total > self.max_tokens:
+            raise ValueError(
+                f"the session was opened for {self.max_tokens} tokens; {total} do not fit. "
+                "Open a session with a larger max_length."
+            )
+        self._history.rollback(start)
+        self._failovers_this_step = 0
+        self._replayed_this_step.clear()
+        outputs: list[np.ndarray] = []
+        chunk = self._chunk_tokens(ids.shape[0])
+        for offset in range(0, ids.shape[1], chunk):
+            piece = ids[:, offset : offset + chunk]
+            logits, _ = await self._run_through(
+                0, self.shape.num_layers, start + offset, piece, "int64", self._next_step()
+            )
+            outputs.append(logits[:, -1] if last_only else logits)
+        self._length = total
+        if last_only:
+            return outputs[-1]
+        return outputs[0] if len(outputs) == 1 else np.concatenate(outputs, axis=1)
+
+    async def close(self) -> None:
+        """End the session on every node that served it (best effort) and close streams."""
+        for slot in self._slots:
+            slot.close_stream()
+        request = stage_pb2.EndSessionRequest(
+            session_id=self.session_id, capability=self._capability
+        )
+
+        async def end(hop: HopRecord) -> None:
+            stub = stage_pb2_grpc.StageStub(self._channels.get(hop.address))
+            try:
+                await stub.EndSession(request, timeout=self.config.end_session_timeout_s)
+            except grpc.aio.AioRpcError as err:
+                # NOT_FOUND: never opened a cache there. Others: the node is gone anyway.
+                log.debug("EndSession on %s: %s", hop.node_id, err.code().name)
+
+        await asyncio.gather(*(end(hop) for hop in self._used.values()))
+        if self._owns_channels:
+            await self._channels.close()
+
+    # ---- the walk -------------------------------------------------------------------
+
+    async def _run_through(
+        self,
+        from_layer: int,
+        to_layer: int,
+        start_pos: int,
+        x: np.ndarray,
+        dtype: str,
+        step: int,
+        replay: bool = False,
+    ) -> tuple[np.ndarray, str]:
+        """Send one chunk from boundary ``from_layer`` to ``to_layer``, recording inputs."""
+        layer = from_layer
+        while layer < to_layer:
+            index = self._index_at(layer)
+            span = self._slots[index].span
+            self._history.record(span, start_pos, x, dtype)
+            x, dtype = await self._call_or_recover(index, start_pos, x, dtype, step, replay)
+            layer = span.end
+        return x, dtype
+
+    async def _call_or_recover(
+        self, index: int, start_pos: int, x: np.ndarray, dtype: str, step: int, replay: bool
+    ) -> tuple[np.ndarray, str]:
+        slot = self._slots[index]
+        span = slot.span
+        failed_at = time.monotonic()
+        try:
+            return await self._call(slot, start_pos, x, dtype, step, replay)
+        except HopFailure as err:
+            failure, failed = err, slot.hop
+            log.warning("node %s failed on layers %s: %s", failed.node_id, span, failure)
+            via, replacements = await self._recover(index, failure)
+        # The boundary history ends with the chunk that failed, so replaying it from 0
+        # rebuilds the replacement's cache and yields this chunk's output as its tail.
+        _, full, full_dtype = self._history.replay_input(self._slots[index].span)
+        chunk = self._chunk_tokens(full.shape[0])
+        parts: list[np.ndarray] = []
+        out_dtype = dtype
+        for offset in range(0, full.shape[1], chunk):
+            piece = full[:, offset : offset + chunk]
+            out, out_dtype = await self._run_through(
+                span.start, span.end, offset, piece, full_dtype, self._next_step(), True
+            )
+            if offset + piece.shape[1] > start_pos:
+                parts.append(out[:, max(0, start_pos - offset) :])
+        event = FailoverEvent(
+            step=step,
+            start=span.start,
+            end=span.end,
+            failed_node_id=failed.node_id,
+            replacement_node_ids=tuple(replacements),
+            via=via,
+            reason=str(failure),
+            stalled_ms=(time.monotonic() - failed_at) * 1000.0,
+            replayed_tokens=int(full.shape[1]),
+            position=start_pos,
+        )
+        self.failovers.append(event)
+        log.warning(
+            "layers %s: %s -> %s via %s, replayed %d tokens, stalled %.0f ms",
+            span,
+            failed.node_id,
+            ", ".join(replacements),
+            via,
+            event.replayed_tokens,
+            event.stalled_ms,
+        )
+        return np.concatenate(parts, axis=1) if len(parts) > 1 else parts[0], out_dtype
+
+    async def _call(
+        self, slot: _Slot, start_pos: int, x: np.ndarray, dtype: str, step: int, replay: bool
+    ) -> tuple[np.ndarray, str]:
+        request = stage_pb2.ForwardRequest(
+            session_id=self.session_id,
+            step=step,
+            model=self.model,
+            layers=common_pb2.LayerRange(start=slot.span.start, end=slot.span.end),
+            start_pos=start_pos,
+            input=codec.encode(x, dtype),
+        )
+        if slot.capability_version_sent != self._capability_version:
+            request.capability.CopyFrom(self._capability)
+        tokens = int(x.shape[1])
+        timeout = self._deadline(slot, tokens, replay)
+        started = time.monotonic()
+        try:
+            if slot.call is None:
+                stub = stage_pb2_grpc.StageStub(self._channels.get(slot.hop.address))
+                slot.call = stub.Forward()
+            response = await asyncio.wait_for(_round_trip(slot.call, request), timeout)
+        except asyncio.TimeoutError:
+            slot.close_stream()
+            raise HopFailure(f"straggler: no answer within {timeout:.1f} s") from None
+        except grpc.aio.AioRpcError as err:
+            slot.close_stream()
+            raise _classify(slot, err.code(), err.details() or "") from err
+        except HopFailure:
+            slot.close_stream()
+            raise
+        except Exception as err:  # a broken stream surfaces in several shapes
+            call, slot.call = slot.call, None
+            if call is not None and call.done():
+                # The RPC ended between two steps (e.g. the node shut down): report its status.
+                raise _classify(slot, await call.code(), await call.details() or "") from err
+            slot.close_stream()
+            raise HopFailure(f"stream broke: {type(err).__name__}: {err}") from err
+        slot.capability_version_sent = self._capability_version
+        wall = time.monotonic() - started
+        output = self._check_output(slot, response, step, x.shape[0], tokens, start_pos)
+        if tokens == 1 and not replay:
+            slot.decode_seconds.append(wall)
+        self.timings.append(
+            StageTiming(
+                step=step,
+                node_id=slot.hop.node_id,
+                start=slot.span.start,
+                end=slot.span.end,
+                tokens=tokens,
+                wall_ms=wall * 1000.0,
+                compute_ms=response.compute_ms,
+                replay=replay,
+            )
+        )
+        self.receipts.append(
+            Receipt(
+                node_id=slot.hop.node_id,
+                step=step,
+                start=slot.span.start,
+                end=slot.span.end,
+                output_sha256=hashlib.sha256(response.output.data).digest(),
+                signature=response.signature,
+            )
+        )
+        return output, response.output.dtype
+
+    def _check_output(
+        self,
+        slot: _Slot,
+        response: stage_pb2.ForwardResponse,
+        step: int,
+        batch: int,
+        tokens: int,
+        start_pos: int,
+    ) -> np.ndarray:
+        """A node that answers with the wrong thing is treated like one that failed."""
+        if response.step != step:
+            raise HopFailure(f"answered step {response.step} to a request for step {step}")
+        if response.cache_length != start_pos + tokens:
+            raise HopFailure(
+                f"reports {response.cache_length} cached tokens, expected {start_pos + tokens}"
+            )
+        last = slot.span.end == self.shape.num_layers
+        width = self.shape.vocab_size if last else self.shape.hidden_size
+        try:
+            return codec.decode(
+                response.output,
+                allowed=frozenset({"float32"}) if last else codec.FLOAT_DTYPES,
+                shape=(batch, tokens, width),
+                ndim=3,
+                name="logits" if last else "hidden states",
+            )
+        except codec.TensorError as err:
+            raise HopFailure(f"sent a malformed output: {err}") from err
+
+    # ---- fail-over ------------------------------------------------------------------
+
+    async def _recover(self, index: int, failure: HopFailure) -> tuple[str, list[str]]:
+        """Replace the node of slot ``index``; returns (how, replacement node ids)."""
+        slot = self._slots[index]
+        failed = slot.hop
+        slot.close_stream()
+        self._failovers_this_step += 1
+        if self._failovers_this_step > self.config.max_failovers_per_step:
+            raise PipelineError(
+                f"gave up on layers {slot.span} after {self.config.max_failovers_per_step} "
+                f"fail-overs in one step; last error from {failed.node_id}: {failure}"
+            )
+        key = (failed.node_id, slot.span)
+        if failure.code in REPLAY_SAME_NODE_CODES and key not in self._replayed_this_step:
+            self._replayed_this_step.add(key)
+            return "replay", [failed.node_id]
+        self._excluded.add(failed.node_id)
+        slot.decode_seconds.clear()
+        spare = [h for h in slot.alternates if h.node_id not in self._excluded]
+        if spare:
+            slot.hop, slot.alternates = spare[0], spare[1:]
+            self._used.setdefault(slot.hop.node_id, slot.hop)
+            return "alternate", [slot.hop.node_id]
+        return "reroute", await self._reroute(index, failure)
+
+    async def _reroute(self, index: int, failure: HopFailure) -> list[str]:
+        span = self._slots[index].span
+        if self._rerouter is None:
+            raise PipelineError(
+                f"layers {span} lost node {self._slots[index].hop.node_id} ({failure}), no "
+                "alternate is left and no coordinator is connected to reroute"
+            )
+        request = client_api_pb2.RerouteRequest(
+            session_id=self.session_id,
+            capability=self._capability,
+            span=common_pb2.LayerRange(start=span.start, end=span.end),
+            exclude_node_ids=sorted(self._excluded),
+            reason=str(failure),
+        )
+        try:
+            response = await self._rerouter(request)
+        except grpc.aio.AioRpcError as err:
+            raise PipelineError(
+                f"layers {span} lost every node that served them ({failure}) and the "
+                f"coordinator could not reroute: {err.code().name}: {err.details()}"
+            ) from err
+        hops = [_hop_record(h) for h in response.hops]
+        chain = [Span(h.start, h.end) for h in hops]
+        if not covers(chain, span.start, span.end):
+            raise PipelineError(
+                f"the coordinator rerouted layers {span} to hops "
+                f"{' '.join(map(str, chain)) or '(none)'}, which do not cover them exactly"
+            )
+        if any(h.node_id in self._excluded for h in hops):
+            raise PipelineError(f"the coordinator rerouted layers {span} to an excluded node")
+        if response.HasField("capability"):
+            self._capability = response.capability
+            self._capability_version += 1
+        new_slots = [
+            _Slot(span=s, hop=h, alternates=[], decode_seconds=deque(maxlen=self.config.window))
+            for s, h in zip(chain, hops, strict=True)
+        ]
+        self._slots[index : index + 1] = new_slots
+        self._history.replace(span, chain)
+        for hop in hops:
+            self._used.setdefault(hop.node_id, hop)
+        return [h.node_id for h in hops]
+
+    # ---- helpers --------------------------------------------------------------------
+
+    def _deadline(self, slot: _Slot, tokens: int, replay: bool) -> float:
+        samples = slot.decode_seconds
+        if tokens != 1 or replay or len(samples) < self.config.min_samples:
+            return self.config.cold_timeout_s
+        p95 = float(np.percentile(np.fromiter(samples, dtype=np.float64), 95))
+        return max(self.config.deadline_floor_s, self.config.deadline_factor * p95)
+
+    def _chunk_tokens(self, batch: int) -> int:
+        widest = max(self.shape.vocab_size, self.shape.hidden_size) * 4 * batch
+        return max(1, min(self.config.max_chunk_tokens, self.config.message_budget_bytes // widest))
+
+    def _next_step(self) -> int:
+        self._step += 1
+        return self._step
+
+    def _index_at(self, layer: int) -> int:
+        for index, slot in enumerate(self._slots):
+            if slot.span.start == layer:
+                return index
+        raise PipelineError(f"no hop of the route starts at layer {layer}")  # a driver bug
+
+    def _check_route(self) -> None:
+        spans = [slot.span for slot in self._slots]
+        if not covers(spans, 0, self.shape.num_layers):
+            raise PipelineError(
+                f"the session's route {' '.join(map(str, spans)) or '(empty)'} does not cover "
+                f"layers [0, {self.shape.num_layers}) contiguously"
+            )
+
+    def _check_tokens(self, token_ids: np.ndarray | Iterable[int]) -> np.ndarray:
+        ids = np.asarray(token_ids if isinstance(token_ids, np.ndarray) else list(token_ids))
+        if ids.ndim == 1:
+            ids = ids[None, :]
+        if ids.ndim != 2 or ids.shape[0] == 0 or ids.shape[1] == 0:
+            raise ValueError(f"token ids must be a non-empty [T] or [B, T] array, got {ids.shape}")
+        if not np.issubdtype(ids.dtype, np.integer):
+            raise ValueError(f"token ids must be integers, got {ids.dtype}")
+        bad = (ids < 0) | (ids >= self.shape.vocab_size)
+        if bad.any():
+            raise ValueError(
+                f"token id {int(ids[bad][0])} is outside the vocabulary "
+                f"[0, {self.shape.vocab_size})"
+            )
+        return ids.astype(np.int64)
+
+
+def _classify(slot: _Slot, code: grpc.StatusCode, details: str) -> Exception:
+    if code in CLIENT_FAULT_CODES:
+        return RequestRejected(slot.hop.node_id, str(slot.span), code, details)
+    return HopFailure(f"{code.name}: {details}", code)
+
+
+async def _round_trip(
+    call: grpc.aio.StreamStreamCall, request: stage_pb2.ForwardRequest
+) -> stage_pb2.ForwardResponse:
+    await call.write(request)
+    response = await call.read()
+    if response is grpc.aio.EOF:
+        raise HopFailure("the node ended the stream without answering")
+    return response
+
+
+def _claims(capability: client_api_pb2.SignedCapability) -> client_api_pb2.CapabilityClaims:
+    # The client cannot check the signature (nodes do); it reads its own budget from it.
+    claims = client_api_pb2.CapabilityClaims()
+    claims.ParseFromString(capability.claims)
+    return claims
+
+
+def _hop_record(hop: client_api_pb2.Hop, span: Span | None = None) -> HopRecord:
+    return HopRecord(
+        node_id=hop.node_id,
+        address=hop.address,
+        start=span.start if span else hop.layers.start,
+        end=span.end if span else hop.layers.end,
+        relayed=hop.relayed,
+    )
+
+
+def _slot_from_stage(stage: client_api_pb2.RouteStage, window: int) -> _Slot:
+    span = Span(stage.layers.start, stage.layers.end)
+    # A replica whose shard is wider than the stage can serve the stage's sub-span.
+    alternates = [
+        _hop_record(h, span)
+        for h in stage.alternates
+        if h.layers.start <= span.start and span.end <= h.layers.end
+    ]
+    return _Slot(
+        span=span,
+        hop=_hop_record(stage.primary, span),
+        alternates=alternates,
+        decode_seconds=deque(maxlen=window),
+    )

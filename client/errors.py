@@ -1,0 +1,56 @@
+"""Exceptions the client raises. Each message says what happened and what to do about it."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import grpc
+
+
+class TesseraError(Exception):
+    """Base class for every error the client library raises on purpose."""
+
+
+class CoordinatorUnavailable(TesseraError):
+    def __init__(self, address: str, detail: str) -> None:
+        super().__init__(
+            f"cannot reach the coordinator at {address} ({detail}). Is it running? Start one "
+            "with `tessera-coordinator serve`, or point the client elsewhere with "
+            "--coordinator HOST:PORT or the TESSERA_COORDINATOR environment variable."
+        )
+        self.address = address
+
+
+class ModelNotFound(TesseraError):
+    def __init__(self, name: str, known: Sequence[str]) -> None:
+        listing = ", ".join(sorted(known)) if known else "none yet (import one with "
+        if not known:
+            listing += "`tessera-coordinator models add DIR`)"
+        super().__init__(f"the coordinator has no model named {name!r}; known models: {listing}")
+        self.name = name
+        self.known = list(known)
+
+
+class CoordinatorError(TesseraError):
+    """The coordinator refused a request; ``code`` is the gRPC status it answered with."""
+
+    def __init__(self, what: str, code: grpc.StatusCode, details: str) -> None:
+        super().__init__(f"{what} failed: {code.name}: {details}")
+        self.code = code
+        self.details = details
+
+
+class RequestRejected(TesseraError):
+    """A stage node refused the request itself; another node would refuse it too."""
+
+    def __init__(self, node_id: str, span: str, code: grpc.StatusCode, details: str) -> None:
+        super().__init__(
+            f"node {node_id} rejected the request for layers {span}: {code.name}: {details}"
+        )
+        self.node_id = node_id
+        self.code = code
+        self.details = details
+
+
+class PipelineError(TesseraError):
+    """The pipeline could not be completed even after trying every fail-over option."""

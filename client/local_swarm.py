@@ -1,0 +1,204 @@
+"""Start a coordinator and node agents as local processes on loopback, and clean them up.
+
+Used by `tessera demo` and the benchmarks. The processes are the real programs
+(`python -m coordinator.cli serve`, `python -m node_agent.cli join`), talking over real
+gRPC; this module only starts, watches and kills them. It needs the `node` and
+`coordinator` extras installed in the same environment.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+_REGISTERED = re.compile(r"registered as (\w+)")
+
+
+class SwarmError(RuntimeError):
+    pass
+
+
+@dataclass
+class LocalProcess:
+    name: str
+    popen: subprocess.Popen[bytes]
+    log_path: Path
+    node_id: str = ""
+
+    def log_text(self) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")
+        except FileNotFoundError:
+            return ""
+
+    def alive(self) -> bool:
+        return self.popen.poll() is None
+
+    def kill9(self) -> None:
+        if self.alive():
+            self.popen.send_signal(signal.SIGKILL)
+            self.popen.wait(timeout=10)
+
+
+@dataclass
+class LocalSwarm:
+    """A coordinator plus node agents under one work directory."""
+
+    workdir: Path
+    coordinator_args: Sequence[str] = ()
+    processes: list[LocalProcess] = field(default_factory=list)
+    address: str = ""
+
+    @property
+    def coordinator_dir(self) -> Path:
+        return self.workdir / "coordinator"
+
+    def __enter__(self) -> LocalSwarm:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def _spawn(self, name: str, argv: list[str]) -> LocalProcess:
+        log_path = self.workdir / "logs" / f"{name}.log"
+        log_path.parent.mkdir(parents=True, exist_ok=True)
+        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        with log_path.open("wb") as log:
+            # A session of its own: Ctrl-C in the terminal reaches only us, and we decide
+            # how the children end.
+            popen = subprocess.Popen(
+                [sys.executable, *argv],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                env=env,
+                start_new_session=True,
+            )
+        proc = LocalProcess(name, popen, log_path)
+        self.processes.append(proc)
+        return proc
+
+    def start_coordinator(self, timeout_s: float = 60.0) -> str:
+        self.coordinator_dir.mkdir(parents=True, exist_ok=True)
+        addr_file = self.coordinator_dir / "coordinator.addr"
+        addr_file.unlink(missing_ok=True)
+        proc = self._spawn(
+            "coordinator",
+            [
+                "-m",
+                "coordinator.cli",
+                "serve",
+                "--listen",
+                "127.0.0.1:0",
+                "--db",
+                str(self.coordinator_dir / "coordinator.db"),
+                *self.coordinator_args,
+            ],
+        )
+        self._wait(
+            lambda: addr_file.exists() and addr_file.read_text().strip() != "",
+            proc,
+            "the coordinator to start",
+            timeout_s,
+        )
+        self.address = addr_file.read_text().strip()
+        return self.address
+
+    def start_node(self, name: str, extra_args: Sequence[str] = ()) -> LocalProcess:
+        proc = self._spawn(
+            name,
+            [
+                "-m",
+                "node_agent.cli",
+                "join",
+                "--coordinator",
+                self.address,
+                "--name",
+                name,
+                "--data-dir",
+                str(self.workdir / "nodes" / name),
+                "--device",
+                "cpu",
+                "--listen",
+                "127.0.0.1:0",
+                *extra_args,
+            ],
+        )
+        return proc
+
+    def wait_registered(self, procs: Sequence[LocalProcess], timeout_s: float = 120.0) -> None:
+        for proc in procs:
+
+            def found(p: LocalProcess = proc) -> bool:
+                match = _REGISTERED.search(p.log_text())
+                if match:
+                    p.node_id = match.group(1)
+                return bool(match)
+
+            self._wait(found, proc, f"node {proc.name} to register", timeout_s)
+
+    def add_model(self, directory: Path, name: str, timeout_s: float = 120.0) -> None:
+        result = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "coordinator.cli",
+                "models",
+                "add",
+                str(directory),
+                "--name",
+                name,
+                "--data-dir",
+                str(self.coordinator_dir),
+            ],
+            capture_output=True,
+            text=True,
+            timeout=timeout_s,
+        )
+        if result.returncode != 0:
+            raise SwarmError(f"models add failed:\n{result.stdout}\n{result.stderr}")
+
+    def node(self, node_id: str) -> LocalProcess:
+        for proc in self.processes:
+            if proc.node_id == node_id:
+                return proc
+        raise KeyError(node_id)
+
+    def stop(self) -> None:
+        for proc in reversed(self.processes):
+            if proc.alive():
+                proc.popen.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + 10
+        for proc in self.processes:
+            try:
+                proc.popen.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                proc.kill9()
+
+    def _wait(
+        self, ready: Callable[[], bool], proc: LocalProcess, what: str, timeout_s: float
+    ) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if ready():
+                return
+            if not proc.alive():
+                raise SwarmError(
+                    f"{proc.name} exited while waiting for {what}; its log "
+                    f"({proc.log_path}) ends with:\n{_tail(proc.log_text())}"
+                )
+            time.sleep(0.1)
+        raise SwarmError(
+            f"timed out waiting for {what}; see {proc.log_path}:\n{_tail(proc.log_text())}"
+        )
+
+
+def _tail(text: str, lines: int = 15) -> str:
+    return "\n".join(text.splitlines()[-lines:])

@@ -1,0 +1,192 @@
+"""Presence and telemetry on the MQTT event plane (`--mqtt URL`).
+
+The broker holds a retained presence message per node and a last will of "offline", so a
+node that vanishes (power cut, kill -9) is reported by the broker itself. MQTT is a
+convenience: trouble with the broker is logged and retried, and never stops the agent.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import ssl
+import time
+from dataclasses import dataclass
+from urllib.parse import unquote, urlsplit
+
+import aiomqtt
+from google.protobuf import json_format
+
+from node_agent.backoff import Backoff
+from protos.tessera.v1 import node_pb2
+
+log = logging.getLogger(__name__)
+
+KEEPALIVE_S = 15
+_CLOSE_TIMEOUT_S = 3.0
+
+
+def presence_topic(node_id: str) -> str:
+    return f"tessera/nodes/{node_id}/presence"
+
+
+def telemetry_topic(node_id: str) -> str:
+    return f"tessera/nodes/{node_id}/telemetry"
+
+
+@dataclass(frozen=True)
+class BrokerAddress:
+    host: str
+    port: int
+    tls: bool = False
+    username: str | None = None
+    password: str | None = None
+
+    def __str__(self) -> str:
+        return f"{'mqtts' if self.tls else 'mqtt'}://{self.host}:{self.port}"
+
+
+def parse_broker_url(url: str) -> BrokerAddress:
+    """mqtt://[user:pass@]host[:1883], mqtts://host[:8883] (TLS), or a bare host[:port]."""
+    if "://" not in url:
+        url = "mqtt://" + url
+    parts = urlsplit(url)
+    if parts.scheme not in ("mqtt", "tcp", "mqtts", "ssl") or not parts.hostname:
+        raise ValueError(
+            f"{url!r} is not a broker URL; use mqtt://HOST[:PORT] or mqtts://HOST[:PORT]"
+        )
+    tls = parts.scheme in ("mqtts", "ssl")
+    try:
+        port = parts.port or (8883 if tls else 1883)
+    except ValueError as exc:
+        raise ValueError(f"{url!r} has a bad port: {exc}") from exc
+    return BrokerAddress(
+        host=parts.hostname,
+        port=port,
+        tls=tls,
+        username=unquote(parts.username) if parts.username else None,
+        password=unquote(parts.password) if parts.password else None,
+    )
+
+
+def presence_payload(node_id: str, state: str, with_ts: bool = True) -> bytes:
+    body: dict[str, object] = {"state": state, "node_id": node_id}
+    if with_ts:
+        body["ts"] = int(time.time() * 1000)
+    return json.dumps(body).encode()
+
+
+def telemetry_payload(telemetry: node_pb2.Telemetry) -> bytes:
+    """The JSON mapping of `Telemetry`, with every field present and numbers as numbers."""
+    body = json_format.MessageToDict(
+        telemetry,
+        preserving_proto_field_name=True,
+        always_print_fields_with_no_presence=True,
+        unquote_int64_if_possible=True,
+    )
+    return json.dumps(body).encode()
+
+
+class MqttPresence:
+    """Runs as a background task: `run()`; feed it with `set_state` / `publish_telemetry`."""
+
+    def __init__(self, broker: BrokerAddress, node_id: str, backoff: Backoff) -> None:
+        self._broker = broker
+        self._node_id = node_id
+        self._backoff = backoff
+        self._state = "online"
+        # Every transition is published in order (draining, then offline), not only the
+        # latest: watchers learn that the node left gracefully.
+        self._pending_states: list[str] = ["online"]
+        self._telemetry: node_pb2.Telemetry | None = None
+        self._closing = False
+        self._wake = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self.run(), name="mqtt-presence")
+
+    def set_state(self, state: str) -> None:
+        if state != self._state:
+            self._state = state
+            self._pending_states.append(state)
+            self._wake.set()
+
+    def publish_telemetry(self, telemetry: node_pb2.Telemetry) -> None:
+        # Only the newest sample matters; a backlog after an outage would be stale.
+        self._telemetry = telemetry
+        self._wake.set()
+
+    async def close(self) -> None:
+        """Publish `offline` (retained) and disconnect cleanly, within a few seconds."""
+        self._closing = True
+        self.set_state("offline")
+        self._wake.set()
+        if self._task is None:
+            return
+        try:
+            await asyncio.wait_for(asyncio.shield(self._task), _CLOSE_TIMEOUT_S)
+        except (TimeoutError, asyncio.TimeoutError):
+            log.warning("MQTT broker %s did not take the offline message in time", self._broker)
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+
+    async def run(self) -> None:
+        while True:
+            try:
+                await self._session()
+                return
+            except aiomqtt.MqttError as exc:
+                if self._closing:
+                    return
+                delay = self._backoff.next_delay()
+                log.warning(
+                    "MQTT broker %s: %s; presence and telemetry paused, retrying in %.1fs",
+                    self._broker,
+                    exc,
+                    delay,
+                )
+                await asyncio.sleep(delay)
+
+    def _client(self) -> aiomqtt.Client:
+        topic = presence_topic(self._node_id)
+        return aiomqtt.Client(
+            self._broker.host,
+            self._broker.port,
+            username=self._broker.username,
+            password=self._broker.password,
+            identifier=f"tessera-node-{self._node_id}",
+            # ts is left out: it would be the connect time, not the time the node vanished.
+            will=aiomqtt.Will(
+                topic, presence_payload(self._node_id, "offline", with_ts=False), 1, True
+            ),
+            keepalive=KEEPALIVE_S,
+            timeout=10,
+            tls_context=ssl.create_default_context() if self._broker.tls else None,
+        )
+
+    async def _session(self) -> None:
+        async with self._client() as client:
+            self._backoff.reset()
+            log.info("connected to MQTT broker %s as %s", self._broker, self._node_id)
+            if not self._pending_states:
+                self._pending_states.append(self._state)  # a new connection re-asserts it
+            while True:
+                while self._pending_states:
+                    await client.publish(
+                        presence_topic(self._node_id),
+                        presence_payload(self._node_id, self._pending_states[0]),
+                        qos=1,
+                        retain=True,
+                    )
+                    self._pending_states.pop(0)
+                if self._telemetry is not None and not self._closing:
+                    telemetry, self._telemetry = self._telemetry, None
+                    await client.publish(
+                        telemetry_topic(self._node_id), telemetry_payload(telemetry), qos=0
+                    )
+                if self._closing and not self._pending_states:
+                    return
+                await self._wake.wait()
+                self._wake.clear()

@@ -1,0 +1,521 @@
+"""The node's data plane: the ``Stage`` gRPC service that runs pipeline stages for clients.
+
+``Forward`` is one bidirectional stream per (session, node). Its first message carries the
+coordinator-signed capability, checked offline here. Every request is validated before it
+touches the model: who may ask (capability), what they ask for (a READY shard, granted
+layers), and the tensor itself (dtype, shape, hidden size, token ids, NaN/inf, lengths,
+positions). A bad request ends only its own stream, with a status code and a message a
+person can act on; other sessions never notice. Model work runs on the shard manager's
+single compute thread so the event loop stays responsive; requests of one session are
+serialised. Every output is signed (session, step, layers, sha256 of the output bytes).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import logging
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from datetime import datetime, timezone
+
+import grpc
+import numpy as np
+import torch
+
+from node_agent.context import AgentContext
+from node_agent.runtime import CacheBudgetError, CacheFullError, StageKVCache
+from node_agent.shard_manager import LoadedShard, ShardManager, shard_manager_for
+from protos import codec, identity
+from protos.tessera.v1 import client_api_pb2, common_pb2, stage_pb2, stage_pb2_grpc
+
+log = logging.getLogger(__name__)
+
+MAX_PING_PAYLOAD_BYTES = 1024 * 1024
+
+
+@dataclass(frozen=True)
+class StageLimits:
+    max_batch: int = 8
+    max_tokens_per_request: int = 4096
+    # Room for the protobuf envelope below the 64 MiB message limit.
+    max_output_bytes: int = codec.MAX_MESSAGE_BYTES - (1 << 20)
+    expiry_interval_s: float = 5.0
+
+
+class StageError(Exception):
+    """Ends the current stream with ``code`` and a message meant for a person."""
+
+    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+
+@dataclass
+class _StreamState:
+    claims: client_api_pb2.CapabilityClaims | None = None
+
+
+class StageServicer(stage_pb2_grpc.StageServicer):
+    def __init__(
+        self,
+        ctx: AgentContext,
+        shards: ShardManager,
+        limits: StageLimits | None = None,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self._ctx = ctx
+        self._shards = shards
+        self.limits = limits or StageLimits()
+        self._clock = clock
+        self._session_locks: dict[str, asyncio.Lock] = {}
+        self._expiry_task: asyncio.Task[None] | None = None
+
+    # ---- RPCs -----------------------------------------------------------------------
+
+    async def Ping(  # noqa: N802 - gRPC method name
+        self, request: stage_pb2.PingRequest, context: grpc.aio.ServicerContext
+    ) -> stage_pb2.PingResponse:
+        if len(request.payload) > MAX_PING_PAYLOAD_BYTES:
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"ping payload is {len(request.payload)} bytes; send at most "
+                f"{MAX_PING_PAYLOAD_BYTES}",
+            )
+        return stage_pb2.PingResponse(payload=request.payload, node_id=self._ctx.node_id)
+
+    async def Forward(  # noqa: N802 - gRPC method name
+        self,
+        request_iterator: AsyncIterator[stage_pb2.ForwardRequest],
+        context: grpc.aio.ServicerContext,
+    ) -> AsyncIterator[stage_pb2.ForwardResponse]:
+        self._start_expiry()
+        stream = _StreamState()
+        try:
+            async for request in request_iterator:
+                yield await self._forward_one(request, stream)
+        except StageError as err:
+            log.info("Forward refused (%s): %s", err.code.name, err.message)
+            await context.abort(err.code, err.message)
+        except (asyncio.CancelledError, grpc.aio.AbortError):
+            raise
+        except Exception as err:  # a bug here must end one stream, not the server
+            log.exception("Forward failed unexpectedly")
+            await context.abort(
+                grpc.StatusCode.INTERNAL, f"the node hit an internal error: {type(err).__name__}"
+            )
+
+    async def EndSession(  # noqa: N802 - gRPC method name
+        self, request: stage_pb2.EndSessionRequest, context: grpc.aio.ServicerContext
+    ) -> common_pb2.Empty:
+        try:
+            claims = self._open_capability(request.capability)
+            if claims.session_id != request.session_id:
+                raise StageError(
+                    grpc.StatusCode.PERMISSION_DENIED,
+                    f"the capability is for session {claims.session_id!r}, not "
+                    f"{request.session_id!r}",
+                )
+            # Waits for a running step of the session, so its cache is not pulled from
+            # under the compute thread.
+            async with self._lock_for(request.session_id):
+                released = self._release_session(request.session_id)
+            if not released:
+                raise StageError(
+                    grpc.StatusCode.NOT_FOUND,
+                    f"this node holds no cache for session {request.session_id!r} (never "
+                    "opened here, already ended, or expired after idling)",
+                )
+        except StageError as err:
+            await context.abort(err.code, err.message)
+        log.info("session %s ended", request.session_id)
+        return common_pb2.Empty()
+
+    # ---- Forward, one request -------------------------------------------------------
+
+    async def _forward_one(
+        self, request: stage_pb2.ForwardRequest, stream: _StreamState
+    ) -> stage_pb2.ForwardResponse:
+        if request.HasField("capability"):
+            stream.claims = self._open_capability(request.capability)
+        claims = stream.claims
+        if claims is None:
+            raise StageError(
+                grpc.StatusCode.UNAUTHENTICATED,
+                "the first message of a Forward stream must carry the session's capability "
+                "(from OpenSession or Reroute)",
+            )
+        self._check_expiry(claims)
+        start, end = request.layers.start, request.layers.end
+        self._authorize(claims, request, start, end)
+        shard = self._shards.find(request.model, start, end)
+        if shard is None:
+            raise StageError(
+                grpc.StatusCode.NOT_FOUND,
+                f"no READY shard of {request.model!r} covers layers [{start}, {end}) on this "
+                f"node (it holds {self._shards.describe(request.model)}); ask the coordinator "
+                "to reroute",
+            )
+        array = self._decode_input(request, shard)
+        batch, tokens = int(array.shape[0]), int(array.shape[1])
+        self._check_length(request, claims, shard, batch, tokens)
+        session_key = f"{request.session_id}@{start}-{end}"
+        shard.enter()
+        try:
+            async with self._lock_for(request.session_id):
+                cache = self._cache_for(shard, session_key, request, claims, batch, tokens)
+                output, compute_ms = await self._compute(shard, start, end, array, cache, request)
+                cache_length = cache.length
+        finally:
+            shard.leave()
+        digest = hashlib.sha256(output.data).digest()
+        signature = self._ctx.private_key.sign(
+            identity.output_payload(request.session_id, request.step, start, end, digest)
+        )
+        return stage_pb2.ForwardResponse(
+            step=request.step,
+            output=output,
+            compute_ms=compute_ms,
+            cache_length=cache_length,
+            signature=signature,
+        )
+
+    def _open_capability(
+        self, signed: client_api_pb2.SignedCapability
+    ) -> client_api_pb2.CapabilityClaims:
+        coordinator_key = self._ctx.coordinator_public_key
+        if not coordinator_key:
+            raise StageError(
+                grpc.StatusCode.UNAVAILABLE,
+                "this node has not registered with its coordinator yet, so it cannot check "
+                "capabilities; retry in a moment or use another replica",
+            )
+        claims = identity.open_capability(coordinator_key, signed)
+        if claims is None:
+            raise StageError(
+                grpc.StatusCode.UNAUTHENTICATED,
+                "the capability's signature does not verify with this node's coordinator key "
+                "(forged, corrupted, or issued by another coordinator)",
+            )
+        return claims
+
+    def _check_expiry(self, claims: client_api_pb2.CapabilityClaims) -> None:
+        now_ms = int(self._clock() * 1000)
+        if claims.expires_unix_ms <= now_ms:
+            when = datetime.fromtimestamp(claims.expires_unix_ms / 1000, tz=timezone.utc)
+            raise StageError(
+                grpc.StatusCode.UNAUTHENTICATED,
+                f"token expired at {when.isoformat(timespec='seconds')}; open a new session "
+                "(or Reroute for a fresh capability)",
+            )
+
+    def _authorize(
+        self,
+        claims: client_api_pb2.CapabilityClaims,
+        request: stage_pb2.ForwardRequest,
+        start: int,
+        end: int,
+    ) -> None:
+        if request.session_id != claims.session_id:
+            raise StageError(
+                grpc.StatusCode.PERMISSION_DENIED,
+                f"the capability is for session {claims.session_id!r}, the request names "
+                f"{request.session_id!r}",
+            )
+        if request.model != claims.model:
+            raise StageError(
+                grpc.StatusCode.PERMISSION_DENIED,
+                f"the capability is for model {claims.model!r}, the request names "
+                f"{request.model!r}",
+            )
+        if start >= end:
+            raise StageError(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"layer range [{start}, {end}) is empty; a hop needs start < end",
+            )
+        node_id = self._ctx.node_id
+        mine = [g.layers for g in claims.grants if g.node_id == node_id]
+        if not mine:
+            raise StageError(
+                grpc.StatusCode.PERMISSION_DENIED,
+                f"this node ({node_id}) is not among the nodes the capability grants",
+            )
+        if not any(g.start <= start and end <= g.end for g in mine):
+            granted = ", ".join(f"[{g.start}, {g.end})" for g in mine)
+            raise StageError(
+                grpc.StatusCode.PERMISSION_DENIED,
+                f"layers [{start}, {end}) are outside what the capability grants this node: "
+                f"{granted}",
+            )
+
+    def _decode_input(self, request: stage_pb2.ForwardRequest, shard: LoadedShard) -> np.ndarray:
+        config = shard.config
+        first = request.layers.start == 0
+        if not request.HasField("input"):
+            raise StageError(grpc.StatusCode.INVALID_ARGUMENT, "the request carries no input")
+        limits = self.limits
+        try:
+            if first:
+                array = codec.decode(
+                    request.input,
+                    allowed=codec.INT_DTYPES,
+                    ndim=2,
+                    max_elements=limits.max_batch * limits.max_tokens_per_request,
+                    name="token ids",
+                )
+            else:
+                array = codec.decode(
+                    request.input,
+                    allowed=codec.FLOAT_DTYPES,
+                    ndim=3,
+                    shape=(None, None, config.hidden_size),
+                    max_elements=limits.max_batch
+                    * limits.max_tokens_per_request
+                    * config.hidden_size,
+                    name="hidden states",
+                )
+        except codec.TensorError as err:
+            code = grpc.StatusCode.INVALID_ARGUMENT
+            if "exceed the limit" in str(err):
+                code = grpc.StatusCode.RESOURCE_EXHAUSTED
+            raise StageError(code, f"{err} (layers start at {request.layers.start})") from err
+        batch, tokens = array.shape[0], array.shape[1]
+        if batch > limits.max_batch:
+            raise StageError(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"batch {batch} is larger than this node accepts ({limits.max_batch})",
+            )
+        if first:
+            low, high = int(array.min()), int(array.max())
+            if low < 0 or high >= config.vocab_size:
+                bad = low if low < 0 else high
+                raise StageError(
+                    grpc.StatusCode.INVALID_ARGUMENT,
+                    f"token id {bad} is outside the vocabulary [0, {config.vocab_size})",
+                )
+        width = (
+            config.vocab_size * 4
+            if request.layers.end == shard.num_layers
+            else (config.hidden_size * shard.dtype.itemsize)
+        )
+        per_request = min(
+            limits.max_tokens_per_request, limits.max_output_bytes // max(1, batch * width)
+        )
+        if tokens > per_request:
+            raise StageError(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"{tokens} tokens in one request; this stage answers at most {per_request} "
+                "per request (split the input into chunks with increasing start_pos)",
+            )
+        return array
+
+    def _check_length(
+        self,
+        request: stage_pb2.ForwardRequest,
+        claims: client_api_pb2.CapabilityClaims,
+        shard: LoadedShard,
+        batch: int,
+        tokens: int,
+    ) -> None:
+        total = request.start_pos + tokens
+        if total > claims.max_tokens:
+            raise StageError(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"positions up to {total} exceed the session's budget of {claims.max_tokens} "
+                "tokens; open a session with a larger max_length",
+            )
+        max_positions = shard.config.max_position_embeddings
+        if total > max_positions:
+            raise StageError(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"positions up to {total} exceed the model's context of {max_positions}",
+            )
+        if total * batch > shard.kv_tokens_budget:
+            raise StageError(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"{total} positions x batch {batch} exceed this shard's KV cache budget of "
+                f"{shard.kv_tokens_budget} tokens; use a shorter sequence or another replica",
+            )
+
+    def _cache_for(
+        self,
+        shard: LoadedShard,
+        session_key: str,
+        request: stage_pb2.ForwardRequest,
+        claims: client_api_pb2.CapabilityClaims,
+        batch: int,
+        tokens: int,
+    ) -> StageKVCache:
+        start, end = request.layers.start, request.layers.end
+        cache = shard.cache(session_key, start, end)
+        if cache is not None and request.start_pos == 0 and cache.batch != batch:
+            # Starting over with another batch size: the old cache cannot be reused.
+            shard.release(session_key)
+            cache = None
+        if cache is None:
+            if request.start_pos != 0:
+                raise StageError(
+                    grpc.StatusCode.FAILED_PRECONDITION,
+                    f"this node holds no cache for session {request.session_id!r} on layers "
+                    f"[{start}, {end}) (never opened here, ended, or expired after idling); "
+                    f"start_pos must be 0, got {request.start_pos}: replay from the start",
+                )
+            self._admit_new_session(request.session_id)
+            max_len = min(
+                claims.max_tokens,
+                shard.config.max_position_embeddings,
+                shard.kv_tokens_budget // batch,
+            )
+            try:
+                return shard.open_cache(session_key, start, end, max_len, batch)
+            except CacheBudgetError as err:
+                raise StageError(grpc.StatusCode.RESOURCE_EXHAUSTED, str(err)) from err
+        if cache.batch != batch:
+            raise StageError(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"the session's cache here was opened for batch {cache.batch}, the input has "
+                f"batch {batch}",
+            )
+        if request.start_pos > cache.length:
+            raise StageError(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"start_pos {request.start_pos} would skip positions: this node's cache holds "
+                f"{cache.length} tokens of the session; continue at {cache.length} or replay "
+                "from 0",
+            )
+        if request.start_pos + tokens > cache.max_len:
+            raise StageError(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"positions up to {request.start_pos + tokens} do not fit the cache opened "
+                f"for {cache.max_len} tokens",
+            )
+        return cache
+
+    def _admit_new_session(self, session_id: str) -> None:
+        already_here = any(
+            key.rsplit("@", 1)[0] == session_id
+            for shard in self._shards.shards()
+            for key in shard.session_keys()
+        )
+        if already_here:
+            return
+        if not self._ctx.accepting_work:
+            raise StageError(
+                grpc.StatusCode.UNAVAILABLE,
+                "this node is draining: it finishes open sessions but takes no new ones",
+            )
+        cap = self._ctx.max_sessions
+        if cap and self._shards.active_sessions() >= cap:
+            raise StageError(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"this node already serves its owner's limit of {cap} sessions; use another "
+                "replica",
+            )
+
+    async def _compute(
+        self,
+        shard: LoadedShard,
+        start: int,
+        end: int,
+        array: np.ndarray,
+        cache: StageKVCache,
+        request: stage_pb2.ForwardRequest,
+    ) -> tuple[common_pb2.Tensor, float]:
+        stage = shard.stage_for(start, end)
+        start_pos = request.start_pos
+        wire_dtype = request.input.dtype
+
+        def run() -> tuple[common_pb2.Tensor, float]:
+            began = time.perf_counter()
+            x = _to_torch(array, wire_dtype)
+            with torch.inference_mode():
+                out = stage.forward(x, cache, start_pos)
+            tensor = _to_wire(out, logits=stage.is_last)
+            return tensor, (time.perf_counter() - began) * 1000.0
+
+        try:
+            return await self._shards.run(run)  # type: ignore[return-value]
+        except CacheFullError as err:
+            raise StageError(grpc.StatusCode.RESOURCE_EXHAUSTED, str(err)) from err
+        except ValueError as err:
+            raise StageError(grpc.StatusCode.INVALID_ARGUMENT, str(err)) from err
+        except Exception as err:
+            log.exception("forward of %s on %s failed", request.session_id, shard.key)
+            raise StageError(
+                grpc.StatusCode.INTERNAL,
+                f"the node failed to run layers [{start}, {end}): {type(err).__name__}: {err}",
+            ) from err
+
+    # ---- sessions -------------------------------------------------------------------
+
+    def _lock_for(self, session_id: str) -> asyncio.Lock:
+        lock = self._session_locks.get(session_id)
+        if lock is None:
+            lock = self._session_locks[session_id] = asyncio.Lock()
+        return lock
+
+    def _release_session(self, session_id: str) -> bool:
+        released = False
+        for shard in self._shards.shards():
+            for key in shard.session_keys():
+                if key.rsplit("@", 1)[0] == session_id:
+                    released = shard.release(key) or released
+        return released
+
+    def expire_idle(self) -> list[str]:
+        """Free caches idle longer than the TTL; returns their session keys."""
+        expired = self._shards.expire_idle()
+        if expired:
+            log.info("expired idle session caches: %s", ", ".join(expired))
+        live = {k.rsplit("@", 1)[0] for s in self._shards.shards() for k in s.session_keys()}
+        for session_id in list(self._session_locks):
+            lock = self._session_locks[session_id]
+            if session_id not in live and not lock.locked():
+                del self._session_locks[session_id]
+        return expired
+
+    def _start_expiry(self) -> None:
+        if self._expiry_task is None or self._expiry_task.done():
+            self._expiry_task = asyncio.get_running_loop().create_task(self._expiry_loop())
+
+    async def _expiry_loop(self) -> None:
+        interval = min(self.limits.expiry_interval_s, self._shards.idle_ttl_s / 4)
+        while True:
+            await asyncio.sleep(interval)
+            try:
+                self.expire_idle()
+            except Exception:  # the sweeper must survive whatever one shard does
+                log.exception("idle session sweep failed")
+
+    async def close(self) -> None:
+        if self._expiry_task is not None:
+            self._expiry_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._expiry_task
+
+
+def _to_torch(array: np.ndarray, wire_dtype: str) -> torch.Tensor:
+    # np.frombuffer views are read-only; torch wants memory it may own.
+    if wire_dtype == "bfloat16":
+        return torch.from_numpy(array.view(np.int16).copy()).view(torch.bfloat16)
+    if wire_dtype in codec.INT_DTYPES:
+        return torch.from_numpy(array.astype(np.int64))
+    return torch.from_numpy(array.copy())
+
+
+def _to_wire(out: torch.Tensor, *, logits: bool) -> common_pb2.Tensor:
+    out = out.detach().to("cpu")
+    if logits:
+        return codec.encode(out.float().numpy(), "float32")
+    if out.dtype == torch.bfloat16:
+        return codec.encode(out.view(torch.int16).numpy().view(np.uint16), "bfloat16")
+    name = {torch.float32: "float32", torch.float16: "float16"}[out.dtype]
+    return codec.encode(out.numpy(), name)
+
+
+def build_stage_servicer(ctx: AgentContext) -> StageServicer:
+    """Plug-in entry point the agent calls before it registers (see node_agent/plugins.py)."""
+    return StageServicer(ctx, shard_manager_for(ctx))

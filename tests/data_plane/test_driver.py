@@ -1,0 +1,253 @@
+"""PipelineDriver over real stage servers: output equals the whole model, through failures."""
+
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+import numpy as np
+import pytest
+from data_plane.stage_harness import (
+    MODEL,
+    NUM_LAYERS,
+    OPTIONS,
+    CoordinatorKeys,
+    FakeCoordinator,
+    StageNode,
+    reference_greedy,
+    reference_logits,
+    session_grant,
+)
+
+from client.driver import DriverConfig, PipelineDriver
+from client.errors import PipelineError, RequestRejected
+from node_agent.stage_server import StageServicer
+from protos.tessera.v1 import client_api_pb2_grpc, stage_pb2, stage_pb2_grpc
+
+PROMPT = [1, 5, 9, 13, 20, 7]
+NEW_TOKENS = 10
+
+
+async def greedy(
+    driver: PipelineDriver,
+    prompt: list[int],
+    new_tokens: int,
+    after_step: dict[int, object] | None = None,
+) -> list[int]:
+    """Greedy decode; ``after_step[i]`` (a coroutine function) runs after token i."""
+    logits = await driver.step(prompt, last_only=True)
+    out = []
+    for index in range(new_tokens):
+        token = int(np.argmax(logits[0]))
+        out.append(token)
+        hook = (after_step or {}).get(index)
+        if hook is not None:
+            await hook()
+        if index + 1 < new_tokens:
+            logits = await driver.step([token], last_only=True)
+    return out
+
+
+class HangingServicer(StageServicer):
+    """Stops answering (without failing) after ``hang_after`` requests: a straggler."""
+
+    hang_after: int | None = None
+
+    async def _forward_one(self, request, stream):
+        self.calls = getattr(self, "calls", 0) + 1
+        if self.hang_after is not None and self.calls > self.hang_after:
+            await asyncio.Event().wait()
+        return await super()._forward_one(request, stream)
+
+
+async def test_three_hops_match_the_whole_model(start_node, keys, checkpoint) -> None:
+    a = await start_node([(0, 2)])
+    b = await start_node([(2, 3)])
+    c = await start_node([(3, 4)])
+    driver = PipelineDriver(
+        session_grant(keys, [(0, 2, a, []), (2, 3, b, []), (3, 4, c, [])]), MODEL
+    )
+    assert await greedy(driver, PROMPT, NEW_TOKENS) == reference_greedy(
+        checkpoint, PROMPT, NEW_TOKENS
+    )
+    assert driver.length == len(PROMPT) + NEW_TOKENS - 1
+    assert driver.failovers == []
+    assert {t.node_id for t in driver.timings} == {a.node_id, b.node_id, c.node_id}
+    assert all(t.compute_ms > 0 and t.wall_ms >= t.compute_ms for t in driver.timings)
+    assert len(driver.receipts) == len(driver.timings)
+    await driver.close()
+    # close() ends the session on every node.
+    for node in (a, b, c):
+        assert node.manager.active_sessions() == 0
+
+
+async def test_long_prompts_are_chunked_and_positions_can_roll_back(
+    start_node, keys, checkpoint
+) -> None:
+    a = await start_node([(0, 2)])
+    b = await start_node([(2, 4)])
+    driver = PipelineDriver(
+        session_grant(keys, [(0, 2, a, []), (2, 4, b, [])]),
+        MODEL,
+        config=DriverConfig(max_chunk_tokens=4),
+    )
+    prompt = [3, 1, 4, 1, 5, 9, 2, 6, 5, 3]
+    logits = await driver.step(prompt)
+    np.testing.assert_allclose(logits[0], reference_logits(checkpoint, prompt), atol=1e-5)
+    assert {t.tokens for t in driver.timings} == {4, 2}
+    # Speculative rollback: rewrite the last three positions with other tokens.
+    logits = await driver.step([7, 8, 9], start_pos=7)
+    expected = reference_logits(checkpoint, [*prompt[:7], 7, 8, 9])[7:]
+    np.testing.assert_allclose(logits[0], expected, atol=1e-5)
+    assert driver.length == 10
+    with pytest.raises(ValueError, match="start_pos 11"):
+        await driver.step([1], start_pos=11)
+    await driver.close()
+
+
+async def test_a_stopped_node_fails_over_to_its_alternate(start_node, keys, checkpoint) -> None:
+    a = await start_node([(0, 2)])
+    b = await start_node([(2, 3)])
+    b_alt = await start_node([(2, 4)])  # a wider shard can serve the sub-span
+    c = await start_node([(3, 4)])
+    grant = session_grant(keys, [(0, 2, a, []), (2, 3, b, [b_alt]), (3, 4, c, [])])
+    driver = PipelineDriver(grant, MODEL)
+
+    tokens = await greedy(driver, PROMPT, NEW_TOKENS, after_step={3: lambda: b.server.stop(0)})
+
+    assert tokens == reference_greedy(checkpoint, PROMPT, NEW_TOKENS)
+    [event] = driver.failovers
+    assert (event.failed_node_id, event.replacement_node_ids) == (b.node_id, (b_alt.node_id,))
+    assert (event.start, event.end, event.via) == (2, 3, "alternate")
+    assert "UNAVAILABLE" in event.reason
+    # The replay carried every position sent to that boundary, the failed step included.
+    assert event.replayed_tokens == len(PROMPT) + 4
+    assert event.position == len(PROMPT) + 3  # the 5th generated token's input position
+    assert event.stalled_ms > 0
+    assert [h.node_id for h in driver.route] == [a.node_id, b_alt.node_id, c.node_id]
+    await driver.close()
+
+
+async def test_a_straggler_is_replaced_after_its_deadline(start_node, keys, checkpoint) -> None:
+    a = await start_node([(0, 2)])
+    slow = await start_node([(2, 4)], servicer_class=HangingServicer)
+    spare = await start_node([(2, 4)])
+    grant = session_grant(keys, [(0, 2, a, []), (2, 4, slow, [spare])])
+    # The floor keeps a busy test machine from making a healthy hop look like a straggler.
+    config = DriverConfig(deadline_floor_s=1.5, deadline_factor=3.0, min_samples=2)
+    driver = PipelineDriver(grant, MODEL, config=config)
+
+    async def stall() -> None:
+        slow.servicer.hang_after = slow.servicer.calls
+
+    tokens = await greedy(driver, PROMPT, NEW_TOKENS, after_step={4: stall})
+
+    assert tokens == reference_greedy(checkpoint, PROMPT, NEW_TOKENS)
+    [event] = [e for e in driver.failovers if e.failed_node_id == slow.node_id]
+    assert event.via == "alternate" and event.replacement_node_ids == (spare.node_id,)
+    assert "straggler: no answer within 1.5 s" in event.reason
+    assert event.stalled_ms >= 1500
+    await driver.close()
+
+
+async def test_without_alternates_the_coordinator_reroutes_over_a_new_chain(
+    start_node, keys, checkpoint
+) -> None:
+    a = await start_node([(0, 2)])
+    b = await start_node([(2, 4)])
+    x = await start_node([(2, 3)])
+    y = await start_node([(3, 4)])
+    coordinator = FakeCoordinator(
+        keys, checkpoint, [(0, 2, a, []), (2, 4, b, [])], spares=[(2, 3, x), (3, 4, y)]
+    )
+    address = await coordinator.start()
+    channel = grpc.aio.insecure_channel(address, options=OPTIONS)
+    stub = client_api_pb2_grpc.ClientApiStub(channel)
+    # The original capability does not grant x and y: only the rerouted one does.
+    grant = session_grant(keys, [(0, 2, a, []), (2, 4, b, [])])
+    driver = PipelineDriver(grant, MODEL, rerouter=stub.Reroute)
+
+    tokens = await greedy(driver, PROMPT, NEW_TOKENS, after_step={2: lambda: b.server.stop(0)})
+
+    assert tokens == reference_greedy(checkpoint, PROMPT, NEW_TOKENS)
+    [event] = driver.failovers
+    assert event.via == "reroute"
+    assert event.replacement_node_ids == (x.node_id, y.node_id)
+    [reroute] = coordinator.reroutes
+    assert (reroute.span.start, reroute.span.end) == (2, 4)
+    assert list(reroute.exclude_node_ids) == [b.node_id]
+    assert [(h.start, h.end) for h in driver.route] == [(0, 2), (2, 3), (3, 4)]
+    await driver.close()
+    await channel.close()
+    await coordinator.stop()
+
+
+async def test_a_node_that_lost_the_cache_gets_a_replay(start_node, keys, checkpoint) -> None:
+    a = await start_node([(0, 2)])
+    b = await start_node([(2, 4)])
+    grant = session_grant(keys, [(0, 2, a, []), (2, 4, b, [])])
+    driver = PipelineDriver(grant, MODEL)
+
+    async def forget() -> None:  # as if b's idle sweep had expired the session
+        for shard in b.manager.shards():
+            shard.release_all()
+
+    tokens = await greedy(driver, PROMPT, NEW_TOKENS, after_step={5: forget})
+
+    assert tokens == reference_greedy(checkpoint, PROMPT, NEW_TOKENS)
+    [event] = driver.failovers
+    assert (event.via, event.failed_node_id, event.replacement_node_ids) == (
+        "replay",
+        b.node_id,
+        (b.node_id,),
+    )
+    await driver.close()
+
+
+async def test_the_clients_own_mistakes_are_not_retried_elsewhere(start_node, keys) -> None:
+    a = await start_node([(0, 4)])
+    spare = await start_node([(0, 4)])
+    # A capability for another model: every node would refuse it the same way.
+    grant = session_grant(keys, [(0, 4, a, [spare])], model="other-model")
+    driver = PipelineDriver(grant, MODEL)
+    with pytest.raises(RequestRejected) as err:
+        await driver.step(PROMPT)
+    assert err.value.code == grpc.StatusCode.PERMISSION_DENIED
+    assert a.node_id in str(err.value)
+    assert driver.failovers == []
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        await driver.step([64])
+    with pytest.raises(ValueError, match="opened for 128 tokens"):
+        await driver.step([1] * 129)
+    await driver.close()
+
+
+async def test_running_out_of_replicas_is_a_clear_error(start_node, keys) -> None:
+    a = await start_node([(0, 2)])
+    b = await start_node([(2, 4)])
+    spare = await start_node([(2, 4)])
+    driver = PipelineDriver(session_grant(keys, [(0, 2, a, []), (2, 4, b, [spare])]), MODEL)
+    await driver.step(PROMPT)
+    await b.server.stop(0)
+    await spare.server.stop(0)
+    with pytest.raises(PipelineError, match=r"layers \[2, 4\) lost node .* no alternate is left"):
+        await driver.step([3])
+    await driver.close()
+
+
+async def test_end_session_reaches_every_node_used(start_node, keys) -> None:
+    a = await start_node([(0, 4)])
+    driver = PipelineDriver(session_grant(keys, [(0, 4, a, [])]), MODEL)
+    await driver.step(PROMPT)
+    assert a.manager.active_sessions() == 1
+    await driver.close()
+    assert a.manager.active_sessions() == 0
+    # The node still answers other calls after the session is gone.
+    async with grpc.aio.insecure_channel(a.address, options=OPTIONS) as channel:
+        reply = await stage_pb2_grpc.StageStub(channel).Ping(stage_pb2.PingRequest(payload=b"1"))
+    assert reply.node_id == a.node_id
+
+
+def test_stage_node_class_is_importable() -> None:
+    # Guards the harness itself: StageNode wires the real ShardManager and servicer.
+    assert StageNode.start is not None and CoordinatorKeys is not None and NUM_LAYERS == 4

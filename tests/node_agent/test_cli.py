@@ -1,0 +1,92 @@
+"""`tessera-node`: help that teaches, and clear exit codes for set-up mistakes."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from node_agent import cli, identity
+from node_agent.data_dir import DataDirLock
+from protos import identity as wire_identity
+
+
+def test_help_runs_as_a_module_and_shows_examples() -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "node_agent.cli", "join", "--help"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode == 0, result.stderr
+    for text in ("--coordinator", "--max-memory-gb", "--listen", "--mqtt", "examples:"):
+        assert text in result.stdout
+    # The test-only knobs stay out of the operator's way.
+    assert "--backoff" not in result.stdout
+
+
+def test_top_level_help_lists_the_commands(capsys) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["--help"])
+    assert exit_info.value.code == 0
+    out = capsys.readouterr().out
+    assert "join" in out and "probe" in out and "Exit codes" in out
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["join"], "--coordinator"),
+        (["join", "--coordinator", "nohost"], "is not HOST:PORT"),
+        (["join", "--coordinator", "h:1", "--max-memory-gb", "-3"], "more than 0"),
+        (["join", "--coordinator", "h:1", "--price", "nan"], "finite"),
+        (["join", "--coordinator", "h:1", "--mqtt", "http://x"], "broker URL"),
+    ],
+)
+def test_bad_flags_exit_2_and_say_why(capsys, argv, message) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(argv)
+    assert exit_info.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def _join(tmp_path, *extra: str) -> list[str]:
+    return ["join", "--coordinator", "127.0.0.1:1", "--data-dir", str(tmp_path), *extra]
+
+
+def test_a_readable_key_stops_the_agent_with_the_fix(tmp_path, caplog) -> None:
+    identity.load_or_create_key(tmp_path)
+    os.chmod(identity.key_path(tmp_path), 0o644)
+    assert cli.main(_join(tmp_path)) == 2
+    assert "chmod 600" in caplog.text
+
+
+def test_a_second_agent_on_one_data_dir_exits_2(tmp_path, caplog) -> None:
+    with DataDirLock(tmp_path):
+        assert cli.main(_join(tmp_path)) == 2
+    assert "already using" in caplog.text
+
+
+def test_a_missing_gpu_exits_2(tmp_path, caplog) -> None:
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU; the probe tests cover cuda:N")
+    assert cli.main(_join(tmp_path, "--device", "cuda")) == 2
+    assert "--device cpu" in caplog.text
+
+
+def test_probe_prints_json_and_creates_nothing(tmp_path, capsys) -> None:
+    data_dir = tmp_path / "fresh"
+    assert cli.main(["probe", "--device", "cpu", "--data-dir", str(data_dir),
+                     "--benchmark-s", "0.05"]) == 0  # fmt: skip
+    report = json.loads(capsys.readouterr().out)
+    assert report["device_kind"] == "cpu" and report["matmul_tflops"] > 0
+    assert report["node_id"] == "" and not data_dir.exists()
+
+    key = identity.load_or_create_key(data_dir)
+    assert cli.main(["probe", "--device", "cpu", "--data-dir", str(data_dir),
+                     "--benchmark-s", "0.05"]) == 0  # fmt: skip
+    report = json.loads(capsys.readouterr().out)
+    assert report["node_id"] == wire_identity.node_id(wire_identity.public_key_bytes(key))

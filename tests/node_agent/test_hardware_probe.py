@@ -1,0 +1,60 @@
+"""The probe reports sane numbers for this machine and honours the owner's memory cap."""
+
+import os
+
+import psutil
+import pytest
+
+from node_agent import hardware_probe
+from node_agent.hardware_probe import GIB, DeviceError, probe, usable_bytes
+
+
+def test_cpu_probe_is_sane() -> None:
+    hw = probe("cpu")
+    assert hw.device_kind == "cpu"
+    assert hw.torch_device == "cpu"
+    assert hw.device_name and hw.device_name != "unknown CPU"
+    assert 1 <= hw.cpu_cores <= (os.cpu_count() or 1)
+    assert 0 < hw.ram_bytes <= psutil.virtual_memory().total
+    assert hw.memory_total_bytes == hw.ram_bytes
+    assert 0 <= hw.memory_usable_bytes < hw.memory_total_bytes
+    assert hw.compute_capability == ""
+    assert "float32" in hw.dtypes and "float16" not in hw.dtypes
+
+
+def test_auto_picks_a_device_that_exists() -> None:
+    hw = probe("auto")
+    assert hw.device_kind in ("cpu", "cuda", "mps")
+
+
+def test_the_owner_cap_limits_usable_memory() -> None:
+    assert probe("cpu", max_memory_gb=0.5).memory_usable_bytes == GIB // 2
+
+
+def test_usable_memory_leaves_headroom_and_never_goes_negative() -> None:
+    assert usable_bytes(10 * GIB, 0.2, 2 * GIB, None) == 8 * GIB
+    assert usable_bytes(100 * GIB, 0.2, 2 * GIB, None) == 80 * GIB
+    assert usable_bytes(1 * GIB, 0.2, 2 * GIB, None) == 0
+    assert usable_bytes(100 * GIB, 0.2, 2 * GIB, 4) == 4 * GIB
+
+
+@pytest.mark.parametrize("device", ["gpu", "cuda:x", "tpu", ""])
+def test_unknown_devices_are_named_in_the_error(device: str) -> None:
+    with pytest.raises(DeviceError, match="use auto, cpu, cuda, cuda:N or mps"):
+        probe(device)
+
+
+def test_a_missing_cuda_gpu_is_a_clear_error() -> None:
+    import torch
+
+    if torch.cuda.is_available():
+        with pytest.raises(DeviceError, match="there is no cuda:99"):
+            probe("cuda:99")
+    else:
+        with pytest.raises(DeviceError, match="--device cpu"):
+            probe("cuda")
+
+
+def test_cpu_model_name_is_a_single_clean_line() -> None:
+    name = hardware_probe.cpu_model_name()
+    assert name and "\n" not in name and name == name.strip()

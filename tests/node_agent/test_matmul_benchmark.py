@@ -1,0 +1,20 @@
+"""The start-up benchmark measures real throughput, quickly."""
+
+import time
+
+from node_agent.matmul_benchmark import measure_tflops
+
+
+def test_cpu_benchmark_is_positive_and_fast() -> None:
+    start = time.perf_counter()
+    tflops = measure_tflops("cpu", budget_s=0.3)
+    elapsed = time.perf_counter() - start
+    assert elapsed < 3.0
+    # Positive, and below what any CPU of today can do in fp32.
+    assert 0.0 < tflops < 100.0
+
+
+def test_the_budget_bounds_the_run_time() -> None:
+    start = time.perf_counter()
+    measure_tflops("cpu", budget_s=0.05)
+    assert time.perf_counter() - start < 1.5

@@ -1,0 +1,99 @@
+"""Every system on the same scenario: sane results, none above the bound; the command runs."""
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from placement_sim.evaluate import default_systems, run_scenario
+from placement_sim.gpus import GPUS
+from placement_sim.models import LLAMA2_7B, LLAMA2_13B, LLAMA2_70B
+from placement_sim.scenarios import FULL, quick
+from placement_sim.swarm import ServingParams
+from placement_sim.tessera import TesseraSystem
+from placement_toy import HOME, node, swarm, toy_model
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_the_card_table_has_the_required_cards():
+    required = {
+        "RTX 3060 12GB": 12,
+        "RTX 3070 8GB": 8,
+        "RTX 3080 10GB": 10,
+        "RTX 3090 24GB": 24,
+        "RTX 4060 Ti 16GB": 16,
+        "RTX 4070 12GB": 12,
+        "RTX 4090 24GB": 24,
+        "RTX A4000 16GB": 16,
+    }
+    for name, memory in required.items():
+        assert GPUS[name].memory_gib == memory
+        assert GPUS[name].fp16_tflops > 0 and GPUS[name].memory_gbps > 0
+
+
+def test_llama2_shapes_have_their_published_sizes():
+    def total(m):
+        return m.num_layers * m.params_per_layer + m.embed_params + m.head_params
+
+    assert round(total(LLAMA2_7B) / 1e9, 2) == 6.74
+    assert round(total(LLAMA2_13B) / 1e9, 2) == 13.02
+    assert round(total(LLAMA2_70B) / 1e9, 2) == 68.98
+
+
+def test_tessera_adapter_routes_through_the_planners_layout():
+    model = toy_model(4)
+    s = swarm(node("a"), node("b"), model=model)
+    system = TesseraSystem(s, replicas=2)
+    system.start()
+    hops = system.route(HOME, {}, set())
+    assert hops[0].start == 0 and hops[-1].end == 4
+    assert all(x.end == y.start for x, y in zip(hops, hops[1:], strict=False))
+    assert system.route(HOME, {}, full=set(system.ranges())) is None
+
+
+@pytest.mark.parametrize("name", ["7b-us-east-steam", "70b-europe-highend"])
+def test_no_system_beats_the_upper_bound(name):
+    scenario = quick([s for s in FULL if s.name == name])[0]
+    result = run_scenario(scenario, ServingParams(), default_systems(2))
+    assert result.bound_tokens_per_s > 0
+    for system in result.systems:
+        assert 0 < system.served.tokens_per_s <= result.bound_tokens_per_s, system.name
+        assert system.served.sessions > 0
+        assert system.moved_per_event_bytes >= 0
+
+
+def test_the_command_prints_tables_and_the_summary_line_last():
+    out = subprocess.run(
+        [
+            sys.executable,
+            "bench/placement.py",
+            "--quick",
+            "--skip-plan-times",
+            "--scenario",
+            "70b-europe-highend",
+        ],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.strip().splitlines()
+    assert re.fullmatch(
+        r"planner vs parallax: \d+\.\d\d, vs petals: \d+\.\d\d, vs bound: \d+\.\d\d", lines[-1]
+    ), lines[-1]
+    assert any(line.startswith("parallax") for line in lines)
+    assert any(line.startswith("upper bound") for line in lines)
+
+
+def test_the_command_names_a_wrong_scenario():
+    out = subprocess.run(
+        [sys.executable, "bench/placement.py", "--scenario", "nope"],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert out.returncode == 2 and "unknown scenario" in out.stderr

@@ -1,0 +1,80 @@
+"""The performance model on examples small enough to check by hand."""
+
+import pytest
+from placement_sim.serving import saturate, throughput_of
+from placement_sim.swarm import Hop, handoff_s, layer_time_s, session_latency_s
+from placement_sim.upper_bound import upper_bound_tokens_per_s
+from placement_toy import EXACT, HOME, TOY, node, swarm
+
+# One toy layer: 10,487,808 params -> 20,975,616 bytes; KV 2*8*128*2 = 4096 bytes per token;
+# mean context 256 tokens -> 1,048,576 KV bytes per session; flops per token
+# 2*10,487,808 + 4*256*1024 = 22,024,192.
+WEIGHTS, KV_PER_SESSION, FLOPS = 20_975_616, 1_048_576, 22_024_192
+
+
+def test_decode_is_memory_bound_at_small_batches_and_compute_bound_at_large():
+    n = node("a")
+    # 100 GB/s: (weights + 1 session's KV) / 1e11
+    assert layer_time_s(n, TOY, EXACT, 1) == pytest.approx((WEIGHTS + KV_PER_SESSION) / 1e11)
+    assert layer_time_s(n, TOY, EXACT, 2) == pytest.approx((WEIGHTS + 2 * KV_PER_SESSION) / 1e11)
+    # 32 sessions: 32 * 22 MFLOP at 1 TFLOPS = 705 us > (21 MB + 33.5 MB) / 100 GB/s = 545 us
+    assert layer_time_s(n, TOY, EXACT, 32) == pytest.approx(32 * FLOPS / 1e12)
+
+
+def test_handoff_pushes_the_batch_through_the_upload_link():
+    # 1024 hidden * 2 bytes * 8 bits / 8 Mb/s = 2.048 ms per session in the batch
+    assert handoff_s(node("a"), TOY, 1) == pytest.approx(2.048e-3)
+    assert handoff_s(node("a"), TOY, 3) == pytest.approx(3 * 2.048e-3)
+
+
+def test_two_hop_session_latency_and_tokens_per_second_by_hand():
+    s = swarm(node("a"), node("b"))
+    hops = [Hop("a", 0, 2), Hop("b", 2, 4)]
+    one = session_latency_s(s, HOME, hops, {"a": 1, "b": 1})
+    # client->a 10 ms + 2 layers + hand-off 2.048 ms + a->b 10 ms + 2 layers + b->client 10 ms
+    layer = (WEIGHTS + KV_PER_SESSION) / 1e11
+    assert one == pytest.approx(0.030 + 2.048e-3 + 4 * layer)
+    assert one * 1000 == pytest.approx(32.92896768)
+
+    tokens_per_s, latencies, load = throughput_of(s, [(HOME, hops), (HOME, hops)])
+    assert load == {"a": 2, "b": 2}
+    layer2 = (WEIGHTS + 2 * KV_PER_SESSION) / 1e11
+    both = 0.030 + 2 * 2.048e-3 + 4 * layer2  # 35.01891072 ms
+    assert latencies == pytest.approx([both, both])
+    assert tokens_per_s == pytest.approx(2 / both)
+    assert tokens_per_s == pytest.approx(57.1120, rel=1e-4)
+
+
+class FixedRoute:
+    """A system that always routes through a and b: admission must stop at the KV slots."""
+
+    name = "fixed"
+
+    def __init__(self, s):
+        self.swarm = s
+
+    def route(self, client, load, full):
+        return [Hop("a", 0, 2), Hop("b", 2, 4)]
+
+
+def test_admission_stops_when_a_node_on_the_route_has_no_free_slot():
+    s = swarm(node("a"), node("b"))
+    served = saturate(FixedRoute(s), [HOME] * 10)
+    assert served.sessions == EXACT.slots == 4
+    layer4 = (WEIGHTS + 4 * KV_PER_SESSION) / 1e11
+    per_token = 0.030 + 4 * 2.048e-3 + 4 * layer4
+    assert served.tokens_per_s == pytest.approx(4 / per_token)
+    assert served.percentile_ms(50) == pytest.approx(per_token * 1000)
+    assert served.mean_hops == 2
+
+
+def test_upper_bound_by_hand_for_one_node_that_holds_everything():
+    s = swarm(node("a"))
+    # 4 slots x 4 layers at batch-1 cost; network floor = the client's 20 ms round trip.
+    layer = (WEIGHTS + KV_PER_SESSION) / 1e11
+    expected = 4 / (0.020 + 4 * layer)
+    assert upper_bound_tokens_per_s(s, [HOME]) == pytest.approx(expected)
+    # The same node really serving 4 sessions is slower (batch 4), so below the bound.
+    layer4 = (WEIGHTS + 4 * KV_PER_SESSION) / 1e11
+    real = 4 / (0.020 + 4 * layer4)
+    assert real < expected
