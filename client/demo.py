@@ -13,6 +13,7 @@ Every process started here is stopped on exit, Ctrl-C included.
 from __future__ import annotations
 
 import argparse
+import logging
 import signal
 import sys
 import tempfile
@@ -67,6 +68,8 @@ def _terminate(signum: int, frame: FrameType | None) -> None:
 
 def run(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGTERM, _terminate)
+    # The demo narrates fail-overs itself; the driver's own warnings would repeat them.
+    logging.basicConfig(level=logging.ERROR)
     with tempfile.TemporaryDirectory(prefix="tessera-demo-") as tmp:
         workdir = args.workdir or Path(tmp)
         try:
@@ -102,6 +105,8 @@ def _demo(workdir: Path, tokens: int, kill_after: int) -> int:
             reference = _generate(client, tokens)
             _say(f"   route: {_route_text(reference, names)}")
             _say(f"   output: {reference.text!r}")
+            _say("   (the weights are random, so the text is noise; what matters is that it")
+            _say("   comes out the same, token for token, through any route)")
 
             _say(
                 f"\n4. generating again; the middle stage's node is killed after "
@@ -125,7 +130,8 @@ def _demo(workdir: Path, tokens: int, kill_after: int) -> int:
             for event in faulty.failovers:
                 replacement = ", ".join(names.get(n, n) for n in event.replacement_node_ids)
                 _say(
-                    f"   fail-over at position {event.position}: layers {event.start}-{event.end - 1} "
+                    f"   fail-over at position {event.position}: "
+                    f"layers {event.start}-{event.end - 1} "
                     f"moved from {names.get(event.failed_node_id, event.failed_node_id)} to "
                     f"{replacement} via {event.via}, replayed {event.replayed_tokens} tokens, "
                     f"stalled {event.stalled_ms:.0f} ms ({event.reason})"

@@ -1,0 +1,241 @@
+"""`tessera-coordinator`: run the coordinator, and administer a running one.
+
+Subcommand groups live in their own modules, each exposing `add_parser(subparsers)` that
+adds its parser(s) and sets `func=handler(args) -> exit status`; list them in
+SUBCOMMAND_MODULES. A module that is not installed is skipped.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import importlib
+import logging
+import math
+import sys
+from pathlib import Path
+from typing import Any
+
+import grpc
+
+from coordinator.admin_client import CliError
+from coordinator.events import parse_mqtt_url
+from coordinator.settings import Settings
+
+LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+SUBCOMMAND_MODULES = ("coordinator.nodes_cli", "coordinator.models_cli")
+
+EPILOG = """\
+examples:
+  # run a coordinator on all interfaces, state in /var/lib/tessera
+  tessera-coordinator serve --listen 0.0.0.0:50051 --db /var/lib/tessera/coordinator.db
+
+  # with an MQTT broker for presence and telemetry (see deploy/mosquitto.conf)
+  tessera-coordinator serve --listen 0.0.0.0:50051 --db state/coordinator.db \\
+      --mqtt mqtt://127.0.0.1:1883
+
+  # on the same machine: list nodes, drain one
+  tessera-coordinator nodes list --data-dir /var/lib/tessera
+  tessera-coordinator nodes drain NODE_ID --data-dir /var/lib/tessera
+"""
+
+
+def configure_logging(level: str) -> None:
+    logging.basicConfig(level=level.upper(), format=LOG_FORMAT, stream=sys.stderr, force=True)
+
+
+def _positive_seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
+    if not math.isfinite(value) or value <= 0:
+        raise argparse.ArgumentTypeError(f"must be a positive number of seconds, got {text}")
+    return value
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def _listen_address(text: str) -> str:
+    from coordinator.addresses import split_host_port
+
+    try:
+        split_host_port(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return text
+
+
+def _mqtt_url(text: str) -> str:
+    try:
+        parse_mqtt_url(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return text
+
+
+def _add_serve_parser(subparsers: Any) -> None:
+    serve_parser = subparsers.add_parser(
+        "serve",
+        help="run the coordinator",
+        description="Run the coordinator: node registry, model store, sessions. Logs "
+        "'serving on HOST:PORT' when ready and writes that address to DATA_DIR/coordinator.addr. "
+        "The admin token is created in DATA_DIR/admin.token (mode 0600) on first start.",
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    serve_parser.add_argument(
+        "--listen", type=_listen_address, default="127.0.0.1:50051", metavar="HOST:PORT",
+        help="where to accept nodes and clients; port 0 picks a free port "
+        "(default: %(default)s; use 0.0.0.0:PORT to accept other machines)",
+    )  # fmt: skip
+    serve_parser.add_argument(
+        "--db", type=Path, required=True, metavar="PATH",
+        help="SQLite database file (created if missing); nodes survive restarts through it",
+    )  # fmt: skip
+    serve_parser.add_argument(
+        "--data-dir", type=Path, metavar="DIR",
+        help="keys, admin token, address file, model blobs (default: the database's folder)",
+    )  # fmt: skip
+    serve_parser.add_argument(
+        "--mqtt", type=_mqtt_url, metavar="URL",
+        help="publish presence through this MQTT broker, e.g. mqtt://127.0.0.1:1883 "
+        "(default: an in-process event bus, no broker needed)",
+    )  # fmt: skip
+    serve_parser.add_argument(
+        "--heartbeat-interval", type=_positive_seconds, default=5.0, metavar="S",
+        help="how often nodes send heartbeats (default: %(default)s s); a node silent for "
+        "1.5 intervals becomes 'suspect'",
+    )  # fmt: skip
+    serve_parser.add_argument(
+        "--offline-after",
+        type=_positive_seconds,
+        metavar="S",
+        help="silence after which a node is offline (default: 3 heartbeat intervals)",
+    )
+    serve_parser.add_argument(
+        "--heartbeat-ack-every", type=int, choices=[1, 2], default=1, metavar="N",
+        help="acknowledge every Nth heartbeat, and every state change at once (default: "
+        "%(default)s). 2 halves the acks the coordinator writes, about a third of its CPU per "
+        "heartbeat; node agents accept up to 3 silent intervals",
+    )  # fmt: skip
+    serve_parser.add_argument(
+        "--replicas", type=_positive_int, default=2, metavar="R",
+        help="keep at least R ready replicas of every layer when capacity allows, so a node "
+        "can die mid-generation without a stall for re-loading (default: %(default)s)",
+    )  # fmt: skip
+    serve_parser.add_argument(
+        "--min-stages", type=_positive_int, default=1, metavar="K",
+        help="split every model into at least K pipeline stages even when one node could "
+        "hold more (default: %(default)s: as few stages as memory allows)",
+    )  # fmt: skip
+    serve_parser.add_argument(
+        "--kv-tokens", type=_positive_int, default=4096, metavar="N",
+        help="KV-cache tokens each shard reserves for its sessions (default: %(default)s)",
+    )  # fmt: skip
+    serve_parser.set_defaults(func=_run_serve)
+
+
+def _run_serve(args: argparse.Namespace) -> int:
+    db_path = args.db.expanduser().resolve()
+    data_dir = (args.data_dir or db_path.parent).expanduser().resolve()
+    settings = Settings(
+        db_path=db_path,
+        data_dir=data_dir,
+        listen=args.listen,
+        mqtt_url=args.mqtt,
+        heartbeat_interval_s=args.heartbeat_interval,
+        offline_after_s=args.offline_after,
+        heartbeat_ack_every=args.heartbeat_ack_every,
+        replicas=args.replicas,
+        min_stages=args.min_stages,
+        kv_tokens_per_shard=args.kv_tokens,
+    )
+    if settings.offline_after <= settings.suspect_after:
+        raise CliError(
+            f"--offline-after ({settings.offline_after:g} s) must be longer than 1.5 heartbeat "
+            f"intervals ({settings.suspect_after:g} s)"
+        )
+    # Imported here: admin subcommands start faster without the server's dependencies.
+    from coordinator.server import StartupError, serve
+
+    try:
+        asyncio.run(serve(settings))
+    except StartupError as exc:
+        raise CliError(str(exc)) from None
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="tessera-coordinator",
+        description="The Tessera coordinator: registers community GPU nodes, shards models "
+        "across them and routes inference sessions.",
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument(
+        "--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"],
+        type=str.upper, help="(default: %(default)s)",
+    )  # fmt: skip
+    subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    _add_serve_parser(subparsers)
+    for module_name in SUBCOMMAND_MODULES:
+        try:
+            module = importlib.import_module(module_name)
+        except ModuleNotFoundError as exc:
+            if exc.name == module_name:
+                continue  # that part is not installed
+            raise
+        module.add_parser(subparsers)
+    # `serve --log-level X` reads more naturally than `--log-level X serve`: accept both.
+    for choice in subparsers.choices.values():
+        _add_log_level(choice)
+    return parser
+
+
+def _add_log_level(parser: argparse.ArgumentParser) -> None:
+    if any("--log-level" in action.option_strings for action in parser._actions):
+        return
+    parser.add_argument(
+        "--log-level", choices=["DEBUG", "INFO", "WARNING", "ERROR"], type=str.upper,
+        default=argparse.SUPPRESS, help="log verbosity (default: INFO)",
+    )  # fmt: skip
+    sub_actions = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+    for action in sub_actions:
+        for child in action.choices.values():
+            _add_log_level(child)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    configure_logging(args.log_level)
+    try:
+        return int(args.func(args) or 0)
+    except CliError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except grpc.RpcError as exc:
+        code = exc.code() if hasattr(exc, "code") else None
+        details = exc.details() if hasattr(exc, "details") else str(exc)
+        if code == grpc.StatusCode.UNAVAILABLE:
+            print(f"error: cannot reach the coordinator: {details}", file=sys.stderr)
+        else:
+            print(f"error: the coordinator answered {getattr(code, 'name', code)}: {details}",
+                  file=sys.stderr)  # fmt: skip
+        return 1
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,135 @@
+"""Wires inference into a running coordinator: registry and model store events drive
+placement; placement's readiness feeds sessions; the ClientApi session RPCs land here.
+
+`build(ctx)` is called by the server at start-up. It sets `ctx.planner` (placement, which
+the model store asks for coverage) and returns the session RPC handler (`ctx.sessions`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any
+
+import grpc
+
+from coordinator.context import CoordinatorContext
+from coordinator.node_state import NodeState
+from coordinator.placement import Placement, PlacementNode, model_spec
+from coordinator.registry import NodeStateChanged, ShardStatusReported, TelemetryReported
+from coordinator.sessions import SessionError, Sessions
+from protos.tessera.v1 import client_api_pb2, common_pb2
+
+log = logging.getLogger("tessera.inference")
+
+# Nodes in these states hold no routable shards.
+_GONE = frozenset({NodeState.OFFLINE, NodeState.DRAINING, NodeState.BANNED})
+
+
+class SessionRpc:
+    """The ClientApi session RPCs, in the server's delegate convention."""
+
+    def __init__(self, ctx: CoordinatorContext, placement: Placement) -> None:
+        self._ctx = ctx
+        self._placement = placement
+        self._tasks: set[asyncio.Task[Any]] = set()
+        store = ctx.model_store
+        self.sessions = Sessions(
+            ctx.signing_key,
+            placement,
+            model_info=self._model_info,
+            model_names=lambda: [m.name for m in store.models()] if store else [],
+        )
+        ctx.registry.add_listener(self._on_registry_event)
+        if store is not None:
+            store.add_listener(lambda event, name: self._refresh_models())
+
+    def _model_info(self, name: str) -> client_api_pb2.ModelInfo | None:
+        store = self._ctx.model_store
+        record = store.model(name) if store is not None else None
+        if record is None:
+            return None
+        return client_api_pb2.ModelInfo(
+            name=record.name,
+            num_layers=record.num_layers,
+            hidden_size=record.hidden_size,
+            vocab_size=record.vocab_size,
+        )
+
+    async def start(self) -> None:
+        self._refresh_models()
+        for view in self._ctx.registry.nodes([NodeState.ONLINE]):
+            self._placement.node_up(PlacementNode(view.node_id, view.data_address,
+                                                  view.capabilities))
+
+    async def stop(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+
+    def _refresh_models(self) -> None:
+        store = self._ctx.model_store
+        if store is None:
+            return
+        specs = []
+        for record in store.models():
+            try:
+                specs.append(model_spec(record.name, record.config_json))
+            except ValueError as exc:  # imported before a layout rule tightened
+                log.error("cannot place model %s: %s", record.name, exc)
+        self._placement.set_models(specs)
+
+    def _on_registry_event(self, event: object) -> None:
+        if isinstance(event, NodeStateChanged):
+            if event.new is NodeState.ONLINE:
+                view = self._ctx.registry.node(event.node_id)
+                if view is not None:
+                    self._placement.node_up(
+                        PlacementNode(view.node_id, view.data_address, view.capabilities)
+                    )
+            elif event.new in _GONE:
+                self._placement.node_down(event.node_id)
+        elif isinstance(event, ShardStatusReported):
+            task = asyncio.get_running_loop().create_task(
+                self._placement.shard_status(event.node_id, event.status)
+            )
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+        elif isinstance(event, TelemetryReported):
+            t = event.telemetry
+            self._placement.update_load(event.node_id, float(t.active_sessions + t.queue_length))
+
+    # ---- RPCs -------------------------------------------------------------------------------
+
+    async def open_session(
+        self, request: client_api_pb2.OpenSessionRequest, context: grpc.aio.ServicerContext
+    ) -> client_api_pb2.SessionGrant:
+        return await self._answer(context, self.sessions.open_session, request)
+
+    async def reroute(
+        self, request: client_api_pb2.RerouteRequest, context: grpc.aio.ServicerContext
+    ) -> client_api_pb2.RerouteResponse:
+        return await self._answer(context, self.sessions.reroute, request)
+
+    async def close_session(
+        self, request: client_api_pb2.CloseSessionRequest, context: grpc.aio.ServicerContext
+    ) -> common_pb2.Empty:
+        return await self._answer(context, self.sessions.close_session, request)
+
+    @staticmethod
+    async def _answer(context: grpc.aio.ServicerContext, method: Any, request: Any) -> Any:
+        try:
+            return method(request)
+        except SessionError as exc:
+            await context.abort(exc.code, exc.message)
+
+
+def build(ctx: CoordinatorContext) -> SessionRpc:
+    settings = ctx.settings
+    placement = Placement(
+        ctx.registry.send_command,
+        replicas=settings.replicas,
+        min_stages=settings.min_stages,
+        kv_tokens=settings.kv_tokens_per_shard,
+    )
+    ctx.planner = placement
+    return SessionRpc(ctx, placement)

@@ -1,0 +1,117 @@
+"""Versioned schema migrations, applied in order, each in its own transaction.
+
+Adding a migration is one line in MIGRATIONS, e.g.
+    Migration(2, "model store", model_store.schema.apply),
+where `apply(db: sqlite_utils.Database) -> None` creates or alters tables. Versions must be
+strictly increasing; a migration never changes once released (write a new one instead).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import sqlite_utils
+
+from coordinator.model_store.schema import MIGRATION_NAME as MODEL_STORE_MIGRATION
+from coordinator.model_store.schema import create_model_store_tables
+
+
+@dataclass(frozen=True)
+class Migration:
+    version: int
+    name: str
+    apply: Callable[[sqlite_utils.Database], None]
+
+
+class SchemaTooNew(RuntimeError):
+    """The database was written by a newer coordinator than this one."""
+
+
+def _nodes_and_events(db: sqlite_utils.Database) -> None:
+    db["nodes"].create(
+        {
+            "node_id": str,
+            "public_key": bytes,
+            "name": str,
+            "account": str,
+            # The full Capabilities proto; the columns after it are copies for SQL queries.
+            "capabilities": bytes,
+            "device_kind": str,
+            "device_name": str,
+            "device_count": int,
+            "memory_usable_bytes": int,
+            "matmul_tflops": float,
+            "region": str,
+            "data_address": str,
+            "state": str,
+            "registered_ms": int,
+            "last_seen_ms": int,
+            "state_changed_ms": int,
+            "reachable": int,
+        },
+        pk="node_id",
+        not_null={"public_key", "name", "state", "registered_ms"},
+    )
+    db["nodes"].create_index(["state"])
+    db["node_events"].create(
+        {
+            "id": int,
+            "node_id": str,
+            "ts_ms": int,
+            "from_state": str,
+            "to_state": str,
+            "reason": str,
+        },
+        pk="id",
+        not_null={"node_id", "ts_ms", "to_state"},
+    )
+    db["node_events"].create_index(["node_id", "ts_ms"])
+
+
+MIGRATIONS: list[Migration] = [
+    Migration(1, "nodes and node events", _nodes_and_events),
+    Migration(2, MODEL_STORE_MIGRATION, create_model_store_tables),
+]
+
+
+def current_version(db: sqlite_utils.Database) -> int:
+    if "schema_version" not in db.table_names():
+        return 0
+    row = db.execute("SELECT MAX(version) FROM schema_version").fetchone()
+    return int(row[0] or 0)
+
+
+def apply_migrations(
+    db: sqlite_utils.Database, migrations: list[Migration] | None = None
+) -> list[int]:
+    """Bring `db` up to the newest schema; returns the versions applied now (often none)."""
+    migrations = MIGRATIONS if migrations is None else migrations
+    versions = [m.version for m in migrations]
+    if versions != sorted(set(versions)) or (versions and versions[0] < 1):
+        raise ValueError(f"migration versions must be unique, increasing and >= 1: {versions}")
+    with db.atomic():
+        db.execute(
+            "CREATE TABLE IF NOT EXISTS schema_version ("
+            "version INTEGER PRIMARY KEY, name TEXT NOT NULL, applied_ms INTEGER NOT NULL)"
+        )
+    have = current_version(db)
+    newest = versions[-1] if versions else 0
+    if have > newest:
+        raise SchemaTooNew(
+            f"the database has schema version {have}, but this coordinator knows only up to "
+            f"{newest}; run a newer tessera-coordinator, or restore a backup"
+        )
+    applied = []
+    for migration in migrations:
+        if migration.version <= have:
+            continue
+        with db.atomic():
+            migration.apply(db)
+            db.execute(
+                "INSERT INTO schema_version (version, name, applied_ms) VALUES (?, ?, ?)",
+                [migration.version, migration.name, int(time.time() * 1000)],
+            )
+        applied.append(migration.version)
+    return applied

@@ -1,0 +1,35 @@
+"""The states a node can be in, and how they map to the wire."""
+
+from __future__ import annotations
+
+import enum
+
+from protos.tessera.v1 import node_pb2
+
+
+class NodeState(str, enum.Enum):
+    ONLINE = "online"
+    SUSPECT = "suspect"  # missed heartbeats, not yet given up on
+    OFFLINE = "offline"
+    DRAINING = "draining"  # no new work; finishing what runs
+    BANNED = "banned"
+
+    def to_proto(self) -> int:
+        return _TO_PROTO[self]
+
+    @classmethod
+    def from_proto(cls, value: int) -> NodeState:
+        return _FROM_PROTO[value]
+
+
+_TO_PROTO = {
+    NodeState.ONLINE: node_pb2.NODE_STATE_ONLINE,
+    NodeState.SUSPECT: node_pb2.NODE_STATE_SUSPECT,
+    NodeState.OFFLINE: node_pb2.NODE_STATE_OFFLINE,
+    NodeState.DRAINING: node_pb2.NODE_STATE_DRAINING,
+    NodeState.BANNED: node_pb2.NODE_STATE_BANNED,
+}
+_FROM_PROTO = {v: k for k, v in _TO_PROTO.items()}
+
+# States in which a node is connected and may be given work (draining: only finish work).
+CONNECTED = frozenset({NodeState.ONLINE, NodeState.SUSPECT, NodeState.DRAINING})

@@ -1,0 +1,111 @@
+"""`tessera-coordinator nodes list|drain`: look at and steer the registered nodes."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from typing import Any
+
+from google.protobuf import json_format
+
+from coordinator.admin_client import (
+    add_connection_arguments,
+    bearer_metadata,
+    open_channel,
+    resolve_address,
+    resolve_admin_token,
+)
+from protos.tessera.v1 import (
+    admin_pb2,
+    admin_pb2_grpc,
+    client_api_pb2,
+    client_api_pb2_grpc,
+    node_pb2,
+)
+
+RPC_TIMEOUT_S = 15.0
+
+
+def add_parser(subparsers: Any) -> None:
+    nodes = subparsers.add_parser(
+        "nodes",
+        help="list or drain the nodes of a running coordinator",
+        description="Look at and steer the nodes registered with a running coordinator.",
+    )
+    actions = nodes.add_subparsers(dest="nodes_command", required=True, metavar="ACTION")
+
+    listing = actions.add_parser(
+        "list",
+        help="show registered nodes",
+        description="Show the nodes the coordinator knows (connected ones unless --all).",
+        epilog="example: tessera-coordinator nodes list --data-dir /var/lib/tessera --all",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    listing.add_argument("--all", action="store_true", help="include offline and banned nodes")
+    listing.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    add_connection_arguments(listing)
+    listing.set_defaults(func=run_list)
+
+    drain = actions.add_parser(
+        "drain",
+        help="ask a node to finish its work and leave (admin)",
+        description="Ask an attached node to stop taking new work, finish what runs and "
+        "disconnect. Needs the admin token.",
+        epilog="example: tessera-coordinator nodes drain n3f2a... --reason 'disk swap' "
+        "--data-dir /var/lib/tessera",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    drain.add_argument("node_id", metavar="NODE_ID", help="as shown by `nodes list`")
+    drain.add_argument("--reason", default="", help="shown to the node's operator")
+    add_connection_arguments(drain)
+    drain.set_defaults(func=run_drain)
+
+
+def _state_name(value: int) -> str:
+    return node_pb2.NodeState.Name(value).removeprefix("NODE_STATE_").lower()
+
+
+def _age(ms: int) -> str:
+    if not ms:
+        return "-"
+    seconds = max(0.0, time.time() - ms / 1000)
+    return f"{seconds:.0f}s ago" if seconds < 120 else f"{seconds / 60:.0f}m ago"
+
+
+def run_list(args: argparse.Namespace) -> int:
+    with open_channel(resolve_address(args)) as channel:
+        reply = client_api_pb2_grpc.ClientApiStub(channel).ListNodes(
+            client_api_pb2.ListNodesRequest(include_offline=args.all), timeout=RPC_TIMEOUT_S
+        )
+    if args.json:
+        rows = [json_format.MessageToDict(n, preserving_proto_field_name=True) for n in reply.nodes]
+        print(json.dumps(rows, indent=2))
+        return 0
+    header = ("NODE_ID", "NAME", "STATE", "DEVICE", "USABLE_GB", "TFLOPS", "LAST_SEEN")
+    rows = [header]
+    for n in reply.nodes:
+        caps = n.capabilities
+        rows.append((
+            n.node_id, n.name, _state_name(n.state), f"{caps.device_kind} {caps.device_name}"[:32],
+            f"{caps.memory_usable_bytes / 1e9:.1f}", f"{caps.matmul_tflops:.2f}",
+            _age(n.last_seen_unix_ms),
+        ))  # fmt: skip
+    widths = [max(len(str(r[i])) for r in rows) for i in range(len(header))]
+    for row in rows:
+        print("  ".join(str(v).ljust(w) for v, w in zip(row, widths, strict=True)).rstrip())
+    if not reply.nodes:
+        print("(no nodes" + ("" if args.all else " connected; --all shows offline ones") + ")")
+    return 0
+
+
+def run_drain(args: argparse.Namespace) -> int:
+    token = resolve_admin_token(args)
+    with open_channel(resolve_address(args)) as channel:
+        admin_pb2_grpc.AdminStub(channel).DrainNode(
+            admin_pb2.DrainNodeRequest(node_id=args.node_id, reason=args.reason),
+            metadata=bearer_metadata(token),
+            timeout=RPC_TIMEOUT_S,
+        )
+    print(f"node {args.node_id} is draining")
+    return 0

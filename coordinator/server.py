@@ -1,0 +1,237 @@
+"""Assembles a running coordinator: database, keys, event bus, registry, gRPC server.
+
+    async with running_coordinator(settings) as coordinator:
+        print(coordinator.address)       # HOST:PORT actually bound (port 0 -> a free one)
+        ...                              # stops gracefully on exit
+
+`serve(settings)` runs one until SIGTERM/SIGINT; it is what `tessera-coordinator serve` runs.
+
+Optional parts plug in through COMPONENTS: (context attribute, "module:builder"). The
+builder is called with the context (awaited if async) and its result set on the context, in
+the listed order; a component with `async start()` / `async stop()` runs with the server.
+A module that is not installed is skipped, and its RPCs answer UNIMPLEMENTED.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import gc
+import importlib
+import inspect
+import logging
+import signal
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import grpc
+
+from coordinator import db as database
+from coordinator import secrets_store
+from coordinator.addresses import split_host_port
+from coordinator.context import CoordinatorContext
+from coordinator.events import EventBus, InProcessBus, MqttBus
+from coordinator.presence import PresenceWatcher
+from coordinator.registry import Registry
+from coordinator.services import AdminService, ClientApiService, CoordinatorService
+from coordinator.settings import Settings
+from protos import codec, identity
+from protos.tessera.v1 import admin_pb2_grpc, client_api_pb2_grpc, coordinator_pb2_grpc
+
+log = logging.getLogger(__name__)
+
+SERVER_OPTIONS = [
+    ("grpc.max_receive_message_length", codec.MAX_MESSAGE_BYTES),
+    ("grpc.max_send_message_length", codec.MAX_MESSAGE_BYTES),
+    # Two coordinators on one port would split the nodes between two registries: refuse.
+    ("grpc.so_reuseport", 0),
+    # Find dead peers on idle Attach streams, and let agents ping us to keep NATs open.
+    ("grpc.keepalive_time_ms", 30_000),
+    ("grpc.keepalive_timeout_ms", 10_000),
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.http2.min_recv_ping_interval_without_data_ms", 5_000),
+    ("grpc.http2.max_ping_strikes", 0),
+]
+
+GC_GEN0_THRESHOLD = 20_000
+COMPONENTS: tuple[tuple[str, str], ...] = (
+    ("model_store", "coordinator.model_store:ModelStore.from_context"),
+    ("sessions", "coordinator.inference:build"),
+)
+COORDINATOR_PRESENCE_TOPIC = "tessera/coordinator/presence"
+
+
+class StartupError(RuntimeError):
+    """The coordinator cannot start; the message says what to change."""
+
+
+def _load_builder(target: str) -> Any:
+    """The callable named by "module:attribute.path", or None if the module isn't installed."""
+    module_name, _, path = target.partition(":")
+    try:
+        builder: Any = importlib.import_module(module_name)
+    except ModuleNotFoundError as exc:
+        if exc.name == module_name:
+            return None
+        raise
+    for attribute in path.split("."):
+        builder = getattr(builder, attribute)
+    return builder
+
+
+async def _build_components(ctx: CoordinatorContext) -> list[Any]:
+    built = []
+    for name, target in COMPONENTS:
+        if getattr(ctx, name) is not None:
+            built.append(getattr(ctx, name))
+            continue
+        build = _load_builder(target)
+        if build is None:
+            log.debug("no %s component installed (%s)", name, target)
+            continue
+        component = build(ctx)
+        if inspect.isawaitable(component):
+            component = await component
+        setattr(ctx, name, component)
+        built.append(component)
+        log.info("%s: %s", name, type(component).__name__)
+    return built
+
+
+def build_context(settings: Settings, bus: EventBus | None = None) -> CoordinatorContext:
+    settings.data_dir.mkdir(parents=True, exist_ok=True)
+    db = database.open_database(settings.db_path)
+    signing_key = secrets_store.load_or_create_signing_key(settings.data_dir)
+    admin_token = secrets_store.load_or_create_admin_token(settings.data_dir)
+    if bus is None and settings.mqtt_url:
+        # The broker tells everyone if we vanish without saying goodbye.
+        bus = MqttBus(settings.mqtt_url, will=(COORDINATOR_PRESENCE_TOPIC, b'{"state":"offline"}'))
+    elif bus is None:
+        bus = InProcessBus()
+    registry = Registry(
+        database.NodeRepository(db), settings, bus, identity.public_key_bytes(signing_key)
+    )
+    return CoordinatorContext(
+        settings=settings,
+        db=db,
+        registry=registry,
+        bus=bus,
+        signing_key=signing_key,
+        admin_token=admin_token,
+        data_dir=settings.data_dir,
+    )
+
+
+def build_server(ctx: CoordinatorContext) -> grpc.aio.Server:
+    server = grpc.aio.server(options=SERVER_OPTIONS)
+    coordinator_pb2_grpc.add_CoordinatorServicer_to_server(CoordinatorService(ctx), server)
+    client_api_pb2_grpc.add_ClientApiServicer_to_server(ClientApiService(ctx), server)
+    admin_pb2_grpc.add_AdminServicer_to_server(AdminService(ctx), server)
+    return server
+
+
+@dataclass
+class RunningCoordinator:
+    ctx: CoordinatorContext
+    server: grpc.aio.Server
+    address: str
+    presence: PresenceWatcher
+    components: list[Any] = field(default_factory=list)
+
+
+@contextlib.asynccontextmanager
+async def running_coordinator(
+    settings: Settings, bus: EventBus | None = None
+) -> AsyncIterator[RunningCoordinator]:
+    """A started coordinator; stopped gracefully (streams ended, state flushed) on exit."""
+    ctx = build_context(settings, bus)
+    components: list[Any] = []
+    started: list[Any] = []
+    server: grpc.aio.Server | None = None
+    presence = PresenceWatcher(ctx.bus, ctx.registry)
+    try:
+        host, _ = split_host_port(settings.listen)
+        components = await _build_components(ctx)
+        await ctx.registry.start()
+        await ctx.bus.start()
+        await presence.start()
+        for component in components:
+            if hasattr(component, "start"):
+                await component.start()
+                started.append(component)
+        server = build_server(ctx)
+        try:
+            port = server.add_insecure_port(settings.listen)
+        except RuntimeError as exc:
+            raise StartupError(
+                f"cannot listen on {settings.listen} ({exc}); is another process using it? "
+                "Pick another --listen, or port 0 for any free port"
+            ) from exc
+        await server.start()
+        address = f"{host}:{port}"
+        ctx.bus.publish_nowait(
+            COORDINATOR_PRESENCE_TOPIC, {"state": "online", "address": address}, retain=True
+        )
+        yield RunningCoordinator(ctx, server, address, presence, components)
+    finally:
+        await _shutdown(ctx, server, presence, started)
+
+
+async def _shutdown(
+    ctx: CoordinatorContext,
+    server: grpc.aio.Server | None,
+    presence: PresenceWatcher,
+    started: list[Any],
+) -> None:
+    with contextlib.suppress(Exception):
+        ctx.bus.publish_nowait(COORDINATOR_PRESENCE_TOPIC, {"state": "offline"}, retain=True)
+    if server is not None:
+        # Attach streams never end on their own: end them so the grace period is not spent
+        # waiting for them, and nodes reconnect as soon as we are back.
+        ctx.registry.end_all_streams(
+            grpc.StatusCode.UNAVAILABLE, "the coordinator is shutting down"
+        )
+        await server.stop(ctx.settings.shutdown_grace_s)
+    for component in reversed(started):
+        try:
+            await component.stop()
+        except Exception:
+            log.exception("stopping %s failed", type(component).__name__)
+    await presence.stop()
+    await ctx.registry.stop()
+    await ctx.bus.close()
+    ctx.db.close()
+
+
+def tune_garbage_collector() -> None:
+    """Fewer, larger young-generation collections: every heartbeat allocates a few short-lived
+    objects (messages, futures), and the default threshold of 700 made the collector a
+    visible share of the heartbeat path. Everything alive after start-up is frozen out of
+    collection altogether."""
+    gc.collect()
+    gc.freeze()
+    _, gen1, gen2 = gc.get_threshold()
+    gc.set_threshold(GC_GEN0_THRESHOLD, gen1, gen2)
+
+
+async def serve(settings: Settings) -> None:
+    """Run until SIGTERM or SIGINT, then stop gracefully."""
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        with contextlib.suppress(NotImplementedError):  # Windows has no signal handlers
+            loop.add_signal_handler(sig, stop.set)
+    async with running_coordinator(settings) as coordinator:
+        secrets_store.write_address(settings.data_dir, coordinator.address)
+        if isinstance(coordinator.ctx.bus, MqttBus):
+            log.info("event bus: MQTT broker %s", settings.mqtt_url)
+        log.info(
+            "serving on %s (db %s, data dir %s, heartbeat every %g s, offline after %g s)",
+            coordinator.address, settings.db_path, settings.data_dir,
+            settings.heartbeat_interval_s, settings.offline_after,
+        )  # fmt: skip
+        tune_garbage_collector()
+        await stop.wait()
+        log.info("stopping: ending node streams and flushing state")
+    log.info("stopped")

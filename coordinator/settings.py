@@ -1,0 +1,49 @@
+"""Tunables of a running coordinator, fixed at start-up."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class Settings:
+    db_path: Path
+    data_dir: Path
+    listen: str = "127.0.0.1:0"
+    mqtt_url: str | None = None
+    heartbeat_interval_s: float = 5.0
+    # None means three heartbeat intervals.
+    offline_after_s: float | None = None
+    # A node that has been silent this many intervals is `suspect`.
+    suspect_after_intervals: float = 1.5
+    # Acknowledge every Nth heartbeat (and every state change at once). Node agents treat
+    # 3 silent intervals as a lost coordinator, so N may be 1 or 2.
+    heartbeat_ack_every: int = 1
+    challenge_ttl_s: float = 60.0
+    # Outstanding challenges are bounded so a GetChallenge flood cannot exhaust memory.
+    max_pending_challenges: int = 100_000
+    # last_seen and state changes reach SQLite in one batch per flush, not one write each.
+    flush_interval_s: float = 1.0
+    # A node's last_seen column is rewritten at most this often (memory is always current).
+    last_seen_persist_s: float = 30.0
+    reachability_timeout_s: float = 1.5
+    # How long a stopping server lets running calls finish.
+    shutdown_grace_s: float = 5.0
+    # Placement: every layer keeps at least this many ready replicas when capacity allows.
+    replicas: int = 2
+    # Split every model into at least this many pipeline stages, even when one node could
+    # hold more (deeper pipelines spread load; the demo uses 3 to make them visible).
+    min_stages: int = 1
+    # KV cache tokens each assigned shard reserves across its sessions.
+    kv_tokens_per_shard: int = 4096
+
+    @property
+    def offline_after(self) -> float:
+        if self.offline_after_s is not None:
+            return self.offline_after_s
+        return 3 * self.heartbeat_interval_s
+
+    @property
+    def suspect_after(self) -> float:
+        return self.suspect_after_intervals * self.heartbeat_interval_s
