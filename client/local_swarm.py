@@ -166,7 +166,8 @@ class LocalSwarm:
             raise SwarmError(f"models add failed:\n{result.stdout}\n{result.stderr}")
 
     def node(self, node_id: str) -> LocalProcess:
-        for proc in self.processes:
+        """The newest process with this id: a restarted node keeps its id."""
+        for proc in reversed(self.processes):
             if proc.node_id == node_id:
                 return proc
         raise KeyError(node_id)

@@ -564,6 +564,9 @@ class Registry:
                 "the attach ticket does not match this node's latest registration; register again",
             )
         session = AttachSession(node, context)
+        # A new stream starts from what the node reports on it: a restarted agent may hold
+        # nothing, and a reconnecting one re-sends the status of every shard it has.
+        node.shards.clear()
         previous = node.attach
         node.attach = session
         self._attached[node.node_id] = session

@@ -46,7 +46,11 @@ DEFAULT_IDLE_TTL_S = 300.0
 # A shard assigned without a budget still serves one modest session.
 DEFAULT_KV_TOKENS_BUDGET = 4096
 
-ProgressFn = Callable[[int, int], None]  # (bytes fetched so far, bytes in total)
+
+class ProgressFn(Protocol):
+    """(bytes in hand so far, bytes in total[, bytes that came over the network])."""
+
+    def __call__(self, done: int, total: int, downloaded: int | None = None) -> None: ...
 
 
 class ShardSource(Protocol):
@@ -258,7 +262,12 @@ class ShardManager:
             shard.weight_bytes / 2**20,
             shard.kv_tokens_budget,
         )
-        status.send(node_pb2.SHARD_STATE_READY, progress=1.0, bytes_fetched=status.bytes_fetched)
+        status.send(
+            node_pb2.SHARD_STATE_READY,
+            progress=1.0,
+            bytes_fetched=status.bytes_fetched,
+            bytes_downloaded=status.bytes_downloaded,
+        )
 
     async def drop(self, cmd: coordinator_pb2.DropShard) -> None:
         key = ShardKey(cmd.model, cmd.layers.start, cmd.layers.end)
@@ -337,7 +346,12 @@ class ShardManager:
         directory = await self._source.fetch(cmd, status.progress)
         if loading.cancelled:
             raise _Dropped()
-        status.send(node_pb2.SHARD_STATE_LOADING, progress=1.0, bytes_fetched=status.bytes_fetched)
+        status.send(
+            node_pb2.SHARD_STATE_LOADING,
+            progress=1.0,
+            bytes_fetched=status.bytes_fetched,
+            bytes_downloaded=status.bytes_downloaded,
+        )
         started = time.monotonic()
         shard = await asyncio.to_thread(
             load_shard,
@@ -413,6 +427,7 @@ class _Reporter:
         self._cmd = cmd
         self._report = report
         self.bytes_fetched = 0
+        self.bytes_downloaded = 0
         self._last_percent = -1
 
     def send(
@@ -421,6 +436,7 @@ class _Reporter:
         *,
         progress: float = 0.0,
         bytes_fetched: int = 0,
+        bytes_downloaded: int = 0,
         error: str = "",
     ) -> None:
         self._report(
@@ -432,12 +448,15 @@ class _Reporter:
                 state=state,
                 progress=progress,
                 bytes_fetched=bytes_fetched,
+                bytes_downloaded=bytes_downloaded,
                 error=error,
             )
         )
 
-    def progress(self, done: int, total: int) -> None:
+    def progress(self, done: int, total: int, downloaded: int | None = None) -> None:
         self.bytes_fetched = done
+        if downloaded is not None:
+            self.bytes_downloaded = downloaded
         fraction = done / total if total > 0 else 1.0
         percent = int(fraction * 100)
         if percent != self._last_percent:
@@ -511,9 +530,22 @@ class CoordinatorSource:
             self._ctx.attach_ticket,
             self._ctx.data_dir,
         )
+        last = [0, 0]
+
+        def on_progress(done: int, total: int) -> None:
+            last[:] = [done, total]
+            progress(done, total)
+
         try:
-            return await fetcher.materialize(
-                cmd.model, cmd.layers.start, cmd.layers.end, progress=False, on_progress=progress
+            directory = await fetcher.materialize(
+                cmd.model,
+                cmd.layers.start,
+                cmd.layers.end,
+                progress=False,
+                on_progress=on_progress,
             )
+            # The fetcher knows what came over the network rather than from the cache.
+            progress(last[0], last[1], downloaded=fetcher.bytes_fetched)
+            return directory
         finally:
             await fetcher.close()

@@ -134,17 +134,19 @@ class NodeInfo(_message.Message):
     def __init__(self, node_id: _Optional[str] = ..., name: _Optional[str] = ..., account: _Optional[str] = ..., state: _Optional[_Union[NodeState, str]] = ..., capabilities: _Optional[_Union[Capabilities, _Mapping]] = ..., telemetry: _Optional[_Union[Telemetry, _Mapping]] = ..., registered_unix_ms: _Optional[int] = ..., last_seen_unix_ms: _Optional[int] = ..., state_changed_unix_ms: _Optional[int] = ..., data_address: _Optional[str] = ..., shards: _Optional[_Iterable[_Union[ShardStatus, _Mapping]]] = ...) -> None: ...
 
 class ShardStatus(_message.Message):
-    __slots__ = ("model", "layers", "state", "progress", "error", "bytes_fetched")
+    __slots__ = ("model", "layers", "state", "progress", "error", "bytes_fetched", "bytes_downloaded")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     LAYERS_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
     PROGRESS_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
     BYTES_FETCHED_FIELD_NUMBER: _ClassVar[int]
+    BYTES_DOWNLOADED_FIELD_NUMBER: _ClassVar[int]
     model: str
     layers: _common_pb2.LayerRange
     state: ShardState
     progress: float
     error: str
     bytes_fetched: int
-    def __init__(self, model: _Optional[str] = ..., layers: _Optional[_Union[_common_pb2.LayerRange, _Mapping]] = ..., state: _Optional[_Union[ShardState, str]] = ..., progress: _Optional[float] = ..., error: _Optional[str] = ..., bytes_fetched: _Optional[int] = ...) -> None: ...
+    bytes_downloaded: int
+    def __init__(self, model: _Optional[str] = ..., layers: _Optional[_Union[_common_pb2.LayerRange, _Mapping]] = ..., state: _Optional[_Union[ShardState, str]] = ..., progress: _Optional[float] = ..., error: _Optional[str] = ..., bytes_fetched: _Optional[int] = ..., bytes_downloaded: _Optional[int] = ...) -> None: ...

@@ -1,0 +1,150 @@
+"""Inference end to end with real processes: a coordinator and node agents on loopback.
+
+Greedy generation through a three-stage pipeline must equal transformers' `generate`, and
+stay identical when the node serving the first, middle or last stage is killed with
+kill -9 mid-generation.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+from support.checkpoints import make_checkpoint
+
+from client.api import Client
+from client.local_swarm import LocalProcess, LocalSwarm
+
+pytestmark = pytest.mark.slow
+
+MODEL = "tiny-llama"
+PROMPT = [1, 5, 9, 23, 42, 7, 11]
+NEW_TOKENS = 20
+NODES = ("alpha", "bravo", "charlie", "delta")
+
+
+def wait_for(predicate, what: str, timeout_s: float = 90.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if predicate():
+            return
+        time.sleep(0.2)
+    raise AssertionError(f"timed out after {timeout_s:.0f}s waiting for {what}")
+
+
+def fully_replicated(client: Client, replicas: int = 2) -> bool:
+    info = {m.name: m for m in client.models()}.get(MODEL)
+    return bool(info and info.available and min(info.ready_replicas) >= replicas)
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_checkpoint(
+        tmp_path_factory.mktemp("ckpt") / "tiny",
+        "llama",
+        num_layers=6,
+        hidden_size=64,
+        intermediate_size=128,
+        num_heads=4,
+        num_kv_heads=2,
+        vocab_size=96,
+        seed=7,
+    )
+
+
+@pytest.fixture(scope="module")
+def reference(checkpoint: Path) -> list[int]:
+    transformers = pytest.importorskip("transformers")
+    model = transformers.AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32)
+    model.eval()
+    with torch.no_grad():
+        out = model.generate(
+            torch.tensor([PROMPT]),
+            max_new_tokens=NEW_TOKENS,
+            do_sample=False,
+            eos_token_id=None,
+            pad_token_id=0,
+        )
+    ids = out[0, len(PROMPT) :].tolist()
+    assert len(set(ids)) > 3, "a degenerate reference would hide routing bugs"
+    return ids
+
+
+@pytest.fixture(scope="module")
+def swarm(tmp_path_factory: pytest.TempPathFactory, checkpoint: Path) -> Iterator[LocalSwarm]:
+    work = tmp_path_factory.mktemp("swarm")
+    with LocalSwarm(
+        work, coordinator_args=["--min-stages", "3", "--replicas", "2", "--heartbeat-interval", "1"]
+    ) as s:
+        s.start_coordinator()
+        nodes = [s.start_node(name) for name in NODES]
+        s.wait_registered(nodes)
+        s.add_model(checkpoint, MODEL)
+        yield s
+
+
+@pytest.fixture
+def client(swarm: LocalSwarm) -> Iterator[Client]:
+    with Client(swarm.address) as c:
+        yield c
+
+
+def heal(swarm: LocalSwarm, client: Client) -> None:
+    """Restart any node a previous test killed, then wait for two ready replicas per layer."""
+    alive = {p.name for p in swarm.processes if p.alive() and p.name in NODES}
+    restarted = [swarm.start_node(name) for name in NODES if name not in alive]
+    swarm.wait_registered(restarted)
+    wait_for(lambda: fully_replicated(client), "two ready replicas of every layer")
+
+
+def test_pipeline_generation_equals_transformers(swarm, client, reference):
+    heal(swarm, client)
+    result = client.generate_all(
+        MODEL, token_ids=PROMPT, max_new_tokens=NEW_TOKENS, stop_at_eos=False
+    )
+    assert result.token_ids == reference
+    # Stage sizes follow measured speed, so only the shape of the route is fixed.
+    bounds = [(h.start, h.end) for h in result.route]
+    assert len(bounds) == 3 and bounds[0][0] == 0 and bounds[-1][1] == 6
+    assert all(a[1] == b[0] for a, b in zip(bounds, bounds[1:], strict=False))
+    assert len({h.node_id for h in result.route}) == 3, "three stages on three nodes"
+    assert not result.failovers
+
+
+@pytest.mark.parametrize("stage", [1, 0, 2], ids=["middle", "first", "last"])
+def test_kill_9_of_a_stage_node_mid_generation_keeps_the_output(swarm, client, reference, stage):
+    heal(swarm, client)
+    victim: LocalProcess | None = None
+    kill_after = 6
+    for token in client.generate(
+        MODEL, token_ids=PROMPT, max_new_tokens=NEW_TOKENS, stop_at_eos=False
+    ):
+        if token.index == 0:
+            hops = sorted({(t.start, t.end, t.node_id) for t in token.stage_timings})
+            victim = swarm.node(hops[stage][2])
+        if token.index + 1 == kill_after:
+            assert victim is not None
+            victim.kill9()
+    result = client.last_run
+    assert result is not None and victim is not None
+    assert result.token_ids == reference, "fail-over changed the output"
+    # The victim may have served two stages of the route; each fails over once.
+    assert {f.failed_node_id for f in result.failovers} == {victim.node_id}
+    assert victim.node_id not in {h.node_id for h in result.route}
+    assert result.failovers[0].replayed_tokens >= len(PROMPT) + kill_after - 1
+
+
+def test_a_killed_node_is_replaced_and_coverage_returns(swarm, client):
+    heal(swarm, client)
+    victim = next(p for p in swarm.processes if p.alive() and p.name in NODES)
+    victim.kill9()
+    # The stream breaks at once: the coordinator re-plans and the others load the gap.
+    wait_for(
+        lambda: victim.node_id not in {n.node_id for n in client.nodes()},
+        "the killed node to leave the online list",
+        10,
+    )
+    wait_for(lambda: fully_replicated(client), "coverage to come back without the node")
