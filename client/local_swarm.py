@@ -85,7 +85,8 @@ class LocalSwarm:
         self.processes.append(proc)
         return proc
 
-    def start_coordinator(self, timeout_s: float = 60.0) -> str:
+    def start_coordinator(self, timeout_s: float = 60.0, listen: str = "127.0.0.1:0") -> str:
+        """Start (or restart, on the same database) the coordinator; returns its address."""
         self.coordinator_dir.mkdir(parents=True, exist_ok=True)
         addr_file = self.coordinator_dir / "coordinator.addr"
         addr_file.unlink(missing_ok=True)
@@ -96,7 +97,7 @@ class LocalSwarm:
                 "coordinator.cli",
                 "serve",
                 "--listen",
-                "127.0.0.1:0",
+                listen,
                 "--db",
                 str(self.coordinator_dir / "coordinator.db"),
                 *self.coordinator_args,
@@ -164,6 +165,10 @@ class LocalSwarm:
         )
         if result.returncode != 0:
             raise SwarmError(f"models add failed:\n{result.stdout}\n{result.stderr}")
+
+    @property
+    def coordinator(self) -> LocalProcess:
+        return next(p for p in reversed(self.processes) if p.name == "coordinator")
 
     def node(self, node_id: str) -> LocalProcess:
         """The newest process with this id: a restarted node keeps its id."""
