@@ -1,0 +1,145 @@
+"""Admin authentication, DrainNode, ListNodes, and delegation to optional components."""
+
+from __future__ import annotations
+
+import grpc
+import pytest
+from support.coordinator_harness import Harness
+
+from coordinator.admin_auth import bearer_metadata
+from coordinator.node_state import NodeState
+from protos.tessera.v1 import admin_pb2, client_api_pb2, common_pb2, coordinator_pb2, node_pb2
+
+
+def drain_request(node_id: str, reason: str = "maintenance") -> admin_pb2.DrainNodeRequest:
+    return admin_pb2.DrainNodeRequest(node_id=node_id, reason=reason)
+
+
+@pytest.mark.parametrize(
+    ("metadata", "fragment"),
+    [
+        ((), "without credentials"),
+        ((("authorization", "Bearer wrong-token"),), "wrong admin token"),
+        ((("authorization", "Basic abc"),), "Bearer"),
+        ((("authorization", "Bearer "),), "wrong admin token"),
+    ],
+    ids=["missing", "wrong", "wrong-scheme", "empty"],
+)
+async def test_admin_calls_need_the_token(harness: Harness, metadata, fragment: str) -> None:
+    node = await harness.registered_node(attach=True)
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        await harness.admin.DrainNode(drain_request(node.node_id), metadata=metadata)
+    assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    assert fragment in info.value.details()
+    assert harness.state(node.node_id) is NodeState.ONLINE
+    # The streaming admin RPC checks the token before touching the stream.
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        await harness.admin.AddModel(iter([admin_pb2.AddModelChunk()]), metadata=metadata)
+    assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
+
+
+async def test_drain_node_sends_the_command_and_marks_draining(harness: Harness) -> None:
+    node = await harness.registered_node(attach=True)
+    await harness.admin.DrainNode(
+        drain_request(node.node_id, "disk swap"), metadata=bearer_metadata(harness.ctx.admin_token)
+    )
+    message = await node.call.read()
+    assert message.command.drain.reason == "disk swap"
+    assert message.command.drain.deadline_ms > 0
+    assert harness.state(node.node_id) is NodeState.DRAINING
+
+
+async def test_drain_unknown_or_offline_node(harness: Harness) -> None:
+    auth = bearer_metadata(harness.ctx.admin_token)
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        await harness.admin.DrainNode(drain_request("n-nobody"), metadata=auth)
+    assert info.value.code() == grpc.StatusCode.NOT_FOUND
+
+    offline = await harness.registered_node("offline-node")
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        await harness.admin.DrainNode(drain_request(offline.node_id), metadata=auth)
+    assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert "offline" in info.value.details()
+
+
+async def test_admin_token_is_private_and_stable(harness: Harness) -> None:
+    path = harness.ctx.data_dir / "admin.token"
+    assert path.read_text().strip() == harness.ctx.admin_token
+    assert path.stat().st_mode & 0o777 == 0o600
+    key = harness.ctx.data_dir / "coordinator.key"
+    assert key.stat().st_mode & 0o777 == 0o600
+
+
+async def test_list_nodes_hides_offline_unless_asked(harness: Harness) -> None:
+    online = await harness.registered_node("b-online", attach=True)
+    offline = await harness.registered_node("a-offline")
+    await online.heartbeat(1, node_pb2.Telemetry(active_sessions=2))
+
+    listed = await harness.client_api.ListNodes(client_api_pb2.ListNodesRequest())
+    assert [n.node_id for n in listed.nodes] == [online.node_id]
+    info = listed.nodes[0]
+    assert info.state == node_pb2.NODE_STATE_ONLINE
+    assert info.capabilities.matmul_tflops == 35.5
+    assert info.telemetry.active_sessions == 2
+    assert info.registered_unix_ms > 0 and info.last_seen_unix_ms >= info.registered_unix_ms
+
+    everything = await harness.client_api.ListNodes(
+        client_api_pb2.ListNodesRequest(include_offline=True)
+    )
+    assert [n.name for n in everything.nodes] == ["a-offline", "b-online"]
+    assert everything.nodes[0].node_id == offline.node_id
+
+
+class RecordingSessions:
+    def __init__(self) -> None:
+        self.calls: list[str] = []
+
+    async def open_session(self, request, context):
+        self.calls.append(f"open:{request.model}")
+        return client_api_pb2.SessionGrant(session_id="s1", num_layers=4)
+
+    async def close_session(self, request, context):
+        self.calls.append(f"close:{request.session_id}")
+        return common_pb2.Empty()
+
+    async def reroute(self, request, context):
+        await context.abort(grpc.StatusCode.NOT_FOUND, "no such session")
+
+
+async def test_session_rpcs_delegate_or_answer_unimplemented(harness: Harness) -> None:
+    harness.ctx.sessions = None
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        await harness.client_api.OpenSession(client_api_pb2.OpenSessionRequest(model="m"))
+    assert info.value.code() == grpc.StatusCode.UNIMPLEMENTED
+    assert "session" in info.value.details()
+
+    sessions = RecordingSessions()
+    harness.ctx.sessions = sessions
+    grant = await harness.client_api.OpenSession(client_api_pb2.OpenSessionRequest(model="m"))
+    assert grant.session_id == "s1"
+    await harness.client_api.CloseSession(client_api_pb2.CloseSessionRequest(session_id="s1"))
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        await harness.client_api.Reroute(client_api_pb2.RerouteRequest(session_id="zz"))
+    assert info.value.code() == grpc.StatusCode.NOT_FOUND
+    assert sessions.calls == ["open:m", "close:s1"]
+
+
+async def test_model_rpcs_answer_unimplemented_without_a_store(harness: Harness) -> None:
+    harness.ctx.model_store = None
+    for call in (
+        harness.client_api.ListModels(common_pb2.Empty()),
+        harness.client_api.GetModel(common_pb2.ModelRef(name="m")),
+        harness.coordinator_stub.GetManifest(common_pb2.ModelRef(name="m")),
+        harness.admin.RemoveModel(
+            common_pb2.ModelRef(name="m"), metadata=bearer_metadata(harness.ctx.admin_token)
+        ),
+    ):
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await call
+        assert info.value.code() == grpc.StatusCode.UNIMPLEMENTED
+        assert "model store" in info.value.details()
+    stream = harness.coordinator_stub.FetchTensors(coordinator_pb2.FetchRequest(model="m"))
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        async for _ in stream:
+            pass
+    assert info.value.code() == grpc.StatusCode.UNIMPLEMENTED

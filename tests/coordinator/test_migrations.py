@@ -1,0 +1,89 @@
+"""Schema migrations: fresh database, idempotent re-open, ordering, rollback on failure."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import sqlite_utils
+
+from coordinator.db import open_database
+from coordinator.migrations import MIGRATIONS, Migration, SchemaTooNew, apply_migrations
+
+
+def versions(db: sqlite_utils.Database) -> list[int]:
+    return [r[0] for r in db.execute("SELECT version FROM schema_version ORDER BY version")]
+
+
+def test_fresh_database_gets_every_migration(tmp_path: Path) -> None:
+    db = open_database(tmp_path / "sub" / "c.db")
+    assert versions(db) == [m.version for m in MIGRATIONS]
+    assert {"nodes", "node_events", "schema_version"} <= set(db.table_names())
+    assert db.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
+    assert db.execute("PRAGMA busy_timeout").fetchone()[0] >= 1000
+    assert db.execute("PRAGMA synchronous").fetchone()[0] == 1  # NORMAL
+    db.close()
+
+
+def test_reopening_is_idempotent(tmp_path: Path) -> None:
+    path = tmp_path / "c.db"
+    db = open_database(path)
+    db["nodes"].insert(
+        {"node_id": "n1", "public_key": b"k" * 32, "name": "x", "state": "offline",
+         "registered_ms": 1}
+    )  # fmt: skip
+    db.close()
+
+    db = open_database(path)
+    assert apply_migrations(db) == []
+    assert versions(db) == [m.version for m in MIGRATIONS]
+    assert db["nodes"].count == 1  # data untouched
+    db.close()
+
+
+def test_a_new_migration_applies_once_on_an_existing_database(tmp_path: Path) -> None:
+    db = open_database(tmp_path / "c.db")
+    newest = MIGRATIONS[-1].version
+
+    def add_ratings(db: sqlite_utils.Database) -> None:
+        db["ratings"].create({"node_id": str, "score": float}, pk="node_id")
+
+    extended = [*MIGRATIONS, Migration(newest + 1, "ratings", add_ratings)]
+    assert apply_migrations(db, extended) == [newest + 1]
+    assert apply_migrations(db, extended) == []
+    assert "ratings" in db.table_names()
+
+
+def test_a_failing_migration_leaves_nothing_behind(tmp_path: Path) -> None:
+    db = open_database(tmp_path / "c.db")
+    newest = MIGRATIONS[-1].version
+
+    def half_done(db: sqlite_utils.Database) -> None:
+        db["half"].create({"id": int}, pk="id")
+        raise RuntimeError("disk on fire")
+
+    with pytest.raises(RuntimeError, match="disk on fire"):
+        apply_migrations(db, [*MIGRATIONS, Migration(newest + 1, "half", half_done)])
+    assert "half" not in db.table_names()
+    assert versions(db)[-1] == newest
+
+
+def test_a_database_from_a_newer_coordinator_is_refused(tmp_path: Path) -> None:
+    db = open_database(tmp_path / "c.db")
+    db.execute("INSERT INTO schema_version VALUES (999, 'from the future', 0)")
+    db.close()
+    with pytest.raises(SchemaTooNew, match="999"):
+        open_database(tmp_path / "c.db")
+
+
+@pytest.mark.parametrize("numbers", [[1, 1], [2, 1], [0]])
+def test_migration_versions_must_increase(tmp_path: Path, numbers: list[int]) -> None:
+    db = sqlite_utils.Database(tmp_path / "x.db")
+    bad = [Migration(n, f"m{n}", lambda db: None) for n in numbers]
+    with pytest.raises(ValueError, match="increasing"):
+        apply_migrations(db, bad)
+
+
+def test_the_shipped_migrations_are_ordered() -> None:
+    numbers = [m.version for m in MIGRATIONS]
+    assert numbers == list(range(1, len(numbers) + 1))

@@ -1,0 +1,231 @@
+"""`tessera-coordinator serve` as a real process: kill -9 and restart, SIGTERM, the admin CLI."""
+
+from __future__ import annotations
+
+import json
+import logging
+import subprocess
+import sys
+
+import grpc
+import pytest
+import sqlite_utils
+from support.coordinator_harness import CHANNEL_OPTIONS, FakeNode, wait_until
+from support.procs import REPO_ROOT, start_coordinator
+
+from coordinator.cli import main
+from protos.tessera.v1 import client_api_pb2, client_api_pb2_grpc, node_pb2
+
+
+def cli(*args: str, timeout: float = 30) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "coordinator.cli", *args],
+        capture_output=True, text=True, timeout=timeout, cwd=REPO_ROOT,
+    )  # fmt: skip
+
+
+async def list_nodes(address: str, include_offline: bool = True) -> list[node_pb2.NodeInfo]:
+    async with grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS) as channel:
+        reply = await client_api_pb2_grpc.ClientApiStub(channel).ListNodes(
+            client_api_pb2.ListNodesRequest(include_offline=include_offline)
+        )
+    return list(reply.nodes)
+
+
+async def test_nodes_survive_kill_9_and_keep_their_ids(tmp_path) -> None:
+    first = start_coordinator(tmp_path)
+    with first:
+        assert (first.data_dir / "coordinator.addr").read_text().strip() == first.address
+        async with grpc.aio.insecure_channel(first.address, options=CHANNEL_OPTIONS) as channel:
+            nodes = [FakeNode(channel, f"node-{i}") for i in range(3)]
+            replies = [await n.register() for n in nodes]
+            await nodes[0].attach()
+            await nodes[0].heartbeat(1)
+
+            def attach_recorded() -> bool:
+                db = sqlite_utils.Database(first.db_path)
+                try:
+                    row = db.execute(
+                        "SELECT state FROM nodes WHERE node_id = ?", [nodes[0].node_id]
+                    ).fetchone()
+                finally:
+                    db.close()
+                return row == ("online",)
+
+            # State changes are durable within moments of happening (not per heartbeat).
+            await wait_until(attach_recorded, timeout=2, what="the attach to reach SQLite")
+            token = first.admin_token
+            coordinator_key = replies[0].coordinator_public_key
+            assert first.kill() == -9  # no chance to flush or say goodbye
+
+            second = start_coordinator(tmp_path, data_dir=first.data_dir)
+            with second:
+                listed = await list_nodes(second.address)
+                assert sorted(n.name for n in listed) == ["node-0", "node-1", "node-2"]
+                assert {n.state for n in listed} == {node_pb2.NODE_STATE_OFFLINE}
+                assert await list_nodes(second.address, include_offline=False) == []
+
+                # Same key, same id, no duplicate row; same coordinator key and admin token.
+                async with grpc.aio.insecure_channel(
+                    second.address, options=CHANNEL_OPTIONS
+                ) as channel2:
+                    nodes[0].stub = FakeNode(channel2).stub
+                    again = await nodes[0].register()
+                    assert again.node_id == replies[0].node_id
+                    assert again.coordinator_public_key == coordinator_key
+                    await nodes[0].attach()
+                    online = await list_nodes(second.address, include_offline=False)
+                    assert [n.node_id for n in online] == [nodes[0].node_id]
+                assert second.admin_token == token
+
+                db = sqlite_utils.Database(second.db_path)
+                assert db["nodes"].count == 3
+                reasons = [
+                    r[0]
+                    for r in db.execute(
+                        "SELECT reason FROM node_events WHERE node_id = ? ORDER BY id",
+                        [nodes[0].node_id],
+                    )
+                ]
+                assert "coordinator restarted" in reasons
+                db.close()
+
+
+async def test_sigterm_ends_streams_and_exits_cleanly(tmp_path) -> None:
+    coordinator = start_coordinator(tmp_path)
+    with coordinator:
+        async with grpc.aio.insecure_channel(
+            coordinator.address, options=CHANNEL_OPTIONS
+        ) as channel:
+            node = FakeNode(channel, "n1")
+            await node.register()
+            await node.attach()
+            assert coordinator.terminate(timeout=15) == 0
+            with pytest.raises(grpc.aio.AioRpcError) as info:
+                await node.call.read()
+            assert info.value.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED)
+        log = coordinator.process.log_text()
+        assert "stopped" in log
+        assert log.count("serving on") == 1
+        # The clean shutdown recorded the node going offline.
+        db = sqlite_utils.Database(coordinator.db_path)
+        state = db.execute("SELECT state FROM nodes WHERE node_id = ?", [node.node_id]).fetchone()
+        assert state == ("offline",)
+
+
+async def test_admin_cli_lists_and_drains(tmp_path) -> None:
+    coordinator = start_coordinator(tmp_path)
+    with coordinator:
+        async with grpc.aio.insecure_channel(
+            coordinator.address, options=CHANNEL_OPTIONS
+        ) as channel:
+            node = FakeNode(channel, "cli-node")
+            await node.register()
+            await node.attach()
+            data_dir = str(coordinator.data_dir)
+
+            listed = cli("nodes", "list", "--data-dir", data_dir)
+            assert listed.returncode == 0, listed.stderr
+            assert node.node_id in listed.stdout and "online" in listed.stdout
+
+            as_json = cli("nodes", "list", "--all", "--json", "--coordinator", coordinator.address)
+            assert json.loads(as_json.stdout)[0]["name"] == "cli-node"
+
+            wrong = cli("nodes", "drain", node.node_id, "--data-dir", data_dir,
+                        "--admin-token", "guess")  # fmt: skip
+            assert wrong.returncode == 1
+            assert "UNAUTHENTICATED" in wrong.stderr
+
+            drained = cli("nodes", "drain", node.node_id, "--reason", "reboot",
+                          "--data-dir", data_dir)  # fmt: skip
+            assert drained.returncode == 0, drained.stderr
+            message = await node.call.read()
+            assert message.command.drain.reason == "reboot"
+
+            async def draining() -> bool:
+                nodes = await list_nodes(coordinator.address)
+                return nodes[0].state == node_pb2.NODE_STATE_DRAINING
+
+            await wait_until(draining, what="the node to be draining")
+
+            unknown = cli("nodes", "drain", "n-nobody", "--data-dir", data_dir)
+            assert unknown.returncode == 1 and "NOT_FOUND" in unknown.stderr
+
+
+def test_admin_cli_explains_missing_settings(tmp_path) -> None:
+    result = cli("nodes", "drain", "n1")
+    assert result.returncode == 2
+    assert "--data-dir" in result.stderr and "Traceback" not in result.stderr
+
+    result = cli("nodes", "list", "--data-dir", str(tmp_path))
+    assert result.returncode == 2
+    assert "coordinator.addr" in result.stderr
+
+    result = cli("nodes", "list", "--coordinator", "127.0.0.1:1")
+    assert result.returncode == 1
+    assert "cannot reach the coordinator" in result.stderr
+
+
+def test_serve_refuses_a_busy_port(tmp_path) -> None:
+    coordinator = start_coordinator(tmp_path / "a")
+    with coordinator:
+        result = cli("serve", "--listen", coordinator.address, "--db", str(tmp_path / "b" / "c.db"))
+    assert result.returncode == 2
+    assert "cannot listen" in result.stderr
+
+
+def run_main(args: list[str], capsys) -> tuple[int, str, str]:
+    """The CLI in-process (argparse exits via SystemExit): fast enough for many cases."""
+    root = logging.getLogger()
+    handlers, level = root.handlers[:], root.level
+    try:
+        code = main(args)
+    except SystemExit as exc:
+        code = int(exc.code or 0)
+    finally:  # main() configures logging for a whole process; give pytest its own back
+        root.handlers[:] = handlers
+        root.setLevel(level)
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["--help"],
+        ["serve", "--help"],
+        ["nodes", "--help"],
+        ["nodes", "drain", "--help"],
+        ["nodes", "list", "--help"],
+    ],
+)
+def test_help_teaches(args: list[str], capsys) -> None:
+    code, out, _ = run_main(args, capsys)
+    assert code == 0
+    assert "usage: tessera-coordinator" in out
+    if args[0] == "serve":
+        for flag in ("--listen", "--db", "--data-dir", "--mqtt", "--heartbeat-interval",
+                     "--offline-after", "--log-level", "example"):  # fmt: skip
+            assert flag in out
+
+
+def test_help_works_as_a_program() -> None:
+    result = cli("--help")
+    assert result.returncode == 0 and "serve" in result.stdout
+
+
+@pytest.mark.parametrize(
+    ("args", "fragment"),
+    [
+        (["serve", "--db", "x.db", "--listen", "nohost"], "HOST:PORT"),
+        (["serve", "--db", "x.db", "--heartbeat-interval", "-1"], "positive"),
+        (["serve", "--db", "x.db", "--mqtt", "http://x"], "mqtt://"),
+        (["serve", "--db", "x.db", "--heartbeat-ack-every", "7"], "invalid choice"),
+        (["serve", "--db", "x.db", "--heartbeat-interval", "5", "--offline-after", "5"],
+         "must be longer"),
+    ],
+)  # fmt: skip
+def test_serve_rejects_bad_flags(args: list[str], fragment: str, capsys) -> None:
+    code, _, err = run_main(args, capsys)
+    assert code == 2
+    assert fragment in err

@@ -1,0 +1,32 @@
+"""Free TCP ports on the loopback interface."""
+
+from __future__ import annotations
+
+import socket
+import time
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A port that was free a moment ago. Servers that accept port 0 should use that instead."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, 0))
+        return sock.getsockname()[1]
+
+
+def port_accepts(host: str, port: int, timeout: float = 0.2) -> bool:
+    try:
+        with socket.create_connection((host, port), timeout=timeout):
+            return True
+    except OSError:
+        return False
+
+
+def wait_for_port(host: str, port: int, timeout: float = 10.0) -> None:
+    """Poll until something accepts connections on host:port, or fail after `timeout` s."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if port_accepts(host, port):
+            return
+        time.sleep(0.02)
+    raise TimeoutError(f"nothing accepted connections on {host}:{port} within {timeout} s")
