@@ -131,10 +131,15 @@ def test_kill_9_of_a_stage_node_mid_generation_keeps_the_output(swarm, client, r
     result = client.last_run
     assert result is not None and victim is not None
     assert result.token_ids == reference, "fail-over changed the output"
-    # The victim may have served two stages of the route; each fails over once.
-    assert {f.failed_node_id for f in result.failovers} == {victim.node_id}
+    # The victim may have served two stages of the route; each fails over to another node.
+    moved = [f for f in result.failovers if f.failed_node_id == victim.node_id]
+    assert moved and all(victim.node_id not in f.replacement_node_ids for f in moved)
+    # Re-planning after the kill may grow a survivor's shard, which drops the old one and
+    # its cache: that node is replayed in place, never abandoned.
+    others = [f for f in result.failovers if f.failed_node_id != victim.node_id]
+    assert all(f.via == "replay" for f in others), others
     assert victim.node_id not in {h.node_id for h in result.route}
-    assert result.failovers[0].replayed_tokens >= len(PROMPT) + kill_after - 1
+    assert moved[0].replayed_tokens >= len(PROMPT) + kill_after - 1
 
 
 def test_a_killed_node_is_replaced_and_coverage_returns(swarm, client):
