@@ -189,6 +189,28 @@ class Placement:
                 counts[layer] += 1
         return counts
 
+    def unavailable_reason(self, model: str) -> str:
+        """Why some layers have no ready replica: they fit nowhere, or are still loading."""
+        model_plan = self._plans.get(model)
+        if model_plan is None:
+            return ""
+        if not self._nodes:
+            return "no node is online to load it yet"
+        if not model_plan.holders:
+            return (
+                "the online nodes do not have the memory to hold it "
+                f"({len(self._nodes)} node(s) online); add nodes or larger ones"
+            )
+        missing = model_plan.missing_layers()
+        if missing:
+            spans = ", ".join(f"{a}-{b - 1}" for a, b in missing)
+            return f"no online node can hold layers {spans}; add nodes with more memory"
+        counts = self.coverage(model)
+        loading = [i for i, n in enumerate(counts) if n == 0]
+        if loading:
+            return f"nodes are still fetching or loading layers {_spans(loading)}"
+        return ""
+
     def plan_of(self, model: str) -> ModelPlan | None:
         return self._plans.get(model)
 
@@ -267,3 +289,17 @@ class Placement:
             )
         )
         await self._send(node_id, command)
+
+
+def _spans(layers: list[int]) -> str:
+    """[0, 1, 2, 5] -> "0-2, 5"."""
+    out: list[str] = []
+    start = prev = layers[0]
+    for layer in [*layers[1:], None]:
+        if layer is not None and layer == prev + 1:
+            prev = layer
+            continue
+        out.append(f"{start}-{prev}" if prev != start else f"{start}")
+        if layer is not None:
+            start = prev = layer
+    return ", ".join(out)

@@ -67,12 +67,14 @@ class ModelStore:
         limits: StoreLimits | None = None,
         check_ticket: TicketCheck | None = None,
         coverage: Coverage | None = None,
+        unavailable_reason: Callable[[str], str] | None = None,
     ) -> None:
         self.limits = limits or StoreLimits()
         self.catalog = ModelCatalog(db)
         self.blobs = BlobStore(Path(data_dir) / "blobs")
         self._check_ticket = check_ticket
         self._coverage = coverage
+        self._unavailable_reason = unavailable_reason
         self._importing: set[str] = set()
         self._pinned: Counter[str] = Counter()  # digests an import in flight relies on
         self._deleting: set[str] = set()
@@ -97,8 +99,18 @@ class ModelStore:
             report = getattr(getattr(ctx, "planner", None), "coverage", None)
             return report(model) if report is not None else None
 
-        return cls(ctx.db, ctx.data_dir, limits=limits, check_ticket=check_ticket,
-                   coverage=coverage)
+        def unavailable_reason(model: str) -> str:
+            explain = getattr(getattr(ctx, "planner", None), "unavailable_reason", None)
+            return explain(model) if explain is not None else ""
+
+        return cls(
+            ctx.db,
+            ctx.data_dir,
+            limits=limits,
+            check_ticket=check_ticket,
+            coverage=coverage,
+            unavailable_reason=unavailable_reason,
+        )
 
     # ---- Python API for the planner and sessions --------------------------------------
 
@@ -152,9 +164,7 @@ class ModelStore:
             )
             raise
 
-    async def remove_model(
-        self, request: common_pb2.ModelRef, context: Any
-    ) -> common_pb2.Empty:
+    async def remove_model(self, request: common_pb2.ModelRef, context: Any) -> common_pb2.Empty:
         digests = self.catalog.remove(request.name)
         if digests is None:
             await context.abort(grpc.StatusCode.NOT_FOUND, self._unknown_model(request.name))
@@ -202,7 +212,10 @@ class ModelStore:
             num_layers=record.num_layers,
             tensors=[
                 coordinator_pb2.TensorEntry(
-                    name=t.name, sha256=t.sha256, dtype=t.dtype, shape=list(t.shape),
+                    name=t.name,
+                    sha256=t.sha256,
+                    dtype=t.dtype,
+                    shape=list(t.shape),
                     nbytes=t.nbytes,
                 )
                 for t in self.catalog.tensors(record.name)
@@ -220,7 +233,10 @@ class ModelStore:
             raise
         log.info(
             "node %s fetches %d blob(s) of %s (%d bytes)",
-            node_id, len(sizes), request.model, sum(sizes.values()),
+            node_id,
+            len(sizes),
+            request.model,
+            sum(sizes.values()),
         )
         for digest, size in sizes.items():
             async for chunk in self._stream_blob(request.model, digest, size, context):
@@ -263,8 +279,13 @@ class ModelStore:
             self._pinned += Counter()  # drop zero counts
         log.info(
             "imported model %s: %s, %d layers, %d tensors, %d bytes (%d new on disk) in %.1fs",
-            plan.name, plan.layout.architecture, plan.layout.num_layers, len(plan.tensors),
-            plan.total_bytes, receiver.new_bytes, time.monotonic() - started,
+            plan.name,
+            plan.layout.architecture,
+            plan.layout.num_layers,
+            len(plan.tensors),
+            plan.total_bytes,
+            receiver.new_bytes,
+            time.monotonic() - started,
         )
         self._notify("added", plan.name)
         return self._info(record)
@@ -338,12 +359,17 @@ class ModelStore:
         if len(replicas) != record.num_layers:
             log.error(
                 "planner reported %d layers for %s, which has %d",
-                len(replicas), record.name, record.num_layers,
+                len(replicas),
+                record.name,
+                record.num_layers,
             )
             return zeros, NO_PLANNER_REASON
         uncovered = [layer for layer, count in enumerate(replicas) if count <= 0]
         if not uncovered:
             return replicas, ""
+        planner_says = self._unavailable_reason(record.name) if self._unavailable_reason else ""
+        if planner_says:
+            return replicas, planner_says
         if len(uncovered) == record.num_layers:
             return replicas, NO_PLANNER_REASON
         return replicas, f"layers {_ranges(uncovered)} have no ready replica"
@@ -475,7 +501,8 @@ class ModelStore:
         if leftovers or orphans:
             log.info(
                 "cleaned up after an interrupted import: %d partial and %d orphan blob(s)",
-                leftovers, len(orphans),
+                leftovers,
+                len(orphans),
             )
 
     def _notify(self, event: str, name: str) -> None:

@@ -62,7 +62,7 @@ async def test_add_list_fetch_restart_remove(tmp_path: Path) -> None:
         assert "uploading" in added.stderr  # the progress bar
         info = _listed(data_dir)["tiny"]
         assert info["has_tokenizer"] and info["num_layers"] == 3
-        assert info["unavailable_reason"] == "no node has loaded it yet"
+        assert info["unavailable_reason"] == "no node is online to load it yet"
 
         again = _cli("add", source, "--name", "tiny", "--data-dir", data_dir)
         assert again.returncode == 2 and "already exists" in again.stderr

@@ -139,3 +139,15 @@ def test_model_spec_counts_parameters_like_the_checkpoint():
     assert spec.params_per_layer == 64 * 64 * 2 + 32 * 64 * 2 + 3 * 64 * 128 + 2 * 64
     assert spec.embed_params == 100 * 64 and spec.head_params == 64 + 100 * 64
     assert spec.kv_values_per_token_per_layer == 2 * 2 * 16
+
+
+async def test_unavailable_models_say_why():
+    swarm, placement, _, _ = make(min_stages=1)
+    placement.node_up(PlacementNode("tiny", "127.0.0.1:1", caps(gb=0.0001)))
+    await placement.replan()
+    assert "do not have the memory" in placement.unavailable_reason("m")
+    placement.node_up(PlacementNode("big", "127.0.0.1:2", caps(gb=4)))
+    await placement.replan()
+    assert placement.unavailable_reason("m") == "nodes are still fetching or loading layers 0-5"
+    await ready_all(placement, swarm)
+    assert placement.unavailable_reason("m") == ""
