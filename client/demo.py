@@ -154,14 +154,16 @@ def _demo(workdir: Path, tokens: int, kill_after: int) -> int:
 
 
 def _wait_available(client: Client, timeout_s: float = 180.0) -> None:
+    """Wait until every layer has two ready replicas, so each stage has an alternate."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        models = {m.name: m for m in client.models()}
-        info = models.get(MODEL)
-        if info is not None and info.available:
+        info = {m.name: m for m in client.models()}.get(MODEL)
+        if info is not None and info.available and min(info.ready_replicas) >= 2:
             return
         time.sleep(0.3)
-    raise RuntimeError(f"model {MODEL} did not become available in {timeout_s:.0f}s")
+    raise RuntimeError(
+        f"model {MODEL} did not get two ready replicas of every layer in {timeout_s:.0f}s"
+    )
 
 
 def _generate(client: Client, tokens: int, on_token: Any = None) -> GenerationResult:
