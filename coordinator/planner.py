@@ -1,30 +1,42 @@
-"""Planner v1: which node holds which contiguous layer range of which model.
+"""Planner v2: which node holds which contiguous layer range of which model.
 
-A pure function over data (no I/O), so it can be property-tested and benchmarked.
+A pure function over data (no I/O), so it can be property-tested and benchmarked. The
+objective and the algorithm are written up in PLANNER.md next to this file.
 
-The plan for a model has two levels:
-  * a *stage layout*: [0, L) cut into S contiguous stages. S is the fewest stages the
-    nodes' memory allows, raised to `min_stages` when the operator wants deeper pipelines.
-    Stage sizes follow the measured speed of the nodes that form the first pipeline, so a
-    fast node gets more layers, within its memory.
-  * an *assignment*: each node holds one contiguous run of stages. The first full pipeline
-    comes first; spare nodes then join the stages with the fewest replicas; nodes with
-    spare memory finally grow their range into a neighbouring stage until every stage has
-    `replicas` holders or nothing fits.
+With `min_stages == 1` (the default) a model is placed as *pipelines*: disjoint groups of
+nodes whose ranges chain to cover [0, L). Every node serves a bounded number of sessions
+(its KV cache), so served throughput grows with the number of pipelines; the planner
+packs as many as memory allows (bin covering, within a region first), then gives each
+pipeline's layers to its fastest members first (decode is memory-bandwidth bound, and a
+token's latency is the sum over the chain). Re-planning keeps every surviving shard,
+repairs broken pipelines with idle nodes, forms new pipelines from idle ones, and only
+switches to a fresh plan when its estimated throughput beats the kept one by `hysteresis`.
 
-Re-planning keeps the layout and every surviving assignment, and only fills the gaps, so a
-node leaving moves no weights except the ones that must move to restore coverage.
+With `min_stages > 1` the operator asks for deeper pipelines: the model is cut into one
+stage layout (v1) and routes hop at every cut.
 """
 
 from __future__ import annotations
 
+import bisect
 import math
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 # Fraction of a node's usable memory kept free for activations, allocator slack and
 # the owner's other programs. Petals' OOM reports (#308, #413) came from packing to 100%.
 HEADROOM = 0.10
+# A fresh plan replaces the kept one only when its estimated served throughput is this
+# much higher: moving weights costs minutes of downloads, and estimates are noisy.
+HYSTERESIS = 0.20
+# Estimated cost of one hand-off between two nodes of a pipeline (serialisation plus a
+# one-way trip inside a region), and the extra when the pipeline crosses regions. Only
+# used to compare plans; the router uses measured RTTs.
+HOP_S = 0.02
+CROSS_REGION_S = 0.06
+# Spare nodes (in no pipeline) replicate the least-covered layers even above the floor:
+# routes mix them with pipeline nodes, which adds sessions.
+SPARES_REPLICATE = True
 
 
 @dataclass(frozen=True)
@@ -44,6 +56,8 @@ class NodeSpec:
     speed: float  # relative compute speed (measured TFLOPS or better)
     dtype_bytes: int = 4  # 4 for fp32 on CPU, 2 for fp16/bf16 on GPU
     kv_tokens: int = 4096  # KV cache budget per shard, in tokens
+    mem_bandwidth: float = 0.0  # GB/s; 0 = unknown (layer time from speed alone)
+    region: str = ""  # nodes of one region form pipelines together first
 
 
 @dataclass(frozen=True)
@@ -63,21 +77,50 @@ class Shard:
 @dataclass
 class ModelPlan:
     model: str
-    boundaries: list[int]  # stage cuts: [0, b1, ..., L]
+    # Cuts every route hops at: [0, L] for pipeline plans (routes are free to chain any
+    # ranges), the stage layout [0, b1, ..., L] when the operator asked for min_stages > 1.
+    boundaries: list[int]
     holders: dict[str, Shard] = field(default_factory=dict)  # node_id -> shard
+    # Node ids of each full pipeline, in layer order; holders outside them are replicas.
+    pipelines: list[tuple[str, ...]] = field(default_factory=list)
 
     def stages(self) -> list[tuple[int, int]]:
         return list(zip(self.boundaries, self.boundaries[1:], strict=False))
 
+    def layer_coverage(self) -> list[int]:
+        """Holders per layer."""
+        num_layers = self.boundaries[-1]
+        delta = [0] * (num_layers + 1)
+        for s in self.holders.values():
+            delta[max(0, s.start)] += 1
+            delta[min(num_layers, s.end)] -= 1
+        counts, running = [], 0
+        for d in delta[:-1]:
+            running += d
+            counts.append(running)
+        return counts
+
     def replicas_per_stage(self) -> list[int]:
-        return [sum(1 for s in self.holders.values() if s.covers(a, b)) for a, b in self.stages()]
+        """The fewest holders of any layer of each stage."""
+        counts = self.layer_coverage()
+        return [min(counts[a:b], default=0) for a, b in self.stages()]
 
     def missing_layers(self) -> list[tuple[int, int]]:
-        return [
-            stage
-            for stage, n in zip(self.stages(), self.replicas_per_stage(), strict=True)
-            if n == 0
-        ]
+        """Runs of layers nobody holds, split at stage cuts."""
+        counts = self.layer_coverage()
+        missing: list[tuple[int, int]] = []
+        for a, b in self.stages():
+            layer = a
+            while layer < b:
+                if counts[layer]:
+                    layer += 1
+                    continue
+                end = layer
+                while end < b and counts[end] == 0:
+                    end += 1
+                missing.append((layer, end))
+                layer = end
+        return missing
 
 
 def shard_bytes(model: ModelSpec, node: NodeSpec, start: int, end: int) -> int:
@@ -114,6 +157,15 @@ def _fits_any_position(model: ModelSpec, node: NodeSpec, n: int, used: int) -> b
     return worst * node.dtype_bytes <= budget
 
 
+def layer_seconds(model: ModelSpec, node: NodeSpec) -> float:
+    """Estimated decode time of one layer for one token (roofline of compute and memory)."""
+    compute = 2.0 * model.params_per_layer / (max(node.speed, 1e-9) * 1e12)
+    if node.mem_bandwidth <= 0:
+        return compute
+    memory = model.params_per_layer * node.dtype_bytes / (node.mem_bandwidth * 1e9)
+    return max(compute, memory)
+
+
 def plan(
     models: Iterable[ModelSpec],
     nodes: Iterable[NodeSpec],
@@ -121,8 +173,14 @@ def plan(
     *,
     replicas: int = 2,
     min_stages: int = 1,
+    hysteresis: float = HYSTERESIS,
 ) -> dict[str, ModelPlan]:
-    """Place every model on the nodes. Models are placed in the order given (priority)."""
+    """Place every model on the nodes. Models are placed in the order given (priority).
+
+    `replicas` is a floor on holders per layer that spare nodes fill when the pipelines
+    alone do not reach it. `hysteresis`: a re-plan moves surviving shards only when a fresh
+    plan's estimated throughput exceeds the kept plan's by this fraction.
+    """
     previous = previous or {}
     node_list = sorted(nodes, key=lambda n: (-n.speed, -n.usable_bytes, n.node_id))
     by_id = {n.node_id: n for n in node_list}
@@ -130,24 +188,438 @@ def plan(
     plans: dict[str, ModelPlan] = {}
     for model in models:
         old = previous.get(model.name)
-        before = dict(used)
-        model_plan = _surviving(old, model, by_id, used) if old else None
-        if model_plan is not None:
-            _fill_replicas(model_plan, model, node_list, used, replicas)
-            if model_plan.missing_layers():
-                # The survivors cannot fill the hole in the old layout: cut a new one
-                # rather than keep a model unservable while nodes sit idle.
-                used.clear()
-                used.update(before)
-                model_plan = None
-        if model_plan is None:
-            model_plan = _fresh_layout(model, node_list, used, min_stages)
-            if model_plan is None:
-                plans[model.name] = ModelPlan(model.name, [0, model.num_layers])
-                continue
-            _fill_replicas(model_plan, model, node_list, used, replicas)
-        plans[model.name] = model_plan
+        if min_stages > 1:
+            plans[model.name] = _plan_layout(
+                model, node_list, by_id, used, old, replicas, min_stages
+            )
+        else:
+            plans[model.name] = _plan_pipelines(
+                model, node_list, by_id, used, old, replicas, hysteresis
+            )
     return plans
+
+
+def estimated_tokens_per_s(
+    model: ModelSpec, model_plan: ModelPlan, nodes: Mapping[str, NodeSpec]
+) -> float:
+    """The planner's objective: sum over full pipelines of 1 / (time per token).
+
+    Each node serves the same number of sessions (its KV budget), so a pipeline's sessions
+    each make 1 / latency tokens per second; the common factor is left out.
+    """
+    total = 0.0
+    for pipe in model_plan.pipelines:
+        members = [nodes[nid] for nid in pipe if nid in nodes and nid in model_plan.holders]
+        if len(members) != len(pipe):
+            continue
+        seconds = sum(
+            model_plan.holders[n.node_id].layers * layer_seconds(model, n) for n in members
+        )
+        total += 1.0 / (seconds + _network_seconds(members))
+    return total
+
+
+def _network_seconds(members: Sequence[NodeSpec]) -> float:
+    regions = {n.region for n in members}
+    return (len(members) - 1) * HOP_S + (len(regions) - 1) * CROSS_REGION_S
+
+
+# ---- pipelines (min_stages == 1) ------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _Cand:
+    """A node with room for layers: how many fit in each position, and how fast they run."""
+
+    node: NodeSpec
+    mid: int  # layers alone
+    first: int  # layers next to the embedding
+    last: int  # layers next to the LM head
+    both: int  # layers next to both
+    seconds: float  # per layer and token
+
+    @property
+    def node_id(self) -> str:
+        return self.node.node_id
+
+
+def _candidate(model: ModelSpec, node: NodeSpec, used: int) -> _Cand | None:
+    budget = node.usable_bytes * (1 - HEADROOM) - used
+    per_layer = (
+        model.params_per_layer + node.kv_tokens * model.kv_values_per_token_per_layer
+    ) * node.dtype_bytes
+    embed = model.embed_params * node.dtype_bytes
+    head = model.head_params * node.dtype_bytes
+
+    def layers(extra: int) -> int:
+        return max(0, min(model.num_layers, int((budget - extra) // per_layer)))
+
+    mid = layers(0)
+    if mid <= 0:
+        return None
+    return _Cand(
+        node, mid, layers(embed), layers(head), layers(embed + head), layer_seconds(model, node)
+    )
+
+
+def _pick_ends(members: Sequence[_Cand]) -> tuple[int, int]:
+    """Indices of the members that hold the embedding and the LM head: the pair that loses
+    the fewest layers to them (a node with spare room, or one clipped at L, loses none)."""
+    best_f = best_f2 = -1
+    best_l = best_l2 = -1
+    loss_f = [c.mid - c.first for c in members]
+    loss_l = [c.mid - c.last for c in members]
+    for i in range(len(members)):
+        if best_f < 0 or loss_f[i] < loss_f[best_f]:
+            best_f, best_f2 = i, best_f
+        elif best_f2 < 0 or loss_f[i] < loss_f[best_f2]:
+            best_f2 = i
+        if best_l < 0 or loss_l[i] < loss_l[best_l]:
+            best_l, best_l2 = i, best_l
+        elif best_l2 < 0 or loss_l[i] < loss_l[best_l2]:
+            best_l2 = i
+    if best_f != best_l:
+        return best_f, best_l
+    if loss_f[best_f] + loss_l[best_l2] <= loss_f[best_f2] + loss_l[best_l]:
+        return best_f, best_l2
+    return best_f2, best_l
+
+
+def _ends(members: Sequence[_Cand]) -> tuple[list[_Cand], list[int]]:
+    """Members in chain order with the layers each has room for."""
+    if len(members) == 1:
+        return list(members), [members[0].both]
+    f, last = _pick_ends(members)
+    middle = [c for i, c in enumerate(members) if i not in (f, last)]
+    return (
+        [members[f], *middle, members[last]],
+        [members[f].first, *(c.mid for c in middle), members[last].last],
+    )
+
+
+def _cover(model: ModelSpec, members: Sequence[_Cand]) -> int:
+    """Layers the members hold together as one chain (0 if an end holds none)."""
+    if len(members) == 1:
+        return members[0].both
+    f, last = _pick_ends(members)
+    if members[f].first < 1 or members[last].last < 1:
+        return 0
+    total = sum(c.mid for c in members)
+    return total - (members[f].mid - members[f].first) - (members[last].mid - members[last].last)
+
+
+def _chain(model: ModelSpec, members: Sequence[_Cand]) -> list[tuple[_Cand, int, int]] | None:
+    """Give the members layers, fastest first; None if they cannot cover [0, L).
+
+    Middle members left without a layer are dropped from the chain.
+    """
+    n_layers = model.num_layers
+    chain, caps = _ends(members)
+    if sum(caps) < n_layers or caps[0] < 1 or caps[-1] < 1:
+        return None
+    sizes = [0] * len(chain)
+    sizes[0] = 1
+    sizes[-1] = 1
+    left = n_layers - sum(sizes)
+    for i in sorted(range(len(chain)), key=lambda i: (chain[i].seconds, chain[i].node_id)):
+        take = min(caps[i] - sizes[i], left)
+        sizes[i] += take
+        left -= take
+    if left > 0:
+        return None
+    out: list[tuple[_Cand, int, int]] = []
+    start = 0
+    for cand, size in zip(chain, sizes, strict=True):
+        if size:
+            out.append((cand, start, start + size))
+            start += size
+    return out
+
+
+def _bin_cover(
+    model: ModelSpec, pool: list[_Cand]
+) -> tuple[list[list[tuple[_Cand, int, int]]], list[_Cand]]:
+    """As many pipelines as the pool covers: seed with the largest node, then complete it
+    with the smallest node that does (least waste), else add the largest and go on."""
+    n_layers = model.num_layers
+    pool = sorted(pool, key=lambda c: (c.mid, c.both, -c.seconds, c.node_id))
+    caps = [c.mid for c in pool]
+    total = sum(caps)
+    pipelines: list[list[tuple[_Cand, int, int]]] = []
+    while pool and total >= n_layers:
+        members = [pool.pop()]
+        caps.pop()
+        total -= members[0].mid
+        held = members[0].mid  # an upper bound on the chain's cover: skips most _cover calls
+        while pool and (held < n_layers or _cover(model, members) < n_layers):
+            deficit = n_layers - min(held, _cover(model, members) if held >= n_layers else held)
+            i = bisect.bisect_left(caps, deficit)
+            chosen = None
+            for j in range(i, min(i + 4, len(pool))):
+                if (
+                    held + pool[j].mid >= n_layers
+                    and _cover(model, [*members, pool[j]]) >= n_layers
+                ):
+                    chosen = j
+                    break
+            if chosen is None:
+                chosen = len(pool) - 1
+            members.append(pool.pop(chosen))
+            caps.pop(chosen)
+            total -= members[-1].mid
+            held += members[-1].mid
+        chain = _chain(model, members) if _cover(model, members) >= n_layers else None
+        if chain is None:
+            # Whatever is left cannot make another pipeline.
+            pool.extend(members)
+            break
+        in_chain = {c.node_id for c, _, _ in chain}
+        for c in members:
+            if c.node_id not in in_chain:  # given no layer: back to the pool
+                i = bisect.bisect_left(caps, c.mid)
+                pool.insert(i, c)
+                caps.insert(i, c.mid)
+                total += c.mid
+        pipelines.append(chain)
+    return pipelines, pool
+
+
+def _form_pipelines(
+    model: ModelSpec, cands: list[_Cand]
+) -> tuple[list[list[tuple[_Cand, int, int]]], list[_Cand]]:
+    """Pipelines inside each region first (no cross-region hops), then across regions."""
+    by_region: dict[str, list[_Cand]] = {}
+    for c in cands:
+        by_region.setdefault(c.node.region, []).append(c)
+    pipelines: list[list[tuple[_Cand, int, int]]] = []
+    rest: list[_Cand] = []
+    for region in sorted(by_region):
+        made, left = _bin_cover(model, by_region[region])
+        pipelines += made
+        rest += left
+    if len(by_region) > 1:
+        made, rest = _bin_cover(model, rest)
+        pipelines += made
+    return pipelines, rest
+
+
+def _place_chain(
+    model: ModelSpec,
+    model_plan: ModelPlan,
+    chain: list[tuple[_Cand, int, int]],
+    used: dict[str, int],
+) -> None:
+    for cand, a, b in chain:
+        model_plan.holders[cand.node_id] = Shard(model.name, a, b)
+        used[cand.node_id] += shard_bytes(model, cand.node, a, b)
+    model_plan.pipelines.append(tuple(c.node_id for c, _, _ in chain))
+
+
+def _fill_floor(
+    model: ModelSpec,
+    model_plan: ModelPlan,
+    spares: list[_Cand],
+    used: dict[str, int],
+    replicas: int,
+) -> None:
+    """Spare nodes replicate the least-covered layers until every layer has `replicas`
+    holders; the others stay idle, ready to repair a pipeline or to start a new one."""
+    if not model_plan.holders:
+        return
+    n_layers = model.num_layers
+    counts = model_plan.layer_coverage()
+    for cand in sorted(spares, key=lambda c: (-c.mid, c.node_id)):
+        if min(counts) >= replicas and not SPARES_REPLICATE:
+            return
+        prefix = [0]
+        for n in counts:
+            prefix.append(prefix[-1] + n)
+        best: tuple[float, int, int, int] | None = None
+        for start in range(n_layers):
+            size = min(cand.first if start == 0 else cand.mid, n_layers - start)
+            if start + size == n_layers:
+                size = min(size, cand.both if start == 0 else cand.last)
+            if size <= 0:
+                continue
+            mean = (prefix[start + size] - prefix[start]) / size
+            key = (mean, -size, start, start + size)
+            if best is None or key < best:
+                best = key
+        if best is None:
+            continue
+        a, b = best[2], best[3]
+        model_plan.holders[cand.node_id] = Shard(model.name, a, b)
+        used[cand.node_id] += shard_bytes(model, cand.node, a, b)
+        for layer in range(a, b):
+            counts[layer] += 1
+
+
+def _fresh_pipelines(
+    model: ModelSpec, nodes: list[NodeSpec], used: dict[str, int], replicas: int
+) -> ModelPlan:
+    model_plan = ModelPlan(model.name, [0, model.num_layers])
+    cands = [c for n in nodes if (c := _candidate(model, n, used[n.node_id])) is not None]
+    pipelines, rest = _form_pipelines(model, cands)
+    for chain in pipelines:
+        _place_chain(model, model_plan, chain, used)
+    _fill_floor(model, model_plan, rest, used, replicas)
+    return model_plan
+
+
+def _plan_pipelines(
+    model: ModelSpec,
+    nodes: list[NodeSpec],
+    by_id: Mapping[str, NodeSpec],
+    used: dict[str, int],
+    old: ModelPlan | None,
+    replicas: int,
+    hysteresis: float,
+) -> ModelPlan:
+    before = dict(used)
+    fresh = _fresh_pipelines(model, nodes, used, replicas)
+    if old is None or (not old.holders and not fresh.holders):
+        return fresh
+    fresh_used = dict(used)
+    used.clear()
+    used.update(before)
+    kept = _kept_pipelines(model, nodes, by_id, used, old, replicas)
+    gain = estimated_tokens_per_s(model, fresh, by_id)
+    if gain > estimated_tokens_per_s(model, kept, by_id) * (1 + hysteresis) or (
+        kept.missing_layers() and not fresh.missing_layers()
+    ):
+        used.clear()
+        used.update(fresh_used)
+        return fresh
+    return kept
+
+
+def _kept_pipelines(
+    model: ModelSpec,
+    nodes: list[NodeSpec],
+    by_id: Mapping[str, NodeSpec],
+    used: dict[str, int],
+    old: ModelPlan,
+    replicas: int,
+) -> ModelPlan:
+    """The previous plan minus vanished nodes; broken pipelines repaired with idle nodes;
+    idle nodes forming new pipelines. No surviving shard moves."""
+    n_layers = model.num_layers
+    kept = ModelPlan(model.name, [0, n_layers])
+    if old.boundaries[-1] != n_layers:
+        old = ModelPlan(model.name, [0, n_layers])
+    for node_id, shard in old.holders.items():
+        node = by_id.get(node_id)
+        if node and fits(model, node, shard.start, shard.end, used[node_id]):
+            kept.holders[node_id] = shard
+            used[node_id] += shard_bytes(model, node, shard.start, shard.end)
+    idle = [
+        c
+        for n in nodes
+        if n.node_id not in kept.holders
+        and (c := _candidate(model, n, used[n.node_id])) is not None
+    ]
+    for pipe in old.pipelines:
+        survivors = [nid for nid in pipe if nid in kept.holders]
+        if len(survivors) == len(pipe):
+            kept.pipelines.append(pipe)
+            continue
+        if not survivors:
+            continue
+        repaired = _repair(model, kept, survivors, idle, by_id, used)
+        if repaired is not None:
+            kept.pipelines.append(repaired)
+    pipelines, rest = _form_pipelines(model, idle)
+    for chain in pipelines:
+        _place_chain(model, kept, chain, used)
+    _fill_floor(model, kept, rest, used, replicas)
+    return kept
+
+
+def _repair(
+    model: ModelSpec,
+    kept: ModelPlan,
+    survivors: list[str],
+    idle: list[_Cand],
+    by_id: Mapping[str, NodeSpec],
+    used: dict[str, int],
+) -> tuple[str, ...] | None:
+    """Fill the holes a departed member left with the smallest idle node that holds each
+    (same region first). None when a hole cannot be filled; survivors then stay replicas."""
+    n_layers = model.num_layers
+    spans = sorted((kept.holders[nid].start, kept.holders[nid].end) for nid in survivors)
+    holes: list[tuple[int, int]] = []
+    reached = 0
+    for a, b in spans:
+        if a > reached:
+            holes.append((reached, a))
+        reached = max(reached, b)
+    if reached < n_layers:
+        holes.append((reached, n_layers))
+    region = by_id[survivors[0]].region
+    picks: list[tuple[_Cand, int, int]] = []
+    taken: set[str] = set()
+    for a, b in holes:
+        need = b - a
+        best: _Cand | None = None
+        best_key: tuple[bool, int, float, str] | None = None
+        for c in idle:
+            if c.node_id in taken:
+                continue
+            if a == 0 and b == n_layers:
+                room = c.both
+            elif a == 0:
+                room = c.first
+            elif b == n_layers:
+                room = c.last
+            else:
+                room = c.mid
+            if room < need:
+                continue
+            key = (c.node.region != region, room, c.seconds, c.node_id)
+            if best_key is None or key < best_key:
+                best, best_key = c, key
+        if best is None:
+            return None
+        picks.append((best, a, b))
+        taken.add(best.node_id)
+    for cand, a, b in picks:
+        kept.holders[cand.node_id] = Shard(model.name, a, b)
+        used[cand.node_id] += shard_bytes(model, cand.node, a, b)
+    idle[:] = [c for c in idle if c.node_id not in taken]
+    members = survivors + [c.node_id for c, _, _ in picks]
+    return tuple(sorted(members, key=lambda nid: kept.holders[nid].start))
+
+
+# ---- one stage layout (min_stages > 1) ------------------------------------------------------
+
+
+def _plan_layout(
+    model: ModelSpec,
+    node_list: list[NodeSpec],
+    by_id: Mapping[str, NodeSpec],
+    used: dict[str, int],
+    old: ModelPlan | None,
+    replicas: int,
+    min_stages: int,
+) -> ModelPlan:
+    if old is not None and old.pipelines:
+        old = None  # a pipeline plan has no layout to keep
+    before = dict(used)
+    model_plan = _surviving(old, model, by_id, used) if old else None
+    if model_plan is not None:
+        _fill_replicas(model_plan, model, node_list, used, replicas)
+        if model_plan.missing_layers():
+            # The survivors cannot fill the hole in the old layout: cut a new one
+            # rather than keep a model unservable while nodes sit idle.
+            used.clear()
+            used.update(before)
+            model_plan = None
+    if model_plan is None:
+        model_plan = _fresh_layout(model, node_list, used, min_stages)
+        if model_plan is None:
+            return ModelPlan(model.name, [0, model.num_layers])
+        _fill_replicas(model_plan, model, node_list, used, replicas)
+    return model_plan
 
 
 def _surviving(

@@ -1,8 +1,9 @@
 """Tessera as the coordinator runs it: coordinator.planner.plan + coordinator.router.route.
 
-Inputs are adapted the way coordinator/placement.py adapts them: speed = the card's FP16
-TFLOPS, fp16 weights, the coordinator's KV budget; the router's per-layer cost is
-1 / speed and its load is the node's active session count.
+Planner inputs: speed = the card's FP16 TFLOPS, memory bandwidth, region, fp16 weights,
+the coordinator's KV budget. Router inputs, as the coordinator measures them once traffic
+flows: per-layer time of the node at its would-be batch (load-adjusted), RTT between nodes
+(plus the hand-off of the hidden states) and between the client and each node.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from coordinator.planner import ModelPlan, ModelSpec, NodeSpec, plan
 from coordinator.router import Holder, NoRouteError, route
 
 from .regions import Site
-from .swarm import Hop, SimNode, Swarm, fetched_bytes
+from .swarm import Hop, SimNode, Swarm, fetched_bytes, handoff_s
 
 
 class TesseraSystem:
@@ -41,6 +42,8 @@ class TesseraSystem:
                 speed=n.gpu.fp16_tflops,
                 dtype_bytes=2,
                 kv_tokens=self.swarm.params.kv_tokens,
+                mem_bandwidth=n.gpu.memory_gbps,
+                region=n.site.region,
             )
             for n in self.swarm.nodes.values()
         ]
@@ -74,20 +77,31 @@ class TesseraSystem:
     def route(self, client: Site, load: Mapping[str, int], full: set[str]) -> list[Hop] | None:
         if self.plan is None or not self.plan.holders:
             return None
+        swarm = self.swarm
         holders = [
             Holder(
                 nid,
                 nid,
                 s.start,
                 s.end,
-                1.0 / self.swarm.nodes[nid].gpu.fp16_tflops,
-                float(load.get(nid, 0)),
+                swarm.layer_time_s(nid, load.get(nid, 0) + 1) * 1000.0,
             )
             for nid, s in self.plan.holders.items()
-            if nid in self.swarm.nodes
+            if nid in swarm.nodes
         ]
+
+        def rtt_ms(a: str, b: str) -> float:
+            handoff = handoff_s(swarm.nodes[a], swarm.model, load.get(a, 0) + 1)
+            return (swarm.rtt_s(a, b) + 2 * handoff) * 1000.0
+
         try:
-            stages = route(self.plan.boundaries, holders, exclude=full)
+            stages = route(
+                self.plan.boundaries,
+                holders,
+                exclude=full,
+                rtt_ms=rtt_ms,
+                client_rtt_ms=lambda nid: swarm.client_rtt_s(client, nid) * 1000.0,
+            )
         except NoRouteError:
             return None
         return [Hop(st.primary.node_id, st.start, st.end) for st in stages]
