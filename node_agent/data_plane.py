@@ -28,6 +28,20 @@ SERVER_OPTIONS = [
     ("grpc.so_reuseport", 0),
 ]
 MAX_PING_PAYLOAD_BYTES = 1024 * 1024
+
+
+async def answer_ping(
+    request: stage_pb2.PingRequest, context: grpc.aio.ServicerContext, node_id: str
+) -> stage_pb2.PingResponse:
+    """Echo the payload with our id: the coordinator's reachability check and RTT probes."""
+    if len(request.payload) > MAX_PING_PAYLOAD_BYTES:
+        await context.abort(
+            grpc.StatusCode.INVALID_ARGUMENT,
+            f"ping payload is {len(request.payload)} bytes; send at most {MAX_PING_PAYLOAD_BYTES}",
+        )
+    return stage_pb2.PingResponse(payload=request.payload, node_id=node_id)
+
+
 _NO_MODEL = "this node has no model loaded (its agent runs without a model runtime)"
 
 
@@ -40,13 +54,7 @@ class NoModelStageServicer(stage_pb2_grpc.StageServicer):
     async def Ping(  # noqa: N802 - gRPC method name
         self, request: stage_pb2.PingRequest, context: grpc.aio.ServicerContext
     ) -> stage_pb2.PingResponse:
-        if len(request.payload) > MAX_PING_PAYLOAD_BYTES:
-            await context.abort(
-                grpc.StatusCode.INVALID_ARGUMENT,
-                f"ping payload is {len(request.payload)} bytes; send at most "
-                f"{MAX_PING_PAYLOAD_BYTES}",
-            )
-        return stage_pb2.PingResponse(payload=request.payload, node_id=self._ctx.node_id)
+        return await answer_ping(request, context, self._ctx.node_id)
 
     async def Forward(  # noqa: N802 - gRPC method name
         self, request_iterator: object, context: grpc.aio.ServicerContext

@@ -26,6 +26,7 @@ import numpy as np
 import torch
 
 from node_agent.context import AgentContext
+from node_agent.data_plane import answer_ping
 from node_agent.runtime import CacheBudgetError, CacheFullError, StageKVCache
 from node_agent.shard_manager import LoadedShard, ShardManager, shard_manager_for
 from protos import codec, identity
@@ -33,7 +34,6 @@ from protos.tessera.v1 import client_api_pb2, common_pb2, stage_pb2, stage_pb2_g
 
 log = logging.getLogger(__name__)
 
-MAX_PING_PAYLOAD_BYTES = 1024 * 1024
 
 
 @dataclass(frozen=True)
@@ -79,13 +79,7 @@ class StageServicer(stage_pb2_grpc.StageServicer):
     async def Ping(  # noqa: N802 - gRPC method name
         self, request: stage_pb2.PingRequest, context: grpc.aio.ServicerContext
     ) -> stage_pb2.PingResponse:
-        if len(request.payload) > MAX_PING_PAYLOAD_BYTES:
-            await context.abort(
-                grpc.StatusCode.INVALID_ARGUMENT,
-                f"ping payload is {len(request.payload)} bytes; send at most "
-                f"{MAX_PING_PAYLOAD_BYTES}",
-            )
-        return stage_pb2.PingResponse(payload=request.payload, node_id=self._ctx.node_id)
+        return await answer_ping(request, context, self._ctx.node_id)
 
     async def Forward(  # noqa: N802 - gRPC method name
         self,
