@@ -7,7 +7,7 @@ import enum
 from protos.tessera.v1 import node_pb2
 
 
-class NodeState(str, enum.Enum):
+class NodeState(str, enum.Enum):  # noqa: UP042 - keeps the str-mixin semantics it was tested with
     ONLINE = "online"
     SUSPECT = "suspect"  # missed heartbeats, not yet given up on
     OFFLINE = "offline"

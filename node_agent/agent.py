@@ -198,7 +198,7 @@ class NodeAgent:
                     )
                     return ExitCode.REFUSED
                 reason = describe_rpc_error(exc)
-            except (StreamLost, TimeoutError, asyncio.TimeoutError) as exc:
+            except (StreamLost, TimeoutError) as exc:
                 reason = str(exc) or "timed out"
             if self._leave is not None:
                 break
@@ -374,7 +374,7 @@ class NodeAgent:
             self._send_heartbeat(outgoing)
             try:
                 await asyncio.wait_for(self._draining_acked.wait(), _DRAIN_ACK_TIMEOUT_S)
-            except (TimeoutError, asyncio.TimeoutError):
+            except TimeoutError:
                 log.warning("the coordinator did not confirm the drain; closing anyway")
         await self._finish_running_work()
         outgoing.put_nowait(None)  # half-close: the coordinator sees a clean goodbye

@@ -127,7 +127,7 @@ class MqttPresence:
             return
         try:
             await asyncio.wait_for(asyncio.shield(self._task), _CLOSE_TIMEOUT_S)
-        except (TimeoutError, asyncio.TimeoutError):
+        except TimeoutError:
             log.warning("MQTT broker %s did not take the offline message in time", self._broker)
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)

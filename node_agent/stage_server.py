@@ -19,7 +19,7 @@ import logging
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 
 import grpc
 import numpy as np
@@ -199,7 +199,7 @@ class StageServicer(stage_pb2_grpc.StageServicer):
     def _check_expiry(self, claims: client_api_pb2.CapabilityClaims) -> None:
         now_ms = int(self._clock() * 1000)
         if claims.expires_unix_ms <= now_ms:
-            when = datetime.fromtimestamp(claims.expires_unix_ms / 1000, tz=timezone.utc)
+            when = datetime.fromtimestamp(claims.expires_unix_ms / 1000, tz=UTC)
             raise StageError(
                 grpc.StatusCode.UNAUTHENTICATED,
                 f"token expired at {when.isoformat(timespec='seconds')}; open a new session "
