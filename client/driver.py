@@ -124,6 +124,9 @@ class PipelineDriver:
         self._excluded: set[str] = set()
         self._used: dict[str, HopRecord] = {s.hop.node_id: s.hop for s in self._slots}
         self._length = 0
+        # False while a step is under way: a step that raised may have left inputs beyond
+        # ``_length`` at some boundaries, which the next step must roll back.
+        self._history_clean = True
         self._step = 0
         self._failovers_this_step = 0
         self._replayed_this_step: set[tuple[str, Span]] = set()
@@ -156,8 +159,10 @@ class PipelineDriver:
         """Run token ids through the pipeline and return float32 logits.
 
         ``token_ids`` is [T] or [B, T]. The result is [B, T, vocab], or [B, vocab] for the
-        last position only with ``last_only``. ``start_pos`` defaults to appending; an
-        earlier position rolls every hop back first (speculative decoding, retries).
+        last position only with ``last_only`` (the last hop then sends only that position:
+        a prefill's full logits would cost vocab x 4 bytes per token). ``start_pos``
+        defaults to appending; an earlier position rolls every hop back first
+        (speculative decoding, retries).
         """
         ids = self._check_tokens(token_ids)
         start = self._length if start_pos is None else start_pos
@@ -171,18 +176,29 @@ class PipelineDriver:
                 f"the session was opened for {self.max_tokens} tokens; {total} do not fit. "
                 "Open a session with a larger max_length."
             )
-        self._history.rollback(start)
+        if start < self._length or not self._history_clean:
+            # Appending to a clean history needs no rollback; skipping it keeps a decode
+            # step's cost from growing with the number of tokens sent so far.
+            self._history.rollback(start)
+        self._history_clean = False
         self._failovers_this_step = 0
         self._replayed_this_step.clear()
         outputs: list[np.ndarray] = []
-        chunk = self._chunk_tokens(ids.shape[0])
+        chunk = self._chunk_tokens(ids.shape[0], last_only)
         for offset in range(0, ids.shape[1], chunk):
             piece = ids[:, offset : offset + chunk]
             logits, _ = await self._run_through(
-                0, self.shape.num_layers, start + offset, piece, "int64", self._next_step()
+                0,
+                self.shape.num_layers,
+                start + offset,
+                piece,
+                "int64",
+                self._next_step(),
+                last_only=last_only,
             )
             outputs.append(logits[:, -1] if last_only else logits)
         self._length = total
+        self._history_clean = True
         if last_only:
             return outputs[-1]
         return outputs[0] if len(outputs) == 1 else np.concatenate(outputs, axis=1)
@@ -218,25 +234,40 @@ class PipelineDriver:
         dtype: str,
         step: int,
         replay: bool = False,
+        *,
+        last_only: bool = False,
     ) -> tuple[np.ndarray, str]:
-        """Send one chunk from boundary ``from_layer`` to ``to_layer``, recording inputs."""
+        """Send one chunk from boundary ``from_layer`` to ``to_layer``, recording inputs.
+
+        With ``last_only`` the hop that ends at the last layer answers for the chunk's
+        last position only ([B, 1, vocab]); every other hop answers every position.
+        """
         layer = from_layer
         while layer < to_layer:
             index = self._index_at(layer)
             span = self._slots[index].span
             self._history.record(span, start_pos, x, dtype)
-            x, dtype = await self._call_or_recover(index, start_pos, x, dtype, step, replay)
+            x, dtype = await self._call_or_recover(
+                index, start_pos, x, dtype, step, replay, last_only
+            )
             layer = span.end
         return x, dtype
 
     async def _call_or_recover(
-        self, index: int, start_pos: int, x: np.ndarray, dtype: str, step: int, replay: bool
+        self,
+        index: int,
+        start_pos: int,
+        x: np.ndarray,
+        dtype: str,
+        step: int,
+        replay: bool,
+        last_only: bool,
     ) -> tuple[np.ndarray, str]:
         slot = self._slots[index]
         span = slot.span
         failed_at = time.monotonic()
         try:
-            return await self._call(slot, start_pos, x, dtype, step, replay)
+            return await self._call(slot, start_pos, x, dtype, step, replay, last_only)
         except HopFailure as err:
             failure, failed = err, slot.hop
             log.warning("node %s failed on layers %s: %s", failed.node_id, span, failure)
@@ -244,15 +275,27 @@ class PipelineDriver:
         # The boundary history ends with the chunk that failed, so replaying it from 0
         # rebuilds the replacement's cache and yields this chunk's output as its tail.
         _, full, full_dtype = self._history.replay_input(self._slots[index].span)
-        chunk = self._chunk_tokens(full.shape[0])
+        # Replaying the last span for a last-position step: only the very last position
+        # counts, so no piece needs its (vocab-wide) logits for every position.
+        trim = last_only and span.end == self.shape.num_layers
+        chunk = self._chunk_tokens(full.shape[0], trim)
         parts: list[np.ndarray] = []
         out_dtype = dtype
         for offset in range(0, full.shape[1], chunk):
             piece = full[:, offset : offset + chunk]
             out, out_dtype = await self._run_through(
-                span.start, span.end, offset, piece, full_dtype, self._next_step(), True
+                span.start,
+                span.end,
+                offset,
+                piece,
+                full_dtype,
+                self._next_step(),
+                True,
+                last_only=trim,
             )
-            if offset + piece.shape[1] > start_pos:
+            if trim:
+                parts = [out]
+            elif offset + piece.shape[1] > start_pos:
                 parts.append(out[:, max(0, start_pos - offset) :])
         event = FailoverEvent(
             step=step,
@@ -279,8 +322,16 @@ class PipelineDriver:
         return np.concatenate(parts, axis=1) if len(parts) > 1 else parts[0], out_dtype
 
     async def _call(
-        self, slot: _Slot, start_pos: int, x: np.ndarray, dtype: str, step: int, replay: bool
+        self,
+        slot: _Slot,
+        start_pos: int,
+        x: np.ndarray,
+        dtype: str,
+        step: int,
+        replay: bool,
+        last_only: bool = False,
     ) -> tuple[np.ndarray, str]:
+        last_position_only = last_only and slot.span.end == self.shape.num_layers
         request = stage_pb2.ForwardRequest(
             session_id=self.session_id,
             step=step,
@@ -288,6 +339,7 @@ class PipelineDriver:
             layers=common_pb2.LayerRange(start=slot.span.start, end=slot.span.end),
             start_pos=start_pos,
             input=codec.encode(x, dtype),
+            last_position_only=last_position_only,
         )
         if slot.capability_version_sent != self._capability_version:
             request.capability.CopyFrom(self._capability)
@@ -298,8 +350,11 @@ class PipelineDriver:
             if slot.call is None:
                 stub = stage_pb2_grpc.StageStub(self._channels.get(slot.hop.address))
                 slot.call = stub.Forward()
-            response = await asyncio.wait_for(_round_trip(slot.call, request), timeout)
-        except asyncio.TimeoutError:
+            # asyncio.timeout, unlike wait_for, runs the round trip in this task: no extra
+            # task and event-loop pass per hop.
+            async with asyncio.timeout(timeout):
+                response = await _round_trip(slot.call, request)
+        except TimeoutError:
             slot.close_stream()
             raise HopFailure(f"straggler: no answer within {timeout:.1f} s") from None
         except grpc.aio.AioRpcError as err:
@@ -317,7 +372,9 @@ class PipelineDriver:
             raise HopFailure(f"stream broke: {type(err).__name__}: {err}") from err
         slot.capability_version_sent = self._capability_version
         wall = time.monotonic() - started
-        output = self._check_output(slot, response, step, x.shape[0], tokens, start_pos)
+        output = self._check_output(
+            slot, response, step, x.shape[0], tokens, start_pos, last_position_only
+        )
         if tokens == 1 and not replay:
             slot.decode_seconds.append(wall)
         self.timings.append(
@@ -352,6 +409,7 @@ class PipelineDriver:
         batch: int,
         tokens: int,
         start_pos: int,
+        last_position_only: bool = False,
     ) -> np.ndarray:
         """A node that answers with the wrong thing is treated like one that failed."""
         if response.step != step:
@@ -362,16 +420,20 @@ class PipelineDriver:
             )
         last = slot.span.end == self.shape.num_layers
         width = self.shape.vocab_size if last else self.shape.hidden_size
+        positions = tokens
+        if last_position_only and list(response.output.shape[1:2]) != [tokens]:
+            positions = 1  # a node older than last_position_only answers every position
         try:
-            return codec.decode(
+            output = codec.decode(
                 response.output,
                 allowed=frozenset({"float32"}) if last else codec.FLOAT_DTYPES,
-                shape=(batch, tokens, width),
+                shape=(batch, positions, width),
                 ndim=3,
                 name="logits" if last else "hidden states",
             )
         except codec.TensorError as err:
             raise HopFailure(f"sent a malformed output: {err}") from err
+        return output[:, -1:] if last_position_only else output
 
     # ---- fail-over ------------------------------------------------------------------
 
@@ -448,11 +510,18 @@ class PipelineDriver:
         samples = slot.decode_seconds
         if tokens != 1 or replay or len(samples) < self.config.min_samples:
             return self.config.cold_timeout_s
-        p95 = float(np.percentile(np.fromiter(samples, dtype=np.float64), 95))
+        p95 = _percentile(samples, 95.0)
         return max(self.config.deadline_floor_s, self.config.deadline_factor * p95)
 
-    def _chunk_tokens(self, batch: int) -> int:
-        widest = max(self.shape.vocab_size, self.shape.hidden_size) * 4 * batch
+    def _chunk_tokens(self, batch: int, last_only: bool = False) -> int:
+        # The widest message a token causes: its logits, unless only the last position's
+        # come back; then its hidden states (float32 at most).
+        per_token = (
+            self.shape.hidden_size
+            if last_only
+            else max(self.shape.vocab_size, self.shape.hidden_size)
+        )
+        widest = per_token * 4 * batch
         return max(1, min(self.config.max_chunk_tokens, self.config.message_budget_bytes // widest))
 
     def _next_step(self) -> int:
@@ -488,6 +557,15 @@ class PipelineDriver:
                 f"[0, {self.shape.vocab_size})"
             )
         return ids.astype(np.int64)
+
+
+def _percentile(values: Iterable[float], q: float) -> float:
+    """numpy's default (linear) percentile; np.percentile costs ~0.1 ms, this a few us."""
+    ordered = sorted(values)
+    position = (len(ordered) - 1) * q / 100.0
+    low = int(position)
+    high = min(low + 1, len(ordered) - 1)
+    return ordered[low] + (ordered[high] - ordered[low]) * (position - low)
 
 
 def _classify(slot: _Slot, code: grpc.StatusCode, details: str) -> Exception:

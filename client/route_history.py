@@ -63,6 +63,8 @@ class _BoundaryHistory:
         return self.chunks[-1].end_pos if self.chunks else 0
 
     def truncate(self, length: int) -> None:
+        if length >= self.length:
+            return  # nothing to cut: appending must not cost more as the sequence grows
         kept: list[_Chunk] = []
         for chunk in self.chunks:
             if chunk.end_pos <= length:

@@ -35,7 +35,6 @@ from protos.tessera.v1 import client_api_pb2, common_pb2, stage_pb2, stage_pb2_g
 log = logging.getLogger(__name__)
 
 
-
 @dataclass(frozen=True)
 class StageLimits:
     max_batch: int = 8
@@ -290,14 +289,23 @@ class StageServicer(stage_pb2_grpc.StageServicer):
                     grpc.StatusCode.INVALID_ARGUMENT,
                     f"token id {bad} is outside the vocabulary [0, {config.vocab_size})",
                 )
-        width = (
-            config.vocab_size * 4
-            if request.layers.end == shard.num_layers
-            else (config.hidden_size * shard.dtype.itemsize)
-        )
-        per_request = min(
-            limits.max_tokens_per_request, limits.max_output_bytes // max(1, batch * width)
-        )
+        last = request.layers.end == shard.num_layers
+        if request.last_position_only and not last:
+            raise StageError(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"last_position_only asks for logits, but layers [{request.layers.start}, "
+                f"{request.layers.end}) end before the model's last layer "
+                f"({shard.num_layers}); set it only on the hop that ends there",
+            )
+        if last and request.last_position_only:
+            # One position answers, however long the input.
+            fits = batch * config.vocab_size * 4 <= limits.max_output_bytes
+            per_request = limits.max_tokens_per_request if fits else 0
+        else:
+            width = config.vocab_size * 4 if last else config.hidden_size * shard.dtype.itemsize
+            per_request = min(
+                limits.max_tokens_per_request, limits.max_output_bytes // max(1, batch * width)
+            )
         if tokens > per_request:
             raise StageError(
                 grpc.StatusCode.RESOURCE_EXHAUSTED,
@@ -421,12 +429,15 @@ class StageServicer(stage_pb2_grpc.StageServicer):
         stage = shard.stage_for(start, end)
         start_pos = request.start_pos
         wire_dtype = request.input.dtype
+        last_position_only = request.last_position_only
 
         def run() -> tuple[common_pb2.Tensor, float]:
             began = time.perf_counter()
             x = _to_torch(array, wire_dtype)
             with torch.inference_mode():
                 out = stage.forward(x, cache, start_pos)
+            if last_position_only:
+                out = out[:, -1:]
             tensor = _to_wire(out, logits=stage.is_last)
             return tensor, (time.perf_counter() - began) * 1000.0
 

@@ -8,7 +8,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class ForwardRequest(_message.Message):
-    __slots__ = ("capability", "session_id", "step", "model", "layers", "start_pos", "input")
+    __slots__ = ("capability", "session_id", "step", "model", "layers", "start_pos", "input", "last_position_only")
     CAPABILITY_FIELD_NUMBER: _ClassVar[int]
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
@@ -16,6 +16,7 @@ class ForwardRequest(_message.Message):
     LAYERS_FIELD_NUMBER: _ClassVar[int]
     START_POS_FIELD_NUMBER: _ClassVar[int]
     INPUT_FIELD_NUMBER: _ClassVar[int]
+    LAST_POSITION_ONLY_FIELD_NUMBER: _ClassVar[int]
     capability: _client_api_pb2.SignedCapability
     session_id: str
     step: int
@@ -23,7 +24,8 @@ class ForwardRequest(_message.Message):
     layers: _common_pb2.LayerRange
     start_pos: int
     input: _common_pb2.Tensor
-    def __init__(self, capability: _Optional[_Union[_client_api_pb2.SignedCapability, _Mapping]] = ..., session_id: _Optional[str] = ..., step: _Optional[int] = ..., model: _Optional[str] = ..., layers: _Optional[_Union[_common_pb2.LayerRange, _Mapping]] = ..., start_pos: _Optional[int] = ..., input: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ...) -> None: ...
+    last_position_only: bool
+    def __init__(self, capability: _Optional[_Union[_client_api_pb2.SignedCapability, _Mapping]] = ..., session_id: _Optional[str] = ..., step: _Optional[int] = ..., model: _Optional[str] = ..., layers: _Optional[_Union[_common_pb2.LayerRange, _Mapping]] = ..., start_pos: _Optional[int] = ..., input: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., last_position_only: _Optional[bool] = ...) -> None: ...
 
 class ForwardResponse(_message.Message):
     __slots__ = ("step", "output", "compute_ms", "cache_length", "signature")

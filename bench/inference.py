@@ -1,0 +1,490 @@
+"""Inference benchmark: one model, one prompt, run locally and through a 3-stage swarm.
+
+In ONE run, on this machine, with the same weights, prompt and greedy decoding:
+
+  local   the whole model as one `node_agent.runtime.StageModel` (layers [0, L), first and
+          last) with its KV cache, greedy decoding in a plain loop in this process: the
+          "one machine" baseline, fp32 on CPU.
+  swarm   a coordinator and three node agents on loopback (`--min-stages 3 --replicas 2`,
+          so every stage has an alternate), driven by `client.Client.generate`.
+  pipes   for reference, the floor of any 3-process pipeline on this machine: the same
+          three layer spans in three plain Python processes joined by multiprocessing
+          pipes (no gRPC, no validation, no signatures, no fail-over). swarm/pipes shows
+          what Tessera's data path costs; pipes/local what splitting the model over
+          processes costs on this machine, whatever carries the tensors.
+  kill    the swarm again, with the middle stage's primary node kill -9'd a third of the
+          way in: the stall from the kill to the next token, in median token times.
+
+The greedy token ids of every run must be identical (exit status 1 if not). The LAST line
+is exactly `swarm/local tokens/s ratio: X`.
+
+    .venv/bin/python bench/inference.py            # about 2-3 minutes on 2 cores
+    .venv/bin/python bench/inference.py --quick    # a smaller model, fewer tokens, ~1 min
+
+What is fair, and why:
+  * Threads. Every torch process, this one for the local run and each node agent, gets
+    the same intra-op thread count (--threads, default 1): torch.set_num_threads here,
+    OMP_NUM_THREADS/MKL_NUM_THREADS for the nodes, which inherit our environment. One
+    generation walks the pipeline one stage at a time, so at any moment one process
+    computes, with the same threads the local loop has. One thread is the default
+    because on a small machine that others share, several processes each running a
+    multi-threaded OpenMP pool fight over the same cores and the numbers turn to noise;
+    OMP_WAIT_POLICY=PASSIVE (set for all of them) keeps idle pools from spinning when
+    you ask for more threads.
+  * No overlap. The runs take turns (--rounds of local, pipes, swarm), never at the same
+    time; the other side's processes sit idle meanwhile.
+  * Warm-up. Each side first generates a few tokens untimed (torch kernels, gRPC
+    channels and streams, the nodes' lazy per-span views).
+  * Same definition of speed. tokens/s = (generated tokens - 1) / (time from the first
+    token to the last), the client's `GenerationResult.tokens_per_s`, computed the same
+    way for the local loop; the time to the first token (the prefill) is reported on its
+    own. The round with the median ratio is reported, which keeps a busy neighbour on a
+    shared machine from deciding the result.
+  * Same work. fp32 on CPU, KV cache on, the same prompt and token count on both sides;
+    both compute the prompt's logits and sample from the last position's (the swarm's
+    last hop ships only that one: ForwardRequest.last_position_only).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import multiprocessing
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from multiprocessing.connection import Connection
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO_ROOT))
+# Read by OpenMP when torch loads, here and in every node agent we start (they inherit
+# it): idle OpenMP workers sleep instead of spinning on cores another process needs.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+
+from client.api import Client, GenerationResult  # noqa: E402
+from client.demo_checkpoint import DemoShape, write_demo_checkpoint  # noqa: E402
+from client.local_swarm import LocalSwarm  # noqa: E402
+from client.tokenizer import load_tokenizer  # noqa: E402
+from node_agent.runtime import StageModel, load_stage_model  # noqa: E402
+
+MODEL = "bench-llama"
+PROMPT = "In a swarm of community GPUs, every stage keeps its own cache and "
+NODES = ("alpha", "bravo", "charlie")
+FULL_SHAPE = DemoShape(layers=12, hidden=1024, heads=16, kv_heads=8, intermediate=2816)
+QUICK_SHAPE = DemoShape(layers=6, hidden=768, heads=12, kv_heads=4, intermediate=2048)
+
+
+@dataclass
+class Run:
+    """One timed generation: token ids and when each arrived (seconds after the start)."""
+
+    label: str
+    token_ids: list[int] = field(default_factory=list)
+    arrivals: list[float] = field(default_factory=list)
+    result: GenerationResult | None = None  # the client's record, for swarm runs
+
+    @property
+    def first_token_s(self) -> float:
+        return self.arrivals[0]
+
+    @property
+    def token_times(self) -> list[float]:
+        return [b - a for a, b in zip(self.arrivals, self.arrivals[1:], strict=False)]
+
+    @property
+    def tokens_per_s(self) -> float:
+        decode_s = self.arrivals[-1] - self.arrivals[0]
+        return (len(self.arrivals) - 1) / decode_s if decode_s > 0 else 0.0
+
+    @property
+    def median_token_ms(self) -> float:
+        return statistics.median(self.token_times) * 1000.0
+
+    @property
+    def p90_token_ms(self) -> float:
+        times = sorted(self.token_times)
+        return times[int(0.9 * (len(times) - 1))] * 1000.0
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="bench/inference.py",
+        description=__doc__.split("\n\n")[0],
+        epilog=__doc__.split("\n\n", 1)[1],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument(
+        "--quick", action="store_true", help="a smaller model, fewer tokens and one round"
+    )
+    parser.add_argument(
+        "--tokens", type=int, help="tokens to generate per run (default 40, --quick 24)"
+    )
+    parser.add_argument(
+        "--rounds",
+        type=int,
+        help="rounds of local, pipes, swarm; the round with the median swarm/local ratio "
+        "counts (default 5, --quick 1)",
+    )
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="torch intra-op threads for the local run and for every node (default: "
+        "%(default)s; see 'Threads' below)",
+    )
+    parser.add_argument("--layers", type=int, help="decoder layers (default 12, --quick 6)")
+    parser.add_argument(
+        "--hidden",
+        type=int,
+        help="hidden size, a multiple of 128 (default 1024, --quick 768); heads of 64",
+    )
+    parser.add_argument(
+        "--workdir",
+        type=Path,
+        help="keep the checkpoint, node state and logs here; state from an earlier run is "
+        "cleared first (default: a temporary folder)",
+    )
+    parser.add_argument("--verbose", action="store_true", help="show the client's log")
+    args = parser.parse_args(argv)
+    shape = QUICK_SHAPE if args.quick else FULL_SHAPE
+    if args.layers or args.hidden:
+        hidden = args.hidden or shape.hidden
+        if hidden % 128:
+            parser.error(f"--hidden must be a multiple of 128, got {hidden}")
+        shape = DemoShape(
+            layers=args.layers or shape.layers,
+            hidden=hidden,
+            heads=hidden // 64,
+            kv_heads=hidden // 128,
+            intermediate=hidden * 11 // 4,
+        )
+    args.shape = shape
+    args.tokens = args.tokens or (24 if args.quick else 40)
+    args.rounds = args.rounds or (1 if args.quick else 5)
+    if args.tokens < 6:
+        parser.error("--tokens must be at least 6 (the kill happens a third of the way in)")
+    if shape.layers < 3:
+        parser.error("--layers must be at least 3: the swarm splits the model into 3 stages")
+    if args.rounds < 1 or args.threads < 1:
+        parser.error("--rounds and --threads must be at least 1")
+    return args
+
+
+def say(text: str = "") -> None:
+    print(text, flush=True)
+
+
+# ---- the two ways to generate -------------------------------------------------------------
+
+
+def generate_local(model: StageModel, prompt_ids: list[int], tokens: int) -> Run:
+    """Greedy decoding in a plain loop: prefill, then one token at a time."""
+    run = Run("local")
+    cache = model.new_cache(len(prompt_ids) + tokens)
+    began = time.monotonic()
+    with torch.inference_mode():
+        x = torch.tensor([prompt_ids], dtype=torch.int64)
+        position = 0
+        for _ in range(tokens):
+            logits = model(x, cache, position)
+            position += x.shape[1]
+            token = int(torch.argmax(logits[0, -1]))
+            run.arrivals.append(time.monotonic() - began)
+            run.token_ids.append(token)
+            x = torch.tensor([[token]], dtype=torch.int64)
+    return run
+
+
+def generate_swarm(
+    client: Client,
+    prompt_ids: list[int],
+    tokens: int,
+    label: str = "swarm",
+    on_token: Callable[[int], None] | None = None,
+) -> Run:
+    run = Run(label)
+    began = time.monotonic()
+    stream = client.generate(MODEL, token_ids=prompt_ids, max_new_tokens=tokens, stop_at_eos=False)
+    for token in stream:
+        run.arrivals.append(time.monotonic() - began)
+        run.token_ids.append(token.id)
+        if on_token is not None:
+            on_token(token.index)
+    run.result = client.last_run
+    return run
+
+
+class PipePipeline:
+    """The floor: layer spans in plain processes, tensors pickled through pipes.
+
+    main -> stage 0 -> stage 1 -> ... -> main; each stage keeps its own KV cache. Only
+    the last position's logits come back, as with the swarm's driver.
+    """
+
+    def __init__(self, checkpoint: Path, spans: Sequence[tuple[int, int]], threads: int) -> None:
+        # spawn, not fork: this process runs gRPC threads, which fork would corrupt.
+        context = multiprocessing.get_context("spawn")
+        pipes = [context.Pipe() for _ in range(len(spans) + 1)]
+        self._send, self._receive = pipes[0][0], pipes[-1][1]
+        self._processes = [
+            context.Process(
+                target=_pipe_stage,
+                args=(str(checkpoint), start, end, threads, pipes[i][1], pipes[i + 1][0]),
+                daemon=True,
+            )
+            for i, (start, end) in enumerate(spans)
+        ]
+        for process in self._processes:
+            process.start()
+
+    def generate(self, prompt_ids: list[int], tokens: int) -> Run:
+        run = Run("pipes (floor)")
+        self._send.send(("new", len(prompt_ids) + tokens))
+        self._receive.recv()  # every stage has its cache (and its weights) now
+        began = time.monotonic()
+        x = np.array([prompt_ids], dtype=np.int64)
+        position = 0
+        for _ in range(tokens):
+            self._send.send((position, x))
+            logits = self._receive.recv()
+            position += x.shape[1]
+            token = int(np.argmax(logits))
+            run.arrivals.append(time.monotonic() - began)
+            run.token_ids.append(token)
+            x = np.array([[token]], dtype=np.int64)
+        return run
+
+    def close(self) -> None:
+        self._send.send(None)
+        for process in self._processes:
+            process.join(timeout=10)
+            if process.is_alive():
+                process.kill()
+
+
+def _pipe_stage(
+    checkpoint: str, start: int, end: int, threads: int, rx: Connection, tx: Connection
+) -> None:
+    torch.set_num_threads(threads)
+    model = load_stage_model(checkpoint, start, end).eval()
+    cache = model.new_cache(1)
+    with torch.inference_mode():
+        while (message := rx.recv()) is not None:
+            if message[0] == "new":
+                cache = model.new_cache(message[1])
+                tx.send(message)
+                continue
+            position, x = message
+            out = model(torch.from_numpy(x), cache, position)
+            tx.send((position, out.numpy()) if not model.is_last else out[0, -1].numpy())
+    tx.send(None)
+
+
+def wait_available(client: Client, timeout_s: float = 300.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        info = {m.name: m for m in client.models()}.get(MODEL)
+        if info is not None and info.available:
+            return
+        time.sleep(0.2)
+    raise RuntimeError(f"model {MODEL} did not become available within {timeout_s:.0f} s")
+
+
+# ---- report -------------------------------------------------------------------------------
+
+
+def table(rows: list[list[str]]) -> str:
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    lines = []
+    for n, row in enumerate(rows):
+        cells = [
+            cell.ljust(width) if i == 0 else cell.rjust(width)
+            for i, (cell, width) in enumerate(zip(row, widths, strict=True))
+        ]
+        lines.append("  ".join(cells).rstrip())
+        if n == 0:
+            lines.append("  ".join("-" * width for width in widths))
+    return "\n".join(lines)
+
+
+def decode_breakdown(run: Run) -> tuple[float, float]:
+    """Median over decode steps of (sum of node compute, sum of per-hop wall) in ms."""
+    assert run.result is not None
+    steps: dict[int, list[tuple[float, float]]] = {}
+    for t in run.result.timings:
+        if t.tokens == 1 and not t.replay:
+            steps.setdefault(t.step, []).append((t.compute_ms, t.wall_ms))
+    compute = statistics.median(sum(c for c, _ in hops) for hops in steps.values())
+    wall = statistics.median(sum(w for _, w in hops) for hops in steps.values())
+    return compute, wall
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    logging.basicConfig(
+        level=logging.INFO if args.verbose else logging.ERROR,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    torch.set_num_threads(args.threads)
+    # The node agents are our children: torch starts there with these.
+    os.environ["OMP_NUM_THREADS"] = str(args.threads)
+    os.environ["MKL_NUM_THREADS"] = str(args.threads)
+    with tempfile.TemporaryDirectory(prefix="tessera-bench-inference-") as tmp:
+        return bench(args, args.workdir or Path(tmp))
+
+
+def bench(args: argparse.Namespace, workdir: Path) -> int:
+    t0 = time.monotonic()
+    shape: DemoShape = args.shape
+    for stale in ("coordinator", "nodes", "logs"):
+        shutil.rmtree(workdir / stale, ignore_errors=True)
+    checkpoint = write_demo_checkpoint(workdir / "checkpoint", shape)
+    tokenizer = load_tokenizer((checkpoint / "tokenizer.json").read_bytes())
+    assert tokenizer is not None
+    prompt_ids = tokenizer.encode(PROMPT)
+    local_model = load_stage_model(checkpoint, 0, shape.layers).eval()
+    local_model.requires_grad_(False)
+    params = sum(p.numel() for p in local_model.parameters())
+    say(
+        f"model: {shape.layers} layers, hidden {shape.hidden}, {shape.heads} heads "
+        f"({shape.kv_heads} KV), intermediate {shape.intermediate}: {params / 1e6:.0f}M params, "
+        f"fp32 on CPU; prompt {len(prompt_ids)} tokens, {args.tokens} generated; "
+        f"{args.threads} torch thread(s) per process; {args.rounds} round(s)"
+    )
+    rounds: list[tuple[Run, Run, Run]] = []  # (local, pipes, swarm)
+    with LocalSwarm(workdir, coordinator_args=["--min-stages", "3", "--replicas", "2"]) as swarm:
+        swarm.start_coordinator()
+        nodes = [swarm.start_node(name) for name in NODES]
+        swarm.wait_registered(nodes)
+        names = {p.node_id: p.name for p in nodes}
+        swarm.add_model(checkpoint, MODEL)
+        with Client(swarm.address) as client:
+            wait_available(client)
+            say(f"swarm of {len(nodes)} nodes ready after {time.monotonic() - t0:.0f} s")
+            warm = max(4, args.tokens // 6)
+            warm_run = generate_swarm(client, prompt_ids, warm)
+            assert warm_run.result is not None
+            route = warm_run.result.initial_route
+            say("route: " + route_text(warm_run.result, names))
+            pipes = PipePipeline(checkpoint, [(h.start, h.end) for h in route], args.threads)
+            try:
+                pipes.generate(prompt_ids, warm)
+                generate_local(local_model, prompt_ids, warm)
+                for r in range(args.rounds):
+                    local = generate_local(local_model, prompt_ids, args.tokens)
+                    floor = pipes.generate(prompt_ids, args.tokens)
+                    plain = generate_swarm(client, prompt_ids, args.tokens)
+                    rounds.append((local, floor, plain))
+                    say(
+                        f"round {r + 1}: tokens/s local {local.tokens_per_s:6.2f}, pipes "
+                        f"{floor.tokens_per_s:6.2f} ({floor.tokens_per_s / local.tokens_per_s:.2f}"
+                        f"), swarm {plain.tokens_per_s:6.2f} "
+                        f"({plain.tokens_per_s / local.tokens_per_s:.2f})"
+                    )
+            finally:
+                pipes.close()
+            faulty, victim_id, kill_after, stall_s = run_with_kill(client, swarm, prompt_ids, args)
+    rounds.sort(key=lambda runs: runs[2].tokens_per_s / runs[0].tokens_per_s)
+    local, floor, plain = rounds[len(rounds) // 2]
+    every = [run for runs in rounds for run in runs] + [faulty]
+    same = all(run.token_ids == local.token_ids for run in every)
+
+    say()
+    if len(rounds) > 1:
+        say(f"the round with the median swarm/local ratio (of {len(rounds)}):")
+    rows = [["run", "tokens/s", "vs local", "first token ms", "median ms/token", "p90 ms/token"]]
+    for run in (local, floor, plain, faulty):
+        rows.append(
+            [
+                run.label,
+                f"{run.tokens_per_s:.2f}",
+                f"{run.tokens_per_s / local.tokens_per_s:.2f}",
+                f"{run.first_token_s * 1000:.0f}",
+                f"{run.median_token_ms:.1f}",
+                f"{run.p90_token_ms:.1f}",
+            ]
+        )
+    say(table(rows))
+    say()
+    compute_ms, hops_wall_ms = decode_breakdown(plain)
+    hops = len(plain.result.route) if plain.result else len(route)
+    say(
+        f"a swarm token (medians): the nodes compute {compute_ms:.1f} ms in all (the local "
+        f"token takes {local.median_token_ms:.1f}); each of {hops} hops adds "
+        f"{(hops_wall_ms - compute_ms) / hops:.2f} ms on the wire and in the node; the "
+        f"client {plain.median_token_ms - hops_wall_ms:.1f} ms"
+    )
+    say(
+        f"swarm/pipes tokens/s: {plain.tokens_per_s / floor.tokens_per_s:.2f} (what Tessera's "
+        "data path costs over plain pipes between the same processes)"
+    )
+    median_ms = plain.median_token_ms
+    assert faulty.result is not None
+    for event in faulty.result.failovers:
+        say(
+            f"fail-over: layers [{event.start}, {event.end}) of "
+            f"{names.get(event.failed_node_id, event.failed_node_id)} -> "
+            f"{', '.join(names.get(n, n) for n in event.replacement_node_ids)} via {event.via}, "
+            f"replayed {event.replayed_tokens} tokens, stalled {event.stalled_ms:.0f} ms "
+            f"({event.stalled_ms / median_ms:.1f} token times)"
+        )
+    if not faulty.result.failovers:
+        say("fail-over: none recorded, although a node was killed")
+    say(
+        f"kill -9 {names.get(victim_id, victim_id)} (middle stage) after {kill_after} tokens: "
+        f"the next token came {stall_s * 1000:.0f} ms later = {stall_s * 1000 / median_ms:.1f} "
+        f"x the median token time ({median_ms:.1f} ms)"
+    )
+    say(f"greedy token ids identical in all {len(every)} timed runs: {'yes' if same else 'NO'}")
+    if not same:
+        for run in (local, floor, plain, faulty):
+            say(f"  {run.label:16s} {run.token_ids}")
+    say(f"total time {time.monotonic() - t0:.0f} s")
+    say(f"swarm/local tokens/s ratio: {plain.tokens_per_s / local.tokens_per_s:.2f}")
+    return 0 if same else 1
+
+
+def route_text(result: GenerationResult, names: dict[str, str]) -> str:
+    return "  ->  ".join(
+        f"{names.get(h.node_id, h.node_id)} [{h.start}, {h.end})" for h in result.initial_route
+    )
+
+
+def run_with_kill(
+    client: Client, swarm: LocalSwarm, prompt_ids: list[int], args: argparse.Namespace
+) -> tuple[Run, str, int, float]:
+    """Generate while kill -9'ing the middle stage's primary a third of the way in.
+
+    Returns the run, the victim, after how many tokens it died, and the seconds from the
+    kill to the next token.
+    """
+    kill_after = max(2, args.tokens // 3)
+    killed: list[tuple[str, float]] = []
+
+    def kill(index: int) -> None:
+        if index + 1 != kill_after:
+            return
+        # This session's own route: the router may pick other primaries than last time.
+        assert client.last_run is not None
+        hops = client.last_run.initial_route
+        victim_id = hops[len(hops) // 2].node_id
+        swarm.node(victim_id).kill9()
+        killed.append((victim_id, time.monotonic()))
+
+    began = time.monotonic()
+    run = generate_swarm(client, prompt_ids, args.tokens, "swarm + kill -9", kill)
+    victim_id, killed_at = killed[0]
+    return run, victim_id, kill_after, began + run.arrivals[kill_after] - killed_at
+
+
+if __name__ == "__main__":
+    sys.exit(main())
