@@ -42,6 +42,7 @@ protos: $(VENV)/.installed-dev
 bench: $(VENV)/.installed-dev
 	$(BIN)/python bench/control_plane.py
 	$(BIN)/python bench/inference.py
+	$(BIN)/python bench/placement.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache *.egg-info
