@@ -14,17 +14,12 @@ from dataclasses import dataclass
 from typing import Any
 
 from coordinator.model_store.errors import CheckpointError
-
-SUPPORTED_ARCHITECTURES: tuple[str, ...] = (
-    "LlamaForCausalLM",
-    "MistralForCausalLM",
-    "Qwen2ForCausalLM",
+from protos.model_family import (
+    UnsupportedArchitecture,
+    bias_layout,
+    resolve_architecture,
 )
-_ARCHITECTURE_BY_MODEL_TYPE = {
-    "llama": "LlamaForCausalLM",
-    "mistral": "MistralForCausalLM",
-    "qwen2": "Qwen2ForCausalLM",
-}
+
 # Weights a node can compute with; bytes per element.
 DTYPE_ITEMSIZE: dict[str, int] = {"F32": 4, "F16": 2, "BF16": 2}
 
@@ -66,9 +61,7 @@ class ModelLayout:
     def from_config(cls, raw: Any) -> ModelLayout:
         """Read the fields that decide the tensor table; CheckpointError names what is wrong."""
         if not isinstance(raw, Mapping):
-            raise CheckpointError(
-                f"config.json must hold a JSON object, got {type(raw).__name__}"
-            )
+            raise CheckpointError(f"config.json must hold a JSON object, got {type(raw).__name__}")
         architecture = _architecture(raw)
         hidden = _positive_int(raw, "hidden_size")
         heads = _positive_int(raw, "num_attention_heads")
@@ -157,35 +150,18 @@ def check_tensor(name: str, dtype: str, shape: tuple[int, ...], want: tuple[int,
 
 
 def _architecture(raw: Mapping[str, Any]) -> str:
-    names = raw.get("architectures")
-    if isinstance(names, str):
-        names = [names]
-    if names:
-        if not isinstance(names, list):
-            raise CheckpointError(f"config.json: architectures must be a list, got {names!r}")
-        for name in names:
-            if name in SUPPORTED_ARCHITECTURES:
-                return name
-        raise CheckpointError(
-            f"config.json: architecture {names} is not supported; Tessera runs "
-            f"{', '.join(SUPPORTED_ARCHITECTURES)}"
-        )
-    model_type = raw.get("model_type")
-    if model_type in _ARCHITECTURE_BY_MODEL_TYPE:
-        return _ARCHITECTURE_BY_MODEL_TYPE[model_type]
-    raise CheckpointError(
-        f"config.json names no supported architecture (architectures missing, model_type="
-        f"{model_type!r}); Tessera runs {', '.join(SUPPORTED_ARCHITECTURES)}"
-    )
+    try:
+        return resolve_architecture(raw)
+    except UnsupportedArchitecture as exc:
+        raise CheckpointError(str(exc)) from None
 
 
 def _biases(raw: Mapping[str, Any], architecture: str) -> tuple[bool, bool, bool]:
-    if architecture == "Qwen2ForCausalLM":
-        return True, False, False
-    if architecture == "MistralForCausalLM":
-        return False, False, False
-    attention_bias = _bool(raw, "attention_bias", default=False)
-    return attention_bias, attention_bias, _bool(raw, "mlp_bias", default=False)
+    return bias_layout(
+        architecture,
+        _bool(raw, "attention_bias", default=False),
+        _bool(raw, "mlp_bias", default=False),
+    )
 
 
 def _positive_int(raw: Mapping[str, Any], key: str, default: int | None = None) -> int:

@@ -5,7 +5,7 @@ from node_agent.runtime.checkpoint import (
     load_stage_tensors,
     tensor_locations,
 )
-from node_agent.runtime.config import SUPPORTED_ARCHITECTURES, Llama3RopeScaling, ModelConfig
+from node_agent.runtime.config import Llama3RopeScaling, ModelConfig
 from node_agent.runtime.dtypes import parse_dtype, resolve_dtype
 from node_agent.runtime.errors import (
     CacheBudgetError,
@@ -22,6 +22,7 @@ from node_agent.runtime.kv_cache import CacheFactory, KVCacheManager, StageKVCac
 from node_agent.runtime.stage_loader import load_stage_model
 from node_agent.runtime.stage_model import StageModel
 from node_agent.runtime.tensor_names import tensor_names_for_stage
+from protos.model_family import SUPPORTED_ARCHITECTURES
 
 __all__ = [
     "SUPPORTED_ARCHITECTURES",

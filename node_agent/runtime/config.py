@@ -13,19 +13,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from node_agent.runtime.errors import UnsupportedModelError
-
-SUPPORTED_ARCHITECTURES: tuple[str, ...] = (
-    "LlamaForCausalLM",
-    "MistralForCausalLM",
-    "Qwen2ForCausalLM",
+from protos.model_family import (
+    UnsupportedArchitecture,
+    bias_layout,
+    resolve_architecture,
 )
-
-# Configs written without an "architectures" list (e.g. config.to_json_file) still name a type.
-_ARCHITECTURE_BY_MODEL_TYPE: dict[str, str] = {
-    "llama": "LlamaForCausalLM",
-    "mistral": "MistralForCausalLM",
-    "qwen2": "Qwen2ForCausalLM",
-}
 
 # transformers' per-class defaults, used when config.json omits the key.
 _DEFAULT_MAX_POSITIONS: dict[str, int] = {
@@ -174,36 +166,18 @@ class ModelConfig:
 
 
 def _architecture(raw: Mapping[str, Any]) -> str:
-    architectures = raw.get("architectures")
-    if architectures:
-        if isinstance(architectures, str):
-            architectures = [architectures]
-        for name in architectures:
-            if name in SUPPORTED_ARCHITECTURES:
-                return name
-        raise UnsupportedModelError(
-            f"architecture {list(architectures)} is not supported; this runtime runs "
-            f"{', '.join(SUPPORTED_ARCHITECTURES)}"
-        )
-    model_type = raw.get("model_type")
-    if model_type in _ARCHITECTURE_BY_MODEL_TYPE:
-        return _ARCHITECTURE_BY_MODEL_TYPE[model_type]
-    raise UnsupportedModelError(
-        f"config.json names no supported architecture (architectures missing, model_type="
-        f"{model_type!r}); this runtime runs {', '.join(SUPPORTED_ARCHITECTURES)}"
-    )
+    try:
+        return resolve_architecture(raw)
+    except UnsupportedArchitecture as exc:
+        raise UnsupportedModelError(str(exc)) from None
 
 
 def _biases(raw: Mapping[str, Any], architecture: str) -> tuple[bool, bool, bool]:
-    """(qkv_bias, o_proj_bias, mlp_bias) exactly as transformers builds each architecture."""
-    if architecture == "Qwen2ForCausalLM":
-        return True, False, False
-    if architecture == "MistralForCausalLM":
-        # transformers' Mistral ignores attention_bias / mlp_bias; honouring them here would
-        # make us expect tensors a Mistral checkpoint never has.
-        return False, False, False
-    attention_bias = _bool(raw, "attention_bias", default=False)
-    return attention_bias, attention_bias, _bool(raw, "mlp_bias", default=False)
+    return bias_layout(
+        architecture,
+        _bool(raw, "attention_bias", default=False),
+        _bool(raw, "mlp_bias", default=False),
+    )
 
 
 def _rope_source(raw: Mapping[str, Any]) -> Mapping[str, Any]:
