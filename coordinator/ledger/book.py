@@ -314,8 +314,11 @@ class Ledger:
             )  # fmt: skip
             failpoint("hold:before-commit")
 
-    def add_prices(self, hold_id: str, prices: Mapping[str, NodeQuote]) -> None:
-        """After a reroute: the new nodes may bill at their price (the escrow still caps)."""
+    def add_prices(
+        self, hold_id: str, prices: Mapping[str, NodeQuote], expires_ms: int | None = None
+    ) -> None:
+        """After a reroute: the new nodes may bill at their price (the escrow still caps),
+        and the hold lives as long as the fresh capability."""
         with self.db.atomic():
             hold = self.hold(hold_id)
             if hold is None or hold["state"] != "open":
@@ -324,8 +327,13 @@ class Ledger:
             for node_id, quote in prices.items():
                 table.setdefault(node_id, quote)
             self.db.execute(
-                "UPDATE ledger_holds SET prices = ? WHERE hold_id = ?",
-                [_canonical({n: [q.price, q.operator] for n, q in sorted(table.items())}), hold_id],
+                "UPDATE ledger_holds SET prices = ?, expires_ms = MAX(expires_ms, ?) "
+                "WHERE hold_id = ?",
+                [
+                    _canonical({n: [q.price, q.operator] for n, q in sorted(table.items())}),
+                    expires_ms or 0,
+                    hold_id,
+                ],
             )
 
     def settle(self, hold_id: str, usages: list[Usage]) -> SettlementResult:
