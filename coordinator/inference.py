@@ -40,7 +40,7 @@ class SessionRpc:
             placement,
             model_info=self._model_info,
             model_names=lambda: [m.name for m in store.models()] if store else [],
-            billing=ctx.ledger,
+            billing=ctx.ledger.billing if ctx.ledger is not None else None,
         )
         ctx.registry.add_listener(self._on_registry_event)
         if store is not None:

@@ -3,8 +3,9 @@
 A node's price comes from its registration (Capabilities.price_per_1k_token_layers_units),
 or the coordinator's default when it asks 0. A session's quote is what it may cost at
 most: every stage at the dearest node that may serve it (the primary or an alternate it
-could fail over to), for max_length tokens. With a budget (max_price) the router first
-drops alternates dearer than their primary, then falls back to the cheapest route.
+could fail over to), for max_length tokens. `prefer="cheap"` routes by price and keeps
+only alternates no dearer than their primary. With a budget (max_price) a fast route that
+does not fit first drops its dearer alternates, then falls back to the cheap route.
 """
 
 from __future__ import annotations
@@ -48,10 +49,7 @@ def stage_nodes(stage: Stage) -> list[str]:
 def quote_for(stages: Sequence[Stage], max_tokens: int, price_of: PriceOf) -> int:
     return quote_amount(
         max_tokens,
-        [
-            (s.end - s.start, max(price_of(n).price for n in stage_nodes(s)))
-            for s in stages
-        ],
+        [(s.end - s.start, max(price_of(n).price for n in stage_nodes(s))) for s in stages],
     )
 
 
@@ -81,8 +79,11 @@ def plan_route(
             grpc.StatusCode.INVALID_ARGUMENT, f"max_price must be >= 0, got {max_price}"
         )
     prefer = check_preference(prefer)
-    weighed = cheap_first(holders, price_of) if prefer == "cheap" else list(holders)
-    stages = route(boundaries, weighed)
+    if prefer == "cheap":
+        # Price over speed, fail-over included: no alternate may cost more than its primary.
+        stages = within_primary_price(route(boundaries, cheap_first(holders, price_of)), price_of)
+    else:
+        stages = route(boundaries, holders)
     amount = quote_for(stages, max_tokens, price_of)
     if not max_price or amount <= max_price:
         return stages, amount

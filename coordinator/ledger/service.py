@@ -1,4 +1,4 @@
-"""The ledger as a coordinator component: billing for sessions, the Ledger RPCs, the
+"""The ledger as a coordinator component: billing for sessions (`.billing`), the Ledger RPCs, the
 background sweep that releases earnings past their challenge window and refunds holds of
 sessions nobody closed, and the verifier's entry points.
 
@@ -12,8 +12,6 @@ import asyncio
 import contextlib
 import logging
 import re
-import time
-from collections.abc import Sequence
 from typing import Any
 
 import grpc
@@ -21,21 +19,14 @@ import grpc
 from coordinator.context import CoordinatorContext
 from coordinator.ledger.amounts import INT64_MAX, LedgerError
 from coordinator.ledger.audit import audit
+from coordinator.ledger.billing import Billing, check_fresh
 from coordinator.ledger.book import Ledger, NodeQuote
-from coordinator.ledger.pricing import plan_route
-from coordinator.ledger.receipts import verify_usage
-from coordinator.router import Holder, Stage
 from protos import identity
-from protos.tessera.v1 import client_api_pb2, common_pb2, ledger_pb2
+from protos.tessera.v1 import common_pb2, ledger_pb2
 
 log = logging.getLogger("tessera.ledger")
 
 CLIENT_ACCOUNT_RE = re.compile(r"^c[0-9a-f]{23}$")
-# A signed query or open request older (or newer) than this is refused: a captured one
-# cannot be replayed later.
-FRESHNESS_MS = 300_000
-# A hold outlives its session's capability by this much, for a close that is under way.
-HOLD_GRACE_MS = 600_000
 
 
 class LedgerComponent:
@@ -47,6 +38,7 @@ class LedgerComponent:
             challenge_window_ms=int(settings.challenge_window_s * 1000),
             fee_bps=settings.fee_bps,
         )
+        self.billing = Billing(self.ledger, self.price_of)
         self._sweep_s = settings.ledger_sweep_s
         self._task: asyncio.Task[None] | None = None
 
@@ -87,115 +79,6 @@ class LedgerComponent:
             return NodeQuote(default, node_id)
         asked = view.capabilities.price_per_1k_token_layers_units
         return NodeQuote(min(asked, INT64_MAX) if asked else default, view.account or node_id)
-
-    # ---- sessions ---------------------------------------------------------------------------
-
-    def plan(
-        self,
-        boundaries: Sequence[int],
-        holders: Sequence[Holder],
-        request: client_api_pb2.OpenSessionRequest,
-    ) -> tuple[list[Stage], int]:
-        return plan_route(
-            boundaries,
-            holders,
-            max_tokens=request.max_length,
-            max_price=request.max_price,
-            prefer=request.prefer,
-            price_of=self.price_of,
-        )
-
-    def client_of(self, request: client_api_pb2.OpenSessionRequest) -> str:
-        """The paying client's account id, after checking it signed this request ("" when
-        the request carries no key: only free sessions)."""
-        key = request.client_public_key
-        if not key:
-            return request.account
-        if len(key) != identity.PUBLIC_KEY_BYTES:
-            raise LedgerError(
-                grpc.StatusCode.INVALID_ARGUMENT,
-                f"client_public_key must be a raw {identity.PUBLIC_KEY_BYTES}-byte Ed25519 key",
-            )
-        account = identity.client_account(key)
-        if request.account and request.account != account:
-            raise LedgerError(
-                grpc.StatusCode.INVALID_ARGUMENT,
-                f"account {request.account!r} is not the account of this client key "
-                f"({account}); leave account empty",
-            )
-        _check_fresh(request.request_unix_ms)
-        if not identity.verify(
-            key, request.client_signature, identity.open_session_payload(request)
-        ):
-            raise LedgerError(
-                grpc.StatusCode.UNAUTHENTICATED,
-                "the open request is not signed by its client_public_key",
-            )
-        return account
-
-    def open(
-        self,
-        session_id: str,
-        request: client_api_pb2.OpenSessionRequest,
-        stages: Sequence[Stage],
-        amount: int,
-        expires_ms: int,
-    ) -> ledger_pb2.Quote:
-        """Escrow the quote for a new session (nothing for a free one)."""
-        account = self.client_of(request)
-        nodes = {n: self.price_of(n) for s in stages for n in _nodes(s)}
-        quote = ledger_pb2.Quote(
-            amount=amount,
-            account=account,
-            prices=[
-                ledger_pb2.NodePrice(node_id=n, price_per_1k_token_layers=q.price)
-                for n, q in sorted(nodes.items())
-            ],
-        )
-        if amount == 0:
-            return quote
-        if not request.client_public_key:
-            raise LedgerError(
-                grpc.StatusCode.FAILED_PRECONDITION,
-                f"this session costs up to {amount} credit units; open it with a client key "
-                "(the tessera client signs with ~/.tessera/client.key; `tessera balance` "
-                "creates it and shows the account to fund)",
-            )
-        self.ledger.open_hold(
-            session_id,
-            account,
-            amount,
-            nodes,
-            expires_ms + HOLD_GRACE_MS,
-            request.client_public_key,
-        )
-        log.info("session %s: %d credit units escrowed from %s", session_id, amount, account)
-        return quote
-
-    def rerouted(self, session_id: str, node_ids: Sequence[str], expires_ms: int) -> None:
-        self.ledger.add_prices(
-            session_id, {n: self.price_of(n) for n in node_ids}, expires_ms + HOLD_GRACE_MS
-        )
-
-    def close(
-        self, session_id: str, usage: Sequence[ledger_pb2.SignedUsage]
-    ) -> ledger_pb2.Settlement | None:
-        hold = self.ledger.hold(session_id)
-        if hold is None:
-            return None  # a free session
-        usages = verify_usage(session_id, list(usage), bytes(hold["client_key"]))  # type: ignore[arg-type]
-        result = self.ledger.settle(session_id, usages)
-        log.info(
-            "session %s settled: %d charged, %d refunded (%d receipts)", session_id,
-            result.charged, result.refunded, len(usages),
-        )  # fmt: skip
-        return ledger_pb2.Settlement(
-            session_id=session_id,
-            escrowed=result.escrowed,
-            charged=result.charged,
-            refunded=result.refunded,
-            fee=result.fee,
-        )
 
     # ---- the verifier's outcomes (the verifier calls these; see docs/ledger.md) -------------
 
@@ -279,27 +162,13 @@ def audit_report(db: Any) -> ledger_pb2.AuditReport:
     )
 
 
-def _nodes(stage: Stage) -> list[str]:
-    return [stage.primary.node_id, *(a.node_id for a in stage.alternates)]
-
-
-def _check_fresh(unix_ms: int) -> None:
-    skew = abs(time.time() * 1000 - unix_ms)
-    if skew > FRESHNESS_MS:
-        raise LedgerError(
-            grpc.StatusCode.UNAUTHENTICATED,
-            f"the request is stamped {skew / 1000:.0f} s away from the coordinator's clock "
-            f"(at most {FRESHNESS_MS // 1000} s): check this machine's clock",
-        )
-
-
 def _check_query(query: ledger_pb2.SignedQuery, purpose: str) -> None:
     if len(query.public_key) != identity.PUBLIC_KEY_BYTES:
         raise LedgerError(
             grpc.StatusCode.INVALID_ARGUMENT,
             f"public_key must be a raw {identity.PUBLIC_KEY_BYTES}-byte Ed25519 key",
         )
-    _check_fresh(query.unix_ms)
+    check_fresh(query.unix_ms)
     payload = identity.ledger_query_payload(purpose, query.public_key, query.unix_ms)
     if not identity.verify(query.public_key, query.signature, payload):
         raise LedgerError(
