@@ -83,6 +83,9 @@ class GenerationResult:
     first_token_s: float = 0.0
     quote: int = 0  # credit units escrowed at open (0: a free session)
     settlement: ledger_pb2.Settlement | None = None  # what CloseSession charged and refunded
+    # The close with the counter-signed receipts: `settle(result)` re-sends it when the
+    # coordinator could not be reached at the end of the run (settling is idempotent).
+    close_request: client_api_pb2.CloseSessionRequest | None = None
 
     @property
     def tokens_per_s(self) -> float:
@@ -289,7 +292,9 @@ class AsyncClient:
         finally:
             result.wall_s = time.monotonic() - began
             result.route = driver.route
-            result.settlement = await self._end_session(driver, grant)
+            await driver.close()
+            result.close_request = self._close_request(driver, grant)
+            result.settlement = await self._end_session(result.close_request)
 
     async def generate_all(self, model: str, **kwargs: Any) -> GenerationResult:
         """Run ``generate`` to the end and return its record."""
@@ -351,22 +356,39 @@ class AsyncClient:
     ) -> client_api_pb2.RerouteResponse:
         return await self._stub.Reroute(request, timeout=self.timeout_s)
 
-    async def _end_session(
+    def _close_request(
         self, driver: PipelineDriver, grant: client_api_pb2.SessionGrant
-    ) -> ledger_pb2.Settlement | None:
-        await driver.close()
+    ) -> client_api_pb2.CloseSessionRequest:
         request = client_api_pb2.CloseSessionRequest(
             session_id=grant.session_id, capability=grant.capability
         )
         if self.key is not None:
             request.usage.extend(driver.usage.countersign(grant.session_id, self.key))
+        return request
+
+    async def _end_session(
+        self, request: client_api_pb2.CloseSessionRequest
+    ) -> ledger_pb2.Settlement | None:
         try:
-            response = await self._stub.CloseSession(request, timeout=self.timeout_s)
-        except grpc.aio.AioRpcError:
-            # The session (and its escrow) expires on its own; a failed close must not hide
-            # the result.
+            return await self.settle_request(request)
+        except (CoordinatorError, CoordinatorUnavailable):
+            # The session (and its escrow) expires on its own, and settle() can retry: a
+            # failed close must not hide the result.
             return None
+
+    async def settle_request(
+        self, request: client_api_pb2.CloseSessionRequest
+    ) -> ledger_pb2.Settlement | None:
+        """Close a session with its receipts; None for a free one. Safe to repeat."""
+        response = await self._call("closing the session", self._stub.CloseSession, request)
         return response.settlement if response.HasField("settlement") else None
+
+    async def settle(self, result: GenerationResult) -> ledger_pb2.Settlement | None:
+        """Retry the close of a run whose close did not reach the coordinator."""
+        if result.close_request is None:
+            raise TesseraError("this run never got to close its session")
+        result.settlement = await self.settle_request(result.close_request)
+        return result.settlement
 
     async def _call(self, what: str, method: Any, request: Any) -> Any:
         try:
@@ -474,6 +496,9 @@ class Client:
 
     def balance(self) -> ledger_pb2.AccountBalance:
         return self._loop.run(self._async.balance())
+
+    def settle(self, result: GenerationResult) -> ledger_pb2.Settlement | None:
+        return self._loop.run(self._async.settle(result))
 
     def generate(
         self,
