@@ -337,7 +337,11 @@ def _generate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
 
 
 def _balance(args: argparse.Namespace) -> int:
-    key = billing.load_key(args.key or billing.default_key_path(), create=True)
+    path = args.key or billing.default_key_path()
+    created = not path.exists()
+    key = billing.load_key(path, create=True)
+    if created:
+        print(f"created your client key at {path} (keep it: it is your account)", file=sys.stderr)
     with Client(args.coordinator, key=key) as client:
         balance = client.balance()
     if args.json:
