@@ -25,7 +25,9 @@ from typing import Any, TypeVar
 
 import grpc
 import numpy as np
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
+from client import billing
 from client.channels import ChannelPool, open_channel
 from client.driver import DriverConfig, PipelineDriver
 from client.errors import (
@@ -41,6 +43,8 @@ from protos.tessera.v1 import (
     client_api_pb2,
     client_api_pb2_grpc,
     common_pb2,
+    ledger_pb2,
+    ledger_pb2_grpc,
     node_pb2,
 )
 
@@ -77,6 +81,11 @@ class GenerationResult:
     finish_reason: str = ""  # "length" | "eos" | "error"
     wall_s: float = 0.0
     first_token_s: float = 0.0
+    quote: int = 0  # credit units escrowed at open (0: a free session)
+    settlement: ledger_pb2.Settlement | None = None  # what CloseSession charged and refunded
+    # The close with the counter-signed receipts: `settle(result)` re-sends it when the
+    # coordinator could not be reached at the end of the run (settling is idempotent).
+    close_request: client_api_pb2.CloseSessionRequest | None = None
 
     @property
     def tokens_per_s(self) -> float:
@@ -124,6 +133,9 @@ class GenerationResult:
             "wall_s": round(self.wall_s, 4),
             "first_token_s": round(self.first_token_s, 4),
             "tokens_per_s": round(self.tokens_per_s, 3),
+            "quote": self.quote,
+            "charged": self.settlement.charged if self.settlement else 0,
+            "refunded": self.settlement.refunded if self.settlement else 0,
         }
 
 
@@ -144,13 +156,21 @@ class AsyncClient:
         account: str = "",
         timeout_s: float = 15.0,
         driver_config: DriverConfig | None = None,
+        key: Ed25519PrivateKey | None = None,
+        max_price: int = 0,
+        prefer: str = "",
     ) -> None:
         self.coordinator = coordinator or default_coordinator()
         self.account = account
+        # With a key, sessions are paid: it signs the open and counter-signs usage receipts.
+        self.key = key
+        self.max_price = max_price
+        self.prefer = prefer
         self.timeout_s = timeout_s
         self.driver_config = driver_config or DriverConfig()
         self._channel = open_channel(self.coordinator)
         self._stub = client_api_pb2_grpc.ClientApiStub(self._channel)
+        self._ledger = ledger_pb2_grpc.LedgerStub(self._channel)
         self._stage_channels = ChannelPool()
         self._models: dict[str, _ModelHandle] = {}
         self.last_run: GenerationResult | None = None
@@ -179,6 +199,14 @@ class AsyncClient:
     async def model(self, name: str) -> client_api_pb2.ModelDetail:
         return (await self._model(name)).detail
 
+    async def balance(self) -> ledger_pb2.AccountBalance:
+        """This client's credit: available and escrowed (needs a key)."""
+        if self.key is None:
+            raise TesseraError("a balance belongs to a client key; create the client with key=")
+        return await self._call(
+            "reading the balance", self._ledger.GetBalance, billing.balance_query(self.key)
+        )
+
     # ---- generation -----------------------------------------------------------------
 
     async def generate(
@@ -201,13 +229,16 @@ class AsyncClient:
         sampler = Sampler(SamplingParams(temperature=temperature, top_p=top_p, seed=seed))
         handle = await self._model(model)
         prompt_ids = self._prompt_ids(handle, model, prompt, token_ids)
-        grant = await self._call(
-            "opening a session",
-            self._stub.OpenSession,
-            client_api_pb2.OpenSessionRequest(
-                model=model, max_length=len(prompt_ids) + max_new_tokens, account=self.account
-            ),
+        open_request = client_api_pb2.OpenSessionRequest(
+            model=model,
+            max_length=len(prompt_ids) + max_new_tokens,
+            account=self.account,
+            max_price=self.max_price,
+            prefer=self.prefer,
         )
+        if self.key is not None:
+            billing.sign_open(open_request, self.key)
+        grant = await self._call("opening a session", self._stub.OpenSession, open_request)
         driver = PipelineDriver(
             grant,
             model,
@@ -221,6 +252,7 @@ class AsyncClient:
             prompt_token_ids=list(prompt_ids),
             text="" if handle.tokenizer else None,
             initial_route=driver.route,
+            quote=grant.quote.amount,
         )
         self.last_run = result
         decoder = handle.tokenizer.stream(prompt_ids) if handle.tokenizer else None
@@ -260,7 +292,9 @@ class AsyncClient:
         finally:
             result.wall_s = time.monotonic() - began
             result.route = driver.route
-            await self._end_session(driver, grant)
+            await driver.close()
+            result.close_request = self._close_request(driver, grant)
+            result.settlement = await self._end_session(result.close_request)
 
     async def generate_all(self, model: str, **kwargs: Any) -> GenerationResult:
         """Run ``generate`` to the end and return its record."""
@@ -322,17 +356,39 @@ class AsyncClient:
     ) -> client_api_pb2.RerouteResponse:
         return await self._stub.Reroute(request, timeout=self.timeout_s)
 
-    async def _end_session(
+    def _close_request(
         self, driver: PipelineDriver, grant: client_api_pb2.SessionGrant
-    ) -> None:
-        await driver.close()
+    ) -> client_api_pb2.CloseSessionRequest:
         request = client_api_pb2.CloseSessionRequest(
             session_id=grant.session_id, capability=grant.capability
         )
+        if self.key is not None:
+            request.usage.extend(driver.usage.countersign(grant.session_id, self.key))
+        return request
+
+    async def _end_session(
+        self, request: client_api_pb2.CloseSessionRequest
+    ) -> ledger_pb2.Settlement | None:
         try:
-            await self._stub.CloseSession(request, timeout=self.timeout_s)
-        except grpc.aio.AioRpcError:
-            pass  # the session expires on its own; a failed close must not hide the result
+            return await self.settle_request(request)
+        except (CoordinatorError, CoordinatorUnavailable):
+            # The session (and its escrow) expires on its own, and settle() can retry: a
+            # failed close must not hide the result.
+            return None
+
+    async def settle_request(
+        self, request: client_api_pb2.CloseSessionRequest
+    ) -> ledger_pb2.Settlement | None:
+        """Close a session with its receipts; None for a free one. Safe to repeat."""
+        response = await self._call("closing the session", self._stub.CloseSession, request)
+        return response.settlement if response.HasField("settlement") else None
+
+    async def settle(self, result: GenerationResult) -> ledger_pb2.Settlement | None:
+        """Retry the close of a run whose close did not reach the coordinator."""
+        if result.close_request is None:
+            raise TesseraError("this run never got to close its session")
+        result.settlement = await self.settle_request(result.close_request)
+        return result.settlement
 
     async def _call(self, what: str, method: Any, request: Any) -> Any:
         try:
@@ -393,12 +449,21 @@ class Client:
         account: str = "",
         timeout_s: float = 15.0,
         driver_config: DriverConfig | None = None,
+        key: Ed25519PrivateKey | None = None,
+        max_price: int = 0,
+        prefer: str = "",
     ) -> None:
         self._loop = _LoopThread()
 
         async def build() -> AsyncClient:
             return AsyncClient(
-                coordinator, account=account, timeout_s=timeout_s, driver_config=driver_config
+                coordinator,
+                account=account,
+                timeout_s=timeout_s,
+                driver_config=driver_config,
+                key=key,
+                max_price=max_price,
+                prefer=prefer,
             )
 
         self._async = self._loop.run(build())
@@ -428,6 +493,12 @@ class Client:
 
     def model(self, name: str) -> client_api_pb2.ModelDetail:
         return self._loop.run(self._async.model(name))
+
+    def balance(self) -> ledger_pb2.AccountBalance:
+        return self._loop.run(self._async.balance())
+
+    def settle(self, result: GenerationResult) -> ledger_pb2.Settlement | None:
+        return self._loop.run(self._async.settle(result))
 
     def generate(
         self,

@@ -8,10 +8,12 @@ import logging
 import sys
 import time
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 from google.protobuf import json_format
 
+from client import billing
 from client.api import COORDINATOR_ENV, Client, default_coordinator
 from client.errors import TesseraError
 from protos.tessera.v1 import client_api_pb2, node_pb2
@@ -24,6 +26,9 @@ examples:
   tessera models
   tessera generate --model llama-tiny --prompt "Once upon a time" --max-new-tokens 32
   tessera generate --model llama-tiny --token-ids 1,15,27 --max-new-tokens 8 --json
+  tessera balance            # creates your client key on first use, prints your account
+  tessera generate --model llama-tiny --prompt "Hi" --max-new-tokens 8 --max-price 5000 \
+      --prefer cheap
   tessera demo
 
 The coordinator defaults to ${COORDINATOR_ENV}, else {default_coordinator()}.
@@ -86,7 +91,23 @@ def build_parser() -> argparse.ArgumentParser:
         "--top-p", type=float, default=1.0, help="nucleus sampling mass in (0, 1] (default 1)"
     )
     gen.add_argument("--seed", type=int, help="seed for sampling, for reproducible runs")
-    gen.add_argument("--account", default="", help="account billed for the session")
+    gen.add_argument(
+        "--account", default="", help="account billed (default: the account of --key)"
+    )
+    _add_key(gen)
+    gen.add_argument(
+        "--max-price",
+        type=int,
+        default=0,
+        metavar="UNITS",
+        help="refuse the session if its quote is above this many credit units (default: no cap)",
+    )
+    gen.add_argument(
+        "--prefer",
+        choices=["fast", "cheap"],
+        default="fast",
+        help="route for the lowest latency (fast, default) or the lowest price (cheap)",
+    )
     gen.add_argument(
         "--no-stop-at-eos", action="store_true", help="keep going past end-of-sequence tokens"
     )
@@ -96,6 +117,18 @@ def build_parser() -> argparse.ArgumentParser:
         help="print one JSON object (token_ids, text, route, per-stage timings, failovers) "
         "instead of streaming text",
     )
+
+    balance = commands.add_parser(
+        "balance",
+        help="show your credit: available and held in escrow",
+        description="Show this client's credit balance. Your account is your client key "
+        "(created at the --key path on first use): give its account id to the swarm's "
+        "operator to be granted credit.",
+        epilog="example: tessera balance --coordinator coord.example.org:7000",
+    )
+    _add_coordinator(balance)
+    _add_key(balance)
+    balance.add_argument("--json", action="store_true", help="print JSON for scripts")
 
     commands.add_parser(
         "demo",
@@ -113,6 +146,17 @@ def _add_coordinator(parser: argparse.ArgumentParser) -> None:
         default=None,
         metavar="HOST:PORT",
         help=f"coordinator address (default: ${COORDINATOR_ENV} or {default_coordinator()})",
+    )
+
+
+def _add_key(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--key",
+        type=Path,
+        default=None,
+        metavar="PATH",
+        help=f"client key, your paying identity (default: ${billing.KEY_ENV} or "
+        "~/.tessera/client.key; generate uses it when it exists)",
     )
 
 
@@ -134,6 +178,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _nodes(args)
         if args.command == "models":
             return _models(args)
+        if args.command == "balance":
+            return _balance(args)
         return _generate(args, parser)
     except TesseraError as err:
         print(f"tessera: {err}", file=sys.stderr)
@@ -232,7 +278,17 @@ def _generate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
             parser.error(f"--token-ids must be comma-separated integers, got {args.token_ids!r}")
     if args.max_new_tokens < 1:
         parser.error("--max-new-tokens must be at least 1")
-    with Client(args.coordinator, account=args.account) as client:
+    if args.max_price < 0:
+        parser.error("--max-price must be 0 (no cap) or more")
+    key_path = args.key or billing.default_key_path()
+    key = billing.load_key(key_path) if args.key or key_path.exists() else None
+    with Client(
+        args.coordinator,
+        account=args.account,
+        key=key,
+        max_price=args.max_price,
+        prefer=args.prefer,
+    ) as client:
         stream = client.generate(
             args.model,
             prompt=args.prompt,
@@ -268,6 +324,34 @@ def _generate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
             f"{len(result.route)} hops, {len(result.failovers)} fail-overs]",
             file=sys.stderr,
         )
+        if result.settlement is not None:
+            print(
+                f"[charged {result.settlement.charged} of {result.quote} credit units escrowed; "
+                f"{result.settlement.refunded} refunded]",
+                file=sys.stderr,
+            )
+    return 0
+
+
+# ---- balance ----------------------------------------------------------------------------
+
+
+def _balance(args: argparse.Namespace) -> int:
+    path = args.key or billing.default_key_path()
+    created = not path.exists()
+    key = billing.load_key(path, create=True)
+    if created:
+        print(f"created your client key at {path} (keep it: it is your account)", file=sys.stderr)
+    with Client(args.coordinator, key=key) as client:
+        balance = client.balance()
+    if args.json:
+        print(json.dumps(json_format.MessageToDict(
+            balance, preserving_proto_field_name=True, always_print_fields_with_no_presence=True
+        )))  # fmt: skip
+        return 0
+    print(f"account   {balance.account}")
+    print(f"available {balance.available} credit units")
+    print(f"escrowed  {balance.escrowed} credit units (held for open sessions)")
     return 0
 
 

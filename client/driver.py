@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 import grpc
 import numpy as np
 
+from client.billing import UsageBook
 from client.channels import ChannelPool
 from client.errors import PipelineError, RequestRejected
 from client.records import FailoverEvent, HopRecord, Receipt, StageTiming
@@ -133,6 +134,7 @@ class PipelineDriver:
         self.timings: list[StageTiming] = []
         self.failovers: list[FailoverEvent] = []
         self.receipts: list[Receipt] = []
+        self.usage = UsageBook()  # tokens sent per hop and the nodes' usage receipts
 
     # ---- public surface -------------------------------------------------------------
 
@@ -345,6 +347,7 @@ class PipelineDriver:
             request.capability.CopyFrom(self._capability)
         tokens = int(x.shape[1])
         timeout = self._deadline(slot, tokens, replay)
+        self.usage.sent(slot.hop.node_id, slot.span.start, slot.span.end, int(x.shape[0]) * tokens)
         started = time.monotonic()
         try:
             if slot.call is None:
@@ -371,6 +374,7 @@ class PipelineDriver:
             slot.close_stream()
             raise HopFailure(f"stream broke: {type(err).__name__}: {err}") from err
         slot.capability_version_sent = self._capability_version
+        self.usage.received(slot.hop.node_id, slot.span.start, slot.span.end, response.usage)
         wall = time.monotonic() - started
         output = self._check_output(
             slot, response, step, x.shape[0], tokens, start_pos, last_position_only

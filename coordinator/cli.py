@@ -23,7 +23,7 @@ from coordinator.events import parse_mqtt_url
 from coordinator.settings import Settings
 
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
-SUBCOMMAND_MODULES = ("coordinator.nodes_cli", "coordinator.models_cli")
+SUBCOMMAND_MODULES = ("coordinator.nodes_cli", "coordinator.models_cli", "coordinator.ledger.cli")
 
 EPILOG = """\
 examples:
@@ -61,6 +61,16 @@ def _positive_int(text: str) -> int:
         raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def _non_negative_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if not 0 <= value < 1 << 63:
+        raise argparse.ArgumentTypeError(f"must be between 0 and 2^63-1, got {value}")
     return value
 
 
@@ -141,6 +151,21 @@ def _add_serve_parser(subparsers: Any) -> None:
         "--kv-tokens", type=_positive_int, default=4096, metavar="N",
         help="KV-cache tokens each shard reserves for its sessions (default: %(default)s)",
     )  # fmt: skip
+    serve_parser.add_argument(
+        "--default-price", type=_non_negative_int, default=0, metavar="UNITS",
+        help="credit units per 1,000 token-layers for nodes that ask no price of their own "
+        "(default: %(default)s = free)",
+    )  # fmt: skip
+    serve_parser.add_argument(
+        "--challenge-window", type=_positive_seconds, default=3600.0, metavar="S",
+        help="how long settled earnings stay pending, so verification can still reject the "
+        "work, before they are paid out (default: %(default)s s)",
+    )  # fmt: skip
+    serve_parser.add_argument(
+        "--fee-bps", type=_non_negative_int, default=0, metavar="BPS",
+        help="the coordinator's cut of each settlement in basis points, 0..10000 "
+        "(default: %(default)s)",
+    )  # fmt: skip
     serve_parser.set_defaults(func=_run_serve)
 
 
@@ -158,7 +183,12 @@ def _run_serve(args: argparse.Namespace) -> int:
         replicas=args.replicas,
         min_stages=args.min_stages,
         kv_tokens_per_shard=args.kv_tokens,
+        default_price_units=args.default_price,
+        challenge_window_s=args.challenge_window,
+        fee_bps=args.fee_bps,
     )
+    if settings.fee_bps > 10_000:
+        raise CliError(f"--fee-bps is at most 10000 (all of it), got {settings.fee_bps}")
     if settings.offline_after <= settings.suspect_after:
         raise CliError(
             f"--offline-after ({settings.offline_after:g} s) must be longer than 1.5 heartbeat "

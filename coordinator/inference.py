@@ -14,11 +14,12 @@ from typing import Any
 import grpc
 
 from coordinator.context import CoordinatorContext
+from coordinator.ledger.amounts import LedgerError
 from coordinator.node_state import NodeState
 from coordinator.placement import Placement, PlacementNode, model_spec
 from coordinator.registry import NodeStateChanged, ShardStatusReported, TelemetryReported
 from coordinator.sessions import SessionError, Sessions
-from protos.tessera.v1 import client_api_pb2, common_pb2
+from protos.tessera.v1 import client_api_pb2
 
 log = logging.getLogger("tessera.inference")
 
@@ -39,6 +40,7 @@ class SessionRpc:
             placement,
             model_info=self._model_info,
             model_names=lambda: [m.name for m in store.models()] if store else [],
+            billing=ctx.ledger.billing if ctx.ledger is not None else None,
         )
         ctx.registry.add_listener(self._on_registry_event)
         if store is not None:
@@ -112,14 +114,14 @@ class SessionRpc:
 
     async def close_session(
         self, request: client_api_pb2.CloseSessionRequest, context: grpc.aio.ServicerContext
-    ) -> common_pb2.Empty:
+    ) -> client_api_pb2.CloseSessionResponse:
         return await self._answer(context, self.sessions.close_session, request)
 
     @staticmethod
     async def _answer(context: grpc.aio.ServicerContext, method: Any, request: Any) -> Any:
         try:
             return method(request)
-        except SessionError as exc:
+        except (SessionError, LedgerError) as exc:
             await context.abort(exc.code, exc.message)
 
 

@@ -26,6 +26,7 @@ from protos.tessera.v1 import (
     common_pb2,
     coordinator_pb2,
     coordinator_pb2_grpc,
+    ledger_pb2_grpc,
 )
 
 log = logging.getLogger(__name__)
@@ -33,6 +34,7 @@ log = logging.getLogger(__name__)
 _MISSING = {
     "model_store": "this coordinator has no model store configured yet",
     "sessions": "this coordinator cannot open inference sessions yet (no session manager)",
+    "ledger": "this coordinator keeps no credit ledger",
 }
 
 
@@ -208,3 +210,26 @@ class AdminService(admin_pb2_grpc.AdminServicer):
         await require_admin(context, self.ctx.admin_token)
         store = await _component(self.ctx, "model_store", context)
         return await store.remove_model(request, context)
+
+
+class LedgerService(ledger_pb2_grpc.LedgerServicer):
+    def __init__(self, ctx: CoordinatorContext) -> None:
+        self.ctx = ctx
+
+    async def GrantCredits(self, request: Any, context: Any) -> Any:
+        await require_admin(context, self.ctx.admin_token)
+        ledger = await _component(self.ctx, "ledger", context)
+        return await ledger.grant_credits(request, context)
+
+    async def GetBalance(self, request: Any, context: Any) -> Any:
+        ledger = await _component(self.ctx, "ledger", context)
+        return await ledger.get_balance(request, context)
+
+    async def GetEarnings(self, request: Any, context: Any) -> Any:
+        ledger = await _component(self.ctx, "ledger", context)
+        return await ledger.get_earnings(request, context)
+
+    async def Audit(self, request: Any, context: Any) -> Any:
+        await require_admin(context, self.ctx.admin_token)
+        ledger = await _component(self.ctx, "ledger", context)
+        return await ledger.audit(request, context)

@@ -11,6 +11,7 @@ import logging
 import secrets
 import time
 from collections.abc import Callable
+from typing import Any
 
 import grpc
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
@@ -43,6 +44,7 @@ class Sessions:
         model_names: Callable[[], list[str]],
         *,
         token_ttl_s: float = TOKEN_TTL_S,
+        billing: Any = None,
     ) -> None:
         self._key = signing_key
         self._public = identity.public_key_bytes(signing_key)
@@ -50,6 +52,9 @@ class Sessions:
         self._model_info = model_info
         self._model_names = model_names
         self._ttl_ms = int(token_ttl_s * 1000)
+        # The ledger component (coordinator/ledger/service.py): quotes and escrows at open,
+        # settles at close. None: every session is free.
+        self._billing = billing
 
     # ---- RPCs (the server maps SessionError to a gRPC status) -----------------------------
 
@@ -73,7 +78,10 @@ class Sessions:
                 "(nodes may still be fetching weights; try again shortly)",
             )
         try:
-            stages = route(boundaries, holders)
+            if self._billing is None:
+                stages, amount = route(boundaries, holders), 0
+            else:
+                stages, amount = self._billing.plan(boundaries, holders, request)
         except NoRouteError as e:
             raise SessionError(
                 grpc.StatusCode.UNAVAILABLE, f"model {info.name!r} is unavailable: {e}"
@@ -81,6 +89,10 @@ class Sessions:
         session_id = "s" + secrets.token_hex(12)
         grants = [_hop(hop) for s in stages for hop in (s.primary, *s.alternates)]
         claims = self._claims(session_id, info.name, request.max_length, request.account, grants)
+        quote = None
+        if self._billing is not None:
+            quote = self._billing.open(session_id, request, stages, amount, claims.expires_unix_ms)
+            claims.account = quote.account
         log.info(
             "session %s for %s: %s",
             session_id,
@@ -101,6 +113,7 @@ class Sessions:
             num_layers=info.num_layers,
             hidden_size=info.hidden_size,
             vocab_size=info.vocab_size,
+            quote=quote,
         )
 
     def reroute(self, request: client_api_pb2.RerouteRequest) -> client_api_pb2.RerouteResponse:
@@ -138,14 +151,25 @@ class Sessions:
             claims.account,
             [*grants, *new_grants],
         )
+        if self._billing is not None:
+            self._billing.rerouted(
+                claims.session_id, [h.node_id for h in hops], claims.expires_unix_ms
+            )
         return client_api_pb2.RerouteResponse(
             hops=new_grants, capability=identity.sign_capability(self._key, claims)
         )
 
-    def close_session(self, request: client_api_pb2.CloseSessionRequest) -> common_pb2.Empty:
+    def close_session(
+        self, request: client_api_pb2.CloseSessionRequest
+    ) -> client_api_pb2.CloseSessionResponse:
         claims = self._verified(request.session_id, request.capability)
+        response = client_api_pb2.CloseSessionResponse()
+        if self._billing is not None:
+            settlement = self._billing.close(claims.session_id, request.usage)
+            if settlement is not None:
+                response.settlement.CopyFrom(settlement)
         log.info("session %s closed", claims.session_id)
-        return common_pb2.Empty()
+        return response
 
     # ---- helpers ----------------------------------------------------------------------------
 

@@ -37,6 +37,13 @@ class Settings:
     min_stages: int = 1
     # KV cache tokens each assigned shard reserves across its sessions.
     kv_tokens_per_shard: int = 4096
+    # Ledger: the price of a node that asks 0 (credit units per 1,000 token-layers; 0 =
+    # free), how long settled earnings stay pending and challengeable before release, the
+    # coordinator's cut of each settlement (basis points), and how often the sweep runs.
+    default_price_units: int = 0
+    challenge_window_s: float = 3600.0
+    fee_bps: int = 0
+    ledger_sweep_s: float = 1.0
 
     @property
     def offline_after(self) -> float:

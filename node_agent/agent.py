@@ -77,7 +77,8 @@ class AgentConfig:
     name: str
     account: str = ""
     region: str = ""
-    price: float = 0.0
+    price: int = 0  # credit units per 1,000 token-layers; 0 = the coordinator's default
+    training_price: int = 0  # credit units per sample-layer; 0 = the coordinator's default
     listen: str = "0.0.0.0:0"
     advertise: str | None = None
     heartbeat_s: float | None = None  # None: the coordinator's interval
@@ -280,7 +281,8 @@ class NodeAgent:
             ram_bytes=hw.ram_bytes,
             matmul_tflops=self.config.tflops,
             region=self.config.region,
-            price_per_1k_token_layers=self.config.price,
+            price_per_1k_token_layers_units=self.config.price,
+            price_per_sample_layer_units=self.config.training_price,
             limits=node_pb2.OwnerLimits(
                 max_memory_bytes=self.config.max_memory_bytes, max_sessions=self.ctx.max_sessions
             ),

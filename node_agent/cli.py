@@ -13,7 +13,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from node_agent import __version__, backoff, data_plane, hardware_probe, identity
+from node_agent import __version__, backoff, data_plane, earnings_cli, hardware_probe, identity
 from node_agent.agent import CHANNEL_OPTIONS, AgentConfig, ExitCode, NodeAgent
 from node_agent.context import AgentContext
 from node_agent.data_dir import DataDirBusyError, DataDirLock, default_data_dir
@@ -170,10 +170,19 @@ def build_parser() -> argparse.ArgumentParser:
     join.add_argument("--region", default="", help="free-form region, e.g. eu-west")
     join.add_argument(
         "--price",
-        type=_non_negative_float,
-        default=0.0,
-        metavar="CREDITS",
-        help="asking price in credits per 1000 token-layers (default: %(default)s)",
+        type=_non_negative_int,
+        default=0,
+        metavar="UNITS",
+        help="asking price for inference, in credit units per 1,000 token-layers "
+        "(default: %(default)s = the coordinator's default price)",
+    )
+    join.add_argument(
+        "--training-price",
+        type=_non_negative_int,
+        default=0,
+        metavar="UNITS",
+        help="asking price for training, in credit units per sample-layer (default: "
+        "%(default)s = the coordinator's default)",
     )
     join.add_argument(
         "--max-sessions",
@@ -229,6 +238,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Probe the device and run the benchmark, print the result as JSON, and "
         "exit. Creates nothing: the node id is shown only if the data dir has a key.",
     )
+    earnings_cli.add_parser(commands)
     return parser
 
 
@@ -238,6 +248,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if args.command == "probe":
             return _probe(args)
+        if args.command == "earnings":
+            return earnings_cli.run(args)
         return _join(args)
     except (
         identity.IdentityError,
@@ -290,6 +302,7 @@ def _join(args: argparse.Namespace) -> int:
             account=args.account,
             region=args.region,
             price=args.price,
+            training_price=args.training_price,
             listen=args.listen,
             advertise=args.advertise,
             heartbeat_s=args.heartbeat_s,

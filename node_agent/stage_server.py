@@ -27,6 +27,7 @@ import torch
 
 from node_agent.context import AgentContext
 from node_agent.data_plane import answer_ping
+from node_agent.receipts import UsageMeter
 from node_agent.runtime import CacheBudgetError, CacheFullError, StageKVCache
 from node_agent.shard_manager import LoadedShard, ShardManager, shard_manager_for
 from protos import codec, identity
@@ -72,6 +73,7 @@ class StageServicer(stage_pb2_grpc.StageServicer):
         self._clock = clock
         self._session_locks: dict[str, asyncio.Lock] = {}
         self._expiry_task: asyncio.Task[None] | None = None
+        self._usage = UsageMeter(ctx.private_key)
 
     # ---- RPCs -----------------------------------------------------------------------
 
@@ -116,6 +118,7 @@ class StageServicer(stage_pb2_grpc.StageServicer):
             # under the compute thread.
             async with self._lock_for(request.session_id):
                 released = self._release_session(request.session_id)
+                self._usage.forget(request.session_id)
             if not released:
                 raise StageError(
                     grpc.StatusCode.NOT_FOUND,
@@ -174,6 +177,7 @@ class StageServicer(stage_pb2_grpc.StageServicer):
             compute_ms=compute_ms,
             cache_length=cache_length,
             signature=signature,
+            usage=self._usage.record(request.session_id, start, end, request.step, batch * tokens),
         )
 
     def _open_capability(

@@ -15,7 +15,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import (
     Ed25519PublicKey,
 )
 
-from protos.tessera.v1 import client_api_pb2, coordinator_pb2
+from protos.tessera.v1 import client_api_pb2, coordinator_pb2, ledger_pb2
 
 PUBLIC_KEY_BYTES = 32
 SIGNATURE_BYTES = 64
@@ -24,6 +24,10 @@ SIGNATURE_BYTES = 64
 _REGISTER_DOMAIN = b"tessera/v1/register\n"
 _CAPABILITY_DOMAIN = b"tessera/v1/capability\n"
 _OUTPUT_DOMAIN = b"tessera/v1/stage-output\n"
+_USAGE_DOMAIN = b"tessera/v1/usage-receipt\n"
+_USAGE_COUNTERSIGN_DOMAIN = b"tessera/v1/usage-countersign\n"
+_OPEN_SESSION_DOMAIN = b"tessera/v1/open-session\n"
+_LEDGER_QUERY_DOMAIN = b"tessera/v1/ledger-query\n"
 
 
 def node_id(public_key: bytes) -> str:
@@ -33,6 +37,15 @@ def node_id(public_key: bytes) -> str:
             f"an Ed25519 public key has {PUBLIC_KEY_BYTES} bytes, got {len(public_key)}"
         )
     return "n" + hashlib.sha256(b"tessera-node-id\n" + public_key).hexdigest()[:23]
+
+
+def client_account(public_key: bytes) -> str:
+    """A paying client's account id: a digest of its public key, like a node id."""
+    if len(public_key) != PUBLIC_KEY_BYTES:
+        raise ValueError(
+            f"an Ed25519 public key has {PUBLIC_KEY_BYTES} bytes, got {len(public_key)}"
+        )
+    return "c" + hashlib.sha256(b"tessera-client-account\n" + public_key).hexdigest()[:23]
 
 
 def generate_private_key() -> Ed25519PrivateKey:
@@ -119,4 +132,38 @@ def output_payload(
             f"{step}:{layer_start}:{layer_end}\n".encode(),
             output_sha256,
         ]
+    )
+
+
+def usage_payload(receipt: bytes) -> bytes:
+    """What a stage node signs for its cumulative usage receipt (a serialized UsageReceipt)."""
+    return _USAGE_DOMAIN + receipt
+
+
+def usage_countersign_payload(receipt: bytes) -> bytes:
+    """What the client's driver signs to agree with a node's usage receipt."""
+    return _USAGE_COUNTERSIGN_DOMAIN + receipt
+
+
+def open_session_payload(request: client_api_pb2.OpenSessionRequest) -> bytes:
+    """What a paying client signs to open a session: the request without its signature."""
+    unsigned = client_api_pb2.OpenSessionRequest()
+    unsigned.CopyFrom(request)
+    unsigned.ClearField("client_signature")
+    return _OPEN_SESSION_DOMAIN + unsigned.SerializeToString(deterministic=True)
+
+
+def ledger_query_payload(purpose: str, public_key: bytes, unix_ms: int) -> bytes:
+    """What a client ("balance") or node ("earnings") signs to read its own ledger."""
+    return _LEDGER_QUERY_DOMAIN + f"{purpose}\n{unix_ms}\n".encode() + public_key
+
+
+def sign_ledger_query(
+    key: Ed25519PrivateKey, purpose: str, unix_ms: int
+) -> ledger_pb2.SignedQuery:
+    public = public_key_bytes(key)
+    return ledger_pb2.SignedQuery(
+        public_key=public,
+        unix_ms=unix_ms,
+        signature=key.sign(ledger_query_payload(purpose, public, unix_ms)),
     )

@@ -88,5 +88,5 @@ async def test_reroute_and_close_refuse_forged_foreign_and_expired_capabilities(
         await api.CloseSession(
             client_api_pb2.CloseSessionRequest(session_id="s1", capability=genuine)
         )
-        == common_pb2.Empty()
+        == client_api_pb2.CloseSessionResponse()
     )

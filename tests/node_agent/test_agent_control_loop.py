@@ -53,7 +53,7 @@ async def test_registers_with_a_signed_request_and_heartbeats_telemetry(
     sessions = Sessions()
     sessions.kv_tokens = 77
     agent_ctx.telemetry_sources.append(sessions)
-    agent = make_agent(agent_ctx, scripted_coordinator, region="eu-west", price=0.5)
+    agent = make_agent(agent_ctx, scripted_coordinator, region="eu-west", price=500)
     task = asyncio.create_task(agent.run())
     await wait_until(lambda: len(scripted_coordinator.of_kind("heartbeat")) >= 3, what="heartbeats")
 
@@ -61,7 +61,7 @@ async def test_registers_with_a_signed_request_and_heartbeats_telemetry(
     caps = request.capabilities
     assert request.name == "test-node" and request.account == "alice"
     assert caps.device_kind == "cpu" and caps.matmul_tflops == 1.25
-    assert caps.region == "eu-west" and caps.price_per_1k_token_layers == 0.5
+    assert caps.region == "eu-west" and caps.price_per_1k_token_layers_units == 500
     assert "float32" in caps.dtypes and caps.agent_version
     assert caps.memory_usable_bytes == agent_ctx.hardware.memory_usable_bytes
     # The data plane was up before registering, and its real port was reported.

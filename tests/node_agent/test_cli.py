@@ -40,7 +40,9 @@ def test_top_level_help_lists_the_commands(capsys) -> None:
         (["join"], "--coordinator"),
         (["join", "--coordinator", "nohost"], "is not HOST:PORT"),
         (["join", "--coordinator", "h:1", "--max-memory-gb", "-3"], "more than 0"),
-        (["join", "--coordinator", "h:1", "--price", "nan"], "finite"),
+        (["join", "--coordinator", "h:1", "--price", "nan"], "is not a int"),
+        (["join", "--coordinator", "h:1", "--price", "1.5"], "is not a int"),
+        (["join", "--coordinator", "h:1", "--price", "-1"], "0 or more"),
         (["join", "--coordinator", "h:1", "--mqtt", "http://x"], "broker URL"),
     ],
 )

@@ -1,4 +1,5 @@
 from protos.tessera.v1 import common_pb2 as _common_pb2
+from protos.tessera.v1 import ledger_pb2 as _ledger_pb2
 from protos.tessera.v1 import node_pb2 as _node_pb2
 from google.protobuf.internal import containers as _containers
 from google.protobuf import descriptor as _descriptor
@@ -87,14 +88,24 @@ class RouteStage(_message.Message):
     def __init__(self, layers: _Optional[_Union[_common_pb2.LayerRange, _Mapping]] = ..., primary: _Optional[_Union[Hop, _Mapping]] = ..., alternates: _Optional[_Iterable[_Union[Hop, _Mapping]]] = ...) -> None: ...
 
 class OpenSessionRequest(_message.Message):
-    __slots__ = ("model", "max_length", "account")
+    __slots__ = ("model", "max_length", "account", "max_price", "prefer", "client_public_key", "request_unix_ms", "client_signature")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     MAX_LENGTH_FIELD_NUMBER: _ClassVar[int]
     ACCOUNT_FIELD_NUMBER: _ClassVar[int]
+    MAX_PRICE_FIELD_NUMBER: _ClassVar[int]
+    PREFER_FIELD_NUMBER: _ClassVar[int]
+    CLIENT_PUBLIC_KEY_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
+    CLIENT_SIGNATURE_FIELD_NUMBER: _ClassVar[int]
     model: str
     max_length: int
     account: str
-    def __init__(self, model: _Optional[str] = ..., max_length: _Optional[int] = ..., account: _Optional[str] = ...) -> None: ...
+    max_price: int
+    prefer: str
+    client_public_key: bytes
+    request_unix_ms: int
+    client_signature: bytes
+    def __init__(self, model: _Optional[str] = ..., max_length: _Optional[int] = ..., account: _Optional[str] = ..., max_price: _Optional[int] = ..., prefer: _Optional[str] = ..., client_public_key: _Optional[bytes] = ..., request_unix_ms: _Optional[int] = ..., client_signature: _Optional[bytes] = ...) -> None: ...
 
 class CapabilityClaims(_message.Message):
     __slots__ = ("session_id", "model", "grants", "issued_unix_ms", "expires_unix_ms", "max_tokens", "account")
@@ -123,20 +134,22 @@ class SignedCapability(_message.Message):
     def __init__(self, claims: _Optional[bytes] = ..., signature: _Optional[bytes] = ...) -> None: ...
 
 class SessionGrant(_message.Message):
-    __slots__ = ("session_id", "stages", "capability", "num_layers", "hidden_size", "vocab_size")
+    __slots__ = ("session_id", "stages", "capability", "num_layers", "hidden_size", "vocab_size", "quote")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     STAGES_FIELD_NUMBER: _ClassVar[int]
     CAPABILITY_FIELD_NUMBER: _ClassVar[int]
     NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
     HIDDEN_SIZE_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
+    QUOTE_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     stages: _containers.RepeatedCompositeFieldContainer[RouteStage]
     capability: SignedCapability
     num_layers: int
     hidden_size: int
     vocab_size: int
-    def __init__(self, session_id: _Optional[str] = ..., stages: _Optional[_Iterable[_Union[RouteStage, _Mapping]]] = ..., capability: _Optional[_Union[SignedCapability, _Mapping]] = ..., num_layers: _Optional[int] = ..., hidden_size: _Optional[int] = ..., vocab_size: _Optional[int] = ...) -> None: ...
+    quote: _ledger_pb2.Quote
+    def __init__(self, session_id: _Optional[str] = ..., stages: _Optional[_Iterable[_Union[RouteStage, _Mapping]]] = ..., capability: _Optional[_Union[SignedCapability, _Mapping]] = ..., num_layers: _Optional[int] = ..., hidden_size: _Optional[int] = ..., vocab_size: _Optional[int] = ..., quote: _Optional[_Union[_ledger_pb2.Quote, _Mapping]] = ...) -> None: ...
 
 class RerouteRequest(_message.Message):
     __slots__ = ("session_id", "capability", "span", "exclude_node_ids", "reason")
@@ -161,9 +174,17 @@ class RerouteResponse(_message.Message):
     def __init__(self, hops: _Optional[_Iterable[_Union[Hop, _Mapping]]] = ..., capability: _Optional[_Union[SignedCapability, _Mapping]] = ...) -> None: ...
 
 class CloseSessionRequest(_message.Message):
-    __slots__ = ("session_id", "capability")
+    __slots__ = ("session_id", "capability", "usage")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     CAPABILITY_FIELD_NUMBER: _ClassVar[int]
+    USAGE_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     capability: SignedCapability
-    def __init__(self, session_id: _Optional[str] = ..., capability: _Optional[_Union[SignedCapability, _Mapping]] = ...) -> None: ...
+    usage: _containers.RepeatedCompositeFieldContainer[_ledger_pb2.SignedUsage]
+    def __init__(self, session_id: _Optional[str] = ..., capability: _Optional[_Union[SignedCapability, _Mapping]] = ..., usage: _Optional[_Iterable[_Union[_ledger_pb2.SignedUsage, _Mapping]]] = ...) -> None: ...
+
+class CloseSessionResponse(_message.Message):
+    __slots__ = ("settlement",)
+    SETTLEMENT_FIELD_NUMBER: _ClassVar[int]
+    settlement: _ledger_pb2.Settlement
+    def __init__(self, settlement: _Optional[_Union[_ledger_pb2.Settlement, _Mapping]] = ...) -> None: ...

@@ -64,7 +64,7 @@ class ClientApiStub:
         self.CloseSession = channel.unary_unary(
                 '/tessera.v1.ClientApi/CloseSession',
                 request_serializer=tessera_dot_v1_dot_client__api__pb2.CloseSessionRequest.SerializeToString,
-                response_deserializer=tessera_dot_v1_dot_common__pb2.Empty.FromString,
+                response_deserializer=tessera_dot_v1_dot_client__api__pb2.CloseSessionResponse.FromString,
                 _registered_method=True)
 
 
@@ -104,7 +104,8 @@ class ClientApiServicer:
         raise NotImplementedError('Method not implemented!')
 
     def CloseSession(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+        """Settles usage from receipts both sides signed; unused escrow goes back.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
@@ -140,7 +141,7 @@ def add_ClientApiServicer_to_server(servicer, server):
             'CloseSession': grpc.unary_unary_rpc_method_handler(
                     servicer.CloseSession,
                     request_deserializer=tessera_dot_v1_dot_client__api__pb2.CloseSessionRequest.FromString,
-                    response_serializer=tessera_dot_v1_dot_common__pb2.Empty.SerializeToString,
+                    response_serializer=tessera_dot_v1_dot_client__api__pb2.CloseSessionResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -305,7 +306,7 @@ class ClientApi:
             target,
             '/tessera.v1.ClientApi/CloseSession',
             tessera_dot_v1_dot_client__api__pb2.CloseSessionRequest.SerializeToString,
-            tessera_dot_v1_dot_common__pb2.Empty.FromString,
+            tessera_dot_v1_dot_client__api__pb2.CloseSessionResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from protos.tessera.v1 import common_pb2 as tessera_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15tessera/v1/node.proto\x12\ntessera.v1\x1a\x17tessera/v1/common.proto\"\xe3\x02\n\x0c\x43\x61pabilities\x12\x13\n\x0b\x64\x65vice_kind\x18\x01 \x01(\t\x12\x13\n\x0b\x64\x65vice_name\x18\x02 \x01(\t\x12\x14\n\x0c\x64\x65vice_count\x18\x03 \x01(\r\x12\x1a\n\x12memory_total_bytes\x18\x04 \x01(\x04\x12\x1b\n\x13memory_usable_bytes\x18\x05 \x01(\x04\x12\x1a\n\x12\x63ompute_capability\x18\x06 \x01(\t\x12\x11\n\tcpu_cores\x18\x07 \x01(\r\x12\x11\n\tram_bytes\x18\x08 \x01(\x04\x12\x15\n\rmatmul_tflops\x18\t \x01(\x01\x12\x0e\n\x06region\x18\n \x01(\t\x12!\n\x19price_per_1k_token_layers\x18\x0b \x01(\x01\x12\'\n\x06limits\x18\x0c \x01(\x0b\x32\x17.tessera.v1.OwnerLimits\x12\x15\n\ragent_version\x18\r \x01(\t\x12\x0e\n\x06\x64types\x18\x0e \x03(\t\"S\n\x0bOwnerLimits\x12\x18\n\x10max_memory_bytes\x18\x01 \x01(\x04\x12\x14\n\x0cmax_sessions\x18\x02 \x01(\r\x12\x14\n\x0c\x61\x63tive_hours\x18\x03 \x01(\t\"\xfc\x01\n\tTelemetry\x12\x19\n\x11memory_used_bytes\x18\x01 \x01(\x04\x12\x13\n\x0butilization\x18\x02 \x01(\x01\x12\x14\n\x0cqueue_length\x18\x03 \x01(\r\x12\x17\n\x0f\x61\x63tive_sessions\x18\x04 \x01(\r\x12\x16\n\x0ekv_tokens_used\x18\x05 \x01(\x04\x12\x18\n\x10kv_tokens_budget\x18\x06 \x01(\x04\x12\x30\n\x06rtt_ms\x18\x07 \x03(\x0b\x32 .tessera.v1.Telemetry.RttMsEntry\x1a,\n\nRttMsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"\xcf\x02\n\x08NodeInfo\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x0f\n\x07\x61\x63\x63ount\x18\x03 \x01(\t\x12$\n\x05state\x18\x04 \x01(\x0e\x32\x15.tessera.v1.NodeState\x12.\n\x0c\x63\x61pabilities\x18\x05 \x01(\x0b\x32\x18.tessera.v1.Capabilities\x12(\n\ttelemetry\x18\x06 \x01(\x0b\x32\x15.tessera.v1.Telemetry\x12\x1a\n\x12registered_unix_ms\x18\x07 \x01(\x03\x12\x19\n\x11last_seen_unix_ms\x18\x08 \x01(\x03\x12\x1d\n\x15state_changed_unix_ms\x18\t \x01(\x03\x12\x14\n\x0c\x64\x61ta_address\x18\n \x01(\t\x12\'\n\x06shards\x18\x0b \x03(\x0b\x32\x17.tessera.v1.ShardStatus\"\xbd\x01\n\x0bShardStatus\x12\r\n\x05model\x18\x01 \x01(\t\x12&\n\x06layers\x18\x02 \x01(\x0b\x32\x16.tessera.v1.LayerRange\x12%\n\x05state\x18\x03 \x01(\x0e\x32\x16.tessera.v1.ShardState\x12\x10\n\x08progress\x18\x04 \x01(\x01\x12\r\n\x05\x65rror\x18\x05 \x01(\t\x12\x15\n\rbytes_fetched\x18\x06 \x01(\x04\x12\x18\n\x10\x62ytes_downloaded\x18\x07 \x01(\x04*\x9e\x01\n\tNodeState\x12\x1a\n\x16NODE_STATE_UNSPECIFIED\x10\x00\x12\x15\n\x11NODE_STATE_ONLINE\x10\x01\x12\x16\n\x12NODE_STATE_SUSPECT\x10\x02\x12\x16\n\x12NODE_STATE_OFFLINE\x10\x03\x12\x17\n\x13NODE_STATE_DRAINING\x10\x04\x12\x15\n\x11NODE_STATE_BANNED\x10\x05*\xbe\x01\n\nShardState\x12\x1b\n\x17SHARD_STATE_UNSPECIFIED\x10\x00\x12\x18\n\x14SHARD_STATE_ASSIGNED\x10\x01\x12\x18\n\x14SHARD_STATE_FETCHING\x10\x02\x12\x17\n\x13SHARD_STATE_LOADING\x10\x03\x12\x15\n\x11SHARD_STATE_READY\x10\x04\x12\x16\n\x12SHARD_STATE_FAILED\x10\x05\x12\x17\n\x13SHARD_STATE_DROPPED\x10\x06\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15tessera/v1/node.proto\x12\ntessera.v1\x1a\x17tessera/v1/common.proto\"\xb2\x03\n\x0c\x43\x61pabilities\x12\x13\n\x0b\x64\x65vice_kind\x18\x01 \x01(\t\x12\x13\n\x0b\x64\x65vice_name\x18\x02 \x01(\t\x12\x14\n\x0c\x64\x65vice_count\x18\x03 \x01(\r\x12\x1a\n\x12memory_total_bytes\x18\x04 \x01(\x04\x12\x1b\n\x13memory_usable_bytes\x18\x05 \x01(\x04\x12\x1a\n\x12\x63ompute_capability\x18\x06 \x01(\t\x12\x11\n\tcpu_cores\x18\x07 \x01(\r\x12\x11\n\tram_bytes\x18\x08 \x01(\x04\x12\x15\n\rmatmul_tflops\x18\t \x01(\x01\x12\x0e\n\x06region\x18\n \x01(\t\x12!\n\x19price_per_1k_token_layers\x18\x0b \x01(\x01\x12\'\n\x06limits\x18\x0c \x01(\x0b\x32\x17.tessera.v1.OwnerLimits\x12\x15\n\ragent_version\x18\r \x01(\t\x12\x0e\n\x06\x64types\x18\x0e \x03(\t\x12\'\n\x1fprice_per_1k_token_layers_units\x18\x0f \x01(\x04\x12$\n\x1cprice_per_sample_layer_units\x18\x10 \x01(\x04\"S\n\x0bOwnerLimits\x12\x18\n\x10max_memory_bytes\x18\x01 \x01(\x04\x12\x14\n\x0cmax_sessions\x18\x02 \x01(\r\x12\x14\n\x0c\x61\x63tive_hours\x18\x03 \x01(\t\"\xfc\x01\n\tTelemetry\x12\x19\n\x11memory_used_bytes\x18\x01 \x01(\x04\x12\x13\n\x0butilization\x18\x02 \x01(\x01\x12\x14\n\x0cqueue_length\x18\x03 \x01(\r\x12\x17\n\x0f\x61\x63tive_sessions\x18\x04 \x01(\r\x12\x16\n\x0ekv_tokens_used\x18\x05 \x01(\x04\x12\x18\n\x10kv_tokens_budget\x18\x06 \x01(\x04\x12\x30\n\x06rtt_ms\x18\x07 \x03(\x0b\x32 .tessera.v1.Telemetry.RttMsEntry\x1a,\n\nRttMsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"\xcf\x02\n\x08NodeInfo\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x0f\n\x07\x61\x63\x63ount\x18\x03 \x01(\t\x12$\n\x05state\x18\x04 \x01(\x0e\x32\x15.tessera.v1.NodeState\x12.\n\x0c\x63\x61pabilities\x18\x05 \x01(\x0b\x32\x18.tessera.v1.Capabilities\x12(\n\ttelemetry\x18\x06 \x01(\x0b\x32\x15.tessera.v1.Telemetry\x12\x1a\n\x12registered_unix_ms\x18\x07 \x01(\x03\x12\x19\n\x11last_seen_unix_ms\x18\x08 \x01(\x03\x12\x1d\n\x15state_changed_unix_ms\x18\t \x01(\x03\x12\x14\n\x0c\x64\x61ta_address\x18\n \x01(\t\x12\'\n\x06shards\x18\x0b \x03(\x0b\x32\x17.tessera.v1.ShardStatus\"\xbd\x01\n\x0bShardStatus\x12\r\n\x05model\x18\x01 \x01(\t\x12&\n\x06layers\x18\x02 \x01(\x0b\x32\x16.tessera.v1.LayerRange\x12%\n\x05state\x18\x03 \x01(\x0e\x32\x16.tessera.v1.ShardState\x12\x10\n\x08progress\x18\x04 \x01(\x01\x12\r\n\x05\x65rror\x18\x05 \x01(\t\x12\x15\n\rbytes_fetched\x18\x06 \x01(\x04\x12\x18\n\x10\x62ytes_downloaded\x18\x07 \x01(\x04*\x9e\x01\n\tNodeState\x12\x1a\n\x16NODE_STATE_UNSPECIFIED\x10\x00\x12\x15\n\x11NODE_STATE_ONLINE\x10\x01\x12\x16\n\x12NODE_STATE_SUSPECT\x10\x02\x12\x16\n\x12NODE_STATE_OFFLINE\x10\x03\x12\x17\n\x13NODE_STATE_DRAINING\x10\x04\x12\x15\n\x11NODE_STATE_BANNED\x10\x05*\xbe\x01\n\nShardState\x12\x1b\n\x17SHARD_STATE_UNSPECIFIED\x10\x00\x12\x18\n\x14SHARD_STATE_ASSIGNED\x10\x01\x12\x18\n\x14SHARD_STATE_FETCHING\x10\x02\x12\x17\n\x13SHARD_STATE_LOADING\x10\x03\x12\x15\n\x11SHARD_STATE_READY\x10\x04\x12\x16\n\x12SHARD_STATE_FAILED\x10\x05\x12\x17\n\x13SHARD_STATE_DROPPED\x10\x06\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,20 +34,20 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_TELEMETRY_RTTMSENTRY']._loaded_options = None
   _globals['_TELEMETRY_RTTMSENTRY']._serialized_options = b'8\001'
-  _globals['_NODESTATE']._serialized_start=1291
-  _globals['_NODESTATE']._serialized_end=1449
-  _globals['_SHARDSTATE']._serialized_start=1452
-  _globals['_SHARDSTATE']._serialized_end=1642
+  _globals['_NODESTATE']._serialized_start=1370
+  _globals['_NODESTATE']._serialized_end=1528
+  _globals['_SHARDSTATE']._serialized_start=1531
+  _globals['_SHARDSTATE']._serialized_end=1721
   _globals['_CAPABILITIES']._serialized_start=63
-  _globals['_CAPABILITIES']._serialized_end=418
-  _globals['_OWNERLIMITS']._serialized_start=420
-  _globals['_OWNERLIMITS']._serialized_end=503
-  _globals['_TELEMETRY']._serialized_start=506
-  _globals['_TELEMETRY']._serialized_end=758
-  _globals['_TELEMETRY_RTTMSENTRY']._serialized_start=714
-  _globals['_TELEMETRY_RTTMSENTRY']._serialized_end=758
-  _globals['_NODEINFO']._serialized_start=761
-  _globals['_NODEINFO']._serialized_end=1096
-  _globals['_SHARDSTATUS']._serialized_start=1099
-  _globals['_SHARDSTATUS']._serialized_end=1288
+  _globals['_CAPABILITIES']._serialized_end=497
+  _globals['_OWNERLIMITS']._serialized_start=499
+  _globals['_OWNERLIMITS']._serialized_end=582
+  _globals['_TELEMETRY']._serialized_start=585
+  _globals['_TELEMETRY']._serialized_end=837
+  _globals['_TELEMETRY_RTTMSENTRY']._serialized_start=793
+  _globals['_TELEMETRY_RTTMSENTRY']._serialized_end=837
+  _globals['_NODEINFO']._serialized_start=840
+  _globals['_NODEINFO']._serialized_end=1175
+  _globals['_SHARDSTATUS']._serialized_start=1178
+  _globals['_SHARDSTATUS']._serialized_end=1367
 # @@protoc_insertion_point(module_scope)

@@ -1,0 +1,120 @@
+"""Paying for sessions: the client key, signed session opens, and usage receipts.
+
+The client's Ed25519 key (default ~/.tessera/client.key, or $TESSERA_CLIENT_KEY) is its
+account: the account id is a digest of the public key, so there is nothing to register.
+The key signs OpenSession (escrow can only be taken by its owner) and counter-signs the
+nodes' usage receipts the driver agrees with: the coordinator pays a node only for
+receipts both signed.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+from protos import identity
+from protos.tessera.v1 import client_api_pb2, ledger_pb2
+
+log = logging.getLogger(__name__)
+
+KEY_ENV = "TESSERA_CLIENT_KEY"
+
+
+def default_key_path() -> Path:
+    return Path(os.environ.get(KEY_ENV) or Path.home() / ".tessera" / "client.key")
+
+
+def load_key(path: Path, *, create: bool = False) -> Ed25519PrivateKey:
+    """The client key at `path`; created (mode 0600) when missing and `create` is set."""
+    try:
+        return identity.private_key_from_pem(path.read_bytes())
+    except FileNotFoundError:
+        if not create:
+            raise
+    key = identity.generate_private_key()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "wb") as out:
+        out.write(identity.private_key_to_pem(key))
+    log.info("created a client key at %s (account %s)", path, account_of(key))
+    return key
+
+
+def account_of(key: Ed25519PrivateKey) -> str:
+    return identity.client_account(identity.public_key_bytes(key))
+
+
+def sign_open(request: client_api_pb2.OpenSessionRequest, key: Ed25519PrivateKey) -> None:
+    """Make `request` a paying one: the key, its account, a fresh stamp, the signature."""
+    request.client_public_key = identity.public_key_bytes(key)
+    request.account = account_of(key)
+    request.request_unix_ms = int(time.time() * 1000)
+    request.client_signature = key.sign(identity.open_session_payload(request))
+
+
+def balance_query(key: Ed25519PrivateKey) -> ledger_pb2.SignedQuery:
+    return identity.sign_ledger_query(key, "balance", int(time.time() * 1000))
+
+
+_Key = tuple[str, int, int]  # node id, layer start, layer end
+
+
+@dataclass
+class UsageBook:
+    """What the driver sent to each (node, layers), and the newest receipt each returned."""
+
+    _sent: dict[_Key, int] = field(default_factory=dict)
+    _receipts: dict[_Key, ledger_pb2.SignedUsage] = field(default_factory=dict)
+
+    def sent(self, node_id: str, start: int, end: int, tokens: int) -> None:
+        key = (node_id, start, end)
+        self._sent[key] = self._sent.get(key, 0) + tokens
+
+    def received(self, node_id: str, start: int, end: int, usage: ledger_pb2.SignedUsage) -> None:
+        # Receipts are cumulative: the newest covers the older ones. Checked at countersign.
+        if usage.receipt:
+            self._receipts[(node_id, start, end)] = usage
+
+    def countersign(self, session_id: str, key: Ed25519PrivateKey) -> list[ledger_pb2.SignedUsage]:
+        """Counter-sign every receipt that claims no more than the driver sent; others are
+        left out (and logged), so a node that inflates its count is not paid for them."""
+        signed = []
+        for (node_id, start, end), usage in sorted(self._receipts.items()):
+            receipt = ledger_pb2.UsageReceipt()
+            try:
+                receipt.ParseFromString(usage.receipt)
+                owner = identity.node_id(receipt.node_public_key)
+            except Exception:  # a malformed receipt from a node: never sign it
+                log.warning("node %s sent a malformed usage receipt; not signing it", node_id)
+                continue
+            sent = self._sent.get((node_id, start, end), 0)
+            agreed = (
+                receipt.session_id == session_id
+                and receipt.node_id == node_id == owner
+                and (receipt.layer_start, receipt.layer_end) == (start, end)
+                and receipt.tokens <= sent
+                and identity.verify(
+                    receipt.node_public_key,
+                    usage.node_signature,
+                    identity.usage_payload(usage.receipt),
+                )
+            )
+            if not agreed:
+                log.warning(
+                    "node %s claims %d tokens on layers [%d, %d), the driver sent %d: not "
+                    "signing its receipt", node_id, receipt.tokens, start, end, sent,
+                )  # fmt: skip
+                continue
+            signed.append(
+                ledger_pb2.SignedUsage(
+                    receipt=usage.receipt,
+                    node_signature=usage.node_signature,
+                    client_signature=key.sign(identity.usage_countersign_payload(usage.receipt)),
+                )
+            )
+        return signed

@@ -1,0 +1,154 @@
+"""Billing for sessions: the route within budget and its quote, escrow at OpenSession,
+new prices after a Reroute, settlement from receipts at CloseSession.
+
+The session manager (coordinator/sessions.py) calls these; LedgerComponent builds one
+with prices from the registry. Everything here is synchronous: one SQLite transaction
+per call.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence
+
+import grpc
+
+from coordinator.ledger.amounts import LedgerError
+from coordinator.ledger.book import Ledger
+from coordinator.ledger.pricing import PriceOf, plan_route, stage_nodes
+from coordinator.ledger.receipts import verify_usage
+from coordinator.router import Holder, Stage
+from protos import identity
+from protos.tessera.v1 import client_api_pb2, ledger_pb2
+
+log = logging.getLogger("tessera.ledger")
+
+# A signed query or open request older (or newer) than this is refused: a captured one
+# cannot be replayed later.
+FRESHNESS_MS = 300_000
+# A hold outlives its session's capability by this much, for a close that is under way.
+HOLD_GRACE_MS = 600_000
+
+
+class Billing:
+    def __init__(self, ledger: Ledger, price_of: PriceOf) -> None:
+        self.ledger = ledger
+        self._price_of = price_of
+
+    def plan(
+        self,
+        boundaries: Sequence[int],
+        holders: Sequence[Holder],
+        request: client_api_pb2.OpenSessionRequest,
+    ) -> tuple[list[Stage], int]:
+        return plan_route(
+            boundaries,
+            holders,
+            max_tokens=request.max_length,
+            max_price=request.max_price,
+            prefer=request.prefer,
+            price_of=self._price_of,
+        )
+
+    def client_of(self, request: client_api_pb2.OpenSessionRequest) -> str:
+        """The paying client's account id, after checking it signed this request ("" when
+        the request carries no key: only free sessions)."""
+        key = request.client_public_key
+        if not key:
+            return request.account
+        if len(key) != identity.PUBLIC_KEY_BYTES:
+            raise LedgerError(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"client_public_key must be a raw {identity.PUBLIC_KEY_BYTES}-byte Ed25519 key",
+            )
+        account = identity.client_account(key)
+        if request.account and request.account != account:
+            raise LedgerError(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"account {request.account!r} is not the account of this client key "
+                f"({account}); leave account empty",
+            )
+        check_fresh(request.request_unix_ms)
+        if not identity.verify(
+            key, request.client_signature, identity.open_session_payload(request)
+        ):
+            raise LedgerError(
+                grpc.StatusCode.UNAUTHENTICATED,
+                "the open request is not signed by its client_public_key",
+            )
+        return account
+
+    def open(
+        self,
+        session_id: str,
+        request: client_api_pb2.OpenSessionRequest,
+        stages: Sequence[Stage],
+        amount: int,
+        expires_ms: int,
+    ) -> ledger_pb2.Quote:
+        """Escrow the quote for a new session (nothing for a free one)."""
+        account = self.client_of(request)
+        nodes = {n: self._price_of(n) for s in stages for n in stage_nodes(s)}
+        quote = ledger_pb2.Quote(
+            amount=amount,
+            account=account,
+            prices=[
+                ledger_pb2.NodePrice(node_id=n, price_per_1k_token_layers=q.price)
+                for n, q in sorted(nodes.items())
+            ],
+        )
+        if amount == 0:
+            return quote
+        if not request.client_public_key:
+            raise LedgerError(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"this session costs up to {amount} credit units; open it with a client key "
+                "(the tessera client signs with ~/.tessera/client.key; `tessera balance` "
+                "creates it and shows the account to fund)",
+            )
+        self.ledger.open_hold(
+            session_id,
+            account,
+            amount,
+            nodes,
+            expires_ms + HOLD_GRACE_MS,
+            request.client_public_key,
+        )
+        log.info("session %s: %d credit units escrowed from %s", session_id, amount, account)
+        return quote
+
+    def rerouted(self, session_id: str, node_ids: Sequence[str], expires_ms: int) -> None:
+        self.ledger.add_prices(
+            session_id, {n: self._price_of(n) for n in node_ids}, expires_ms + HOLD_GRACE_MS
+        )
+
+    def close(
+        self, session_id: str, usage: Sequence[ledger_pb2.SignedUsage]
+    ) -> ledger_pb2.Settlement | None:
+        hold = self.ledger.hold(session_id)
+        if hold is None:
+            return None  # a free session
+        usages = verify_usage(session_id, list(usage), bytes(hold["client_key"]))  # type: ignore[arg-type]
+        result = self.ledger.settle(session_id, usages)
+        log.info(
+            "session %s settled: %d charged, %d refunded (%d receipts)", session_id,
+            result.charged, result.refunded, len(usages),
+        )  # fmt: skip
+        return ledger_pb2.Settlement(
+            session_id=session_id,
+            escrowed=result.escrowed,
+            charged=result.charged,
+            refunded=result.refunded,
+            fee=result.fee,
+        )
+
+
+def check_fresh(unix_ms: int) -> None:
+    skew = abs(time.time() * 1000 - unix_ms)
+    if skew > FRESHNESS_MS:
+        raise LedgerError(
+            grpc.StatusCode.UNAUTHENTICATED,
+            f"the request is stamped {skew / 1000:.0f} s away from the coordinator's clock "
+            f"(at most {FRESHNESS_MS // 1000} s): check this machine's clock",
+        )

@@ -1,0 +1,595 @@
+"""The double-entry credit ledger.
+
+Accounts (names are `kind:owner`, system accounts are bare):
+    mint                the source of granted credit; the only account below zero
+    client:<id>         a client's spendable credit
+    escrow              every open hold, together
+    pending:<operator>  settled earnings inside their challenge window
+    operator:<name>     released earnings
+    stake:<name>        an operator's optional stake, slashable
+    fee                 the coordinator's cut of settlements
+    slashed             pending earnings and stakes taken for proven fraud
+
+Every operation is one SQLite transaction whose entries sum to zero, keyed by an
+idempotency id (txid): a retry finds its transaction and answers the same, so nothing is
+paid twice, and a crash before COMMIT leaves nothing half-applied.
+"""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+import time
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+
+import grpc
+import sqlite_utils
+
+from coordinator.ledger.amounts import INT64_MAX, LedgerError, check_amount, usage_charge
+from coordinator.ledger.failpoints import failpoint
+
+MINT = "mint"
+ESCROW = "escrow"
+FEE = "fee"
+SLASHED = "slashed"
+MAX_NAME = 128
+
+
+def client_account(client_id: str) -> str:
+    return f"client:{client_id}"
+
+
+def pending_account(operator: str) -> str:
+    return f"pending:{operator}"
+
+
+def operator_account(operator: str) -> str:
+    return f"operator:{operator}"
+
+
+def stake_account(operator: str) -> str:
+    return f"stake:{operator}"
+
+
+@dataclass(frozen=True)
+class NodeQuote:
+    """What one granted node charges and who is paid for its work."""
+
+    price: int  # credit units per 1,000 token-layers
+    operator: str
+
+
+@dataclass(frozen=True)
+class Usage:
+    """Work a session's receipts (signed by node and client) prove."""
+
+    receipt_id: str
+    node_id: str
+    layer_start: int
+    layer_end: int
+    tokens: int
+
+
+@dataclass(frozen=True)
+class SettlementResult:
+    session_id: str
+    escrowed: int
+    charged: int
+    refunded: int
+    fee: int
+
+
+@dataclass(frozen=True)
+class EarningsSummary:
+    node_id: str
+    pending: int
+    released: int
+    slashed: int
+    rejected: int
+    next_release_ms: int
+
+
+@dataclass(frozen=True)
+class BalanceSummary:
+    account: str
+    available: int
+    escrowed: int
+
+
+def _now_ms() -> int:
+    return int(time.time() * 1000)
+
+
+def _canonical(params: Mapping[str, object]) -> str:
+    return json.dumps(params, sort_keys=True, separators=(",", ":"))
+
+
+def _check_name(name: str, what: str) -> str:
+    if not isinstance(name, str) or not name or len(name) > MAX_NAME:
+        raise LedgerError(
+            grpc.StatusCode.INVALID_ARGUMENT, f"{what} must be 1 to {MAX_NAME} characters"
+        )
+    if not name.isprintable() or any(c.isspace() for c in name):
+        raise LedgerError(
+            grpc.StatusCode.INVALID_ARGUMENT, f"{what} must be printable, without spaces"
+        )
+    return name
+
+
+class Ledger:
+    def __init__(
+        self,
+        db: sqlite_utils.Database,
+        *,
+        challenge_window_ms: int = 3_600_000,
+        fee_bps: int = 0,
+        clock_ms: Callable[[], int] = _now_ms,
+    ) -> None:
+        if not 0 <= fee_bps <= 10_000:
+            raise ValueError(f"fee_bps must be within [0, 10000], got {fee_bps}")
+        self.db = db
+        self.challenge_window_ms = challenge_window_ms
+        self.fee_bps = fee_bps
+        self._clock = clock_ms
+
+    # ---- the core: one balanced, idempotent transaction ------------------------------------
+
+    def _existing(self, txid: str, params: Mapping[str, object]) -> bool:
+        """True if `txid` was already applied with these params; refuses other params."""
+        row = self.db.execute(
+            "SELECT params FROM ledger_transactions WHERE txid = ?", [txid]
+        ).fetchone()
+        if row is None:
+            return False
+        if row[0] != _canonical(params):
+            raise LedgerError(
+                grpc.StatusCode.ALREADY_EXISTS,
+                f"request id {txid!r} was already used for a different request; use a new id",
+            )
+        return True
+
+    def _post(
+        self, txid: str, kind: str, params: Mapping[str, object], entries: Iterable[tuple[str, int]]
+    ) -> None:
+        """Write one balanced transaction. The caller holds the surrounding db.atomic()."""
+        merged: dict[str, int] = {}
+        for account, amount in entries:
+            merged[account] = merged.get(account, 0) + amount
+        if sum(merged.values()) != 0:
+            raise AssertionError(f"unbalanced transaction {txid}: {merged}")  # a ledger bug
+        now = self._clock()
+        self.db.execute(
+            "INSERT INTO ledger_transactions (txid, kind, params, created_ms) VALUES (?, ?, ?, ?)",
+            [txid, kind, _canonical(params), now],
+        )
+        for account, amount in merged.items():
+            if amount == 0:
+                continue
+            balance = self._balance(account)
+            new = balance + amount
+            if new > INT64_MAX:
+                raise LedgerError(
+                    grpc.StatusCode.RESOURCE_EXHAUSTED,
+                    f"account {account} would exceed the largest balance the ledger holds",
+                )
+            if new < 0 and account != MINT:
+                raise LedgerError(
+                    grpc.StatusCode.FAILED_PRECONDITION,
+                    f"account {account} has {balance} credit units; {-amount} are needed",
+                )
+            self.db.execute(
+                "INSERT INTO ledger_accounts (account, balance, created_ms) VALUES (?, ?, ?) "
+                "ON CONFLICT(account) DO UPDATE SET balance = excluded.balance",
+                [account, new, now],
+            )
+            self.db.execute(
+                "INSERT INTO ledger_entries (txid, account, amount) VALUES (?, ?, ?)",
+                [txid, account, amount],
+            )
+
+    def _balance(self, account: str) -> int:
+        row = self.db.execute(
+            "SELECT balance FROM ledger_accounts WHERE account = ?", [account]
+        ).fetchone()
+        return int(row[0]) if row else 0
+
+    # ---- reads --------------------------------------------------------------------------
+
+    def balance(self, account: str) -> int:
+        return self._balance(account)
+
+    def client_balance(self, client_id: str) -> BalanceSummary:
+        account = client_account(client_id)
+        row = self.db.execute(
+            "SELECT COALESCE(SUM(amount), 0) FROM ledger_holds "
+            "WHERE account = ? AND state = 'open'",
+            [account],
+        ).fetchone()
+        return BalanceSummary(client_id, self._balance(account), int(row[0]))
+
+    def earnings(self, node_id: str) -> EarningsSummary:
+        totals = dict.fromkeys(("pending", "released", "slashed", "rejected"), 0)
+        for state, amount in self.db.execute(
+            "SELECT state, SUM(amount) FROM ledger_earnings WHERE node_id = ? GROUP BY state",
+            [node_id],
+        ).fetchall():
+            totals[state] = int(amount)
+        row = self.db.execute(
+            "SELECT MIN(release_after_ms) FROM ledger_earnings "
+            "WHERE node_id = ? AND state = 'pending'",
+            [node_id],
+        ).fetchone()
+        return EarningsSummary(node_id, next_release_ms=int(row[0] or 0), **totals)
+
+    def hold(self, hold_id: str) -> dict[str, object] | None:
+        row = self.db.execute(
+            "SELECT hold_id, account, amount, state, client_key, prices, expires_ms, charged, "
+            "refunded, fee FROM ledger_holds WHERE hold_id = ?",
+            [hold_id],
+        ).fetchone()
+        if row is None:
+            return None
+        keys = ("hold_id", "account", "amount", "state", "client_key", "prices", "expires_ms",
+                "charged", "refunded", "fee")  # fmt: skip
+        hold = dict(zip(keys, row, strict=True))
+        hold["prices"] = {
+            node: NodeQuote(price, operator)
+            for node, (price, operator) in json.loads(str(hold["prices"])).items()
+        }
+        return hold
+
+    # ---- grants and stakes ----------------------------------------------------------------
+
+    def grant(self, client_id: str, amount: int, request_id: str) -> int:
+        """Mint `amount` into a client account (admin); returns its balance."""
+        _check_name(client_id, "account")
+        _check_name(request_id, "request id")
+        check_amount(amount)
+        txid = f"grant:{request_id}"
+        params = {"account": client_id, "amount": amount}
+        with self.db.atomic():
+            if not self._existing(txid, params):
+                self._post(
+                    txid, "grant", params, [(MINT, -amount), (client_account(client_id), amount)]
+                )
+        return self._balance(client_account(client_id))
+
+    def deposit_stake(self, operator: str, amount: int, request_id: str) -> None:
+        """Move released earnings of `operator` into its slashable stake."""
+        _check_name(operator, "operator")
+        _check_name(request_id, "request id")
+        check_amount(amount)
+        txid = f"stake:{request_id}"
+        params = {"operator": operator, "amount": amount}
+        with self.db.atomic():
+            if not self._existing(txid, params):
+                self._post(
+                    txid,
+                    "stake",
+                    params,
+                    [(operator_account(operator), -amount), (stake_account(operator), amount)],
+                )
+
+    # ---- holds ---------------------------------------------------------------------------
+
+    def open_hold(
+        self,
+        hold_id: str,
+        client_id: str,
+        amount: int,
+        prices: Mapping[str, NodeQuote],
+        expires_ms: int,
+        client_key: bytes,
+    ) -> None:
+        """Escrow `amount` of the client's credit for a session; refused past its balance."""
+        _check_name(hold_id, "session id")
+        _check_name(client_id, "account")
+        check_amount(amount, "quote")
+        for node_id, quote in prices.items():
+            _check_name(node_id, "node id")
+            check_amount(quote.price, f"price of {node_id}", allow_zero=True)
+        txid = f"hold:{hold_id}"
+        table = {n: [q.price, q.operator] for n, q in sorted(prices.items())}
+        params = {"account": client_id, "amount": amount, "prices": table}
+        with self.db.atomic():
+            if self._existing(txid, params):
+                return
+            available = self._balance(client_account(client_id))
+            if available < amount:
+                raise LedgerError(
+                    grpc.StatusCode.FAILED_PRECONDITION,
+                    f"account {client_id} has {available} credit units available; this session "
+                    f"needs {amount} in escrow. Ask the operator for credits "
+                    "(tessera-coordinator credits grant), or lower max_length",
+                )
+            self._post(
+                txid, "hold", params, [(client_account(client_id), -amount), (ESCROW, amount)]
+            )
+            self.db.execute(
+                "INSERT INTO ledger_holds (hold_id, account, amount, state, client_key, prices, "
+                "created_ms, expires_ms) VALUES (?, ?, ?, 'open', ?, ?, ?, ?)",
+                [hold_id, client_account(client_id), amount, client_key,
+                 _canonical(table), self._clock(), expires_ms],
+            )  # fmt: skip
+            failpoint("hold:before-commit")
+
+    def add_prices(
+        self, hold_id: str, prices: Mapping[str, NodeQuote], expires_ms: int | None = None
+    ) -> None:
+        """After a reroute: the new nodes may bill at their price (the escrow still caps),
+        and the hold lives as long as the fresh capability."""
+        with self.db.atomic():
+            hold = self.hold(hold_id)
+            if hold is None or hold["state"] != "open":
+                return
+            table = dict(hold["prices"])  # type: ignore[call-overload]
+            for node_id, quote in prices.items():
+                table.setdefault(node_id, quote)
+            self.db.execute(
+                "UPDATE ledger_holds SET prices = ?, expires_ms = MAX(expires_ms, ?) "
+                "WHERE hold_id = ?",
+                [
+                    _canonical({n: [q.price, q.operator] for n, q in sorted(table.items())}),
+                    expires_ms or 0,
+                    hold_id,
+                ],
+            )
+
+    def settle(self, hold_id: str, usages: list[Usage]) -> SettlementResult:
+        """Pay operators (pending) for proven usage and refund the rest of the escrow.
+
+        Usage beyond the escrow (replays after fail-overs) is scaled down so the total is
+        exactly the escrow: the client never pays past its quote. Work that verification
+        already rejected is refunded instead of paid. Idempotent per session: a retry
+        answers the first settlement, whatever receipts it carries.
+        """
+        hold = self.hold(hold_id)
+        if hold is None:
+            raise LedgerError(grpc.StatusCode.NOT_FOUND, f"no escrow hold for session {hold_id!r}")
+        if hold["state"] != "open":
+            if hold["state"] == "expired":
+                raise LedgerError(
+                    grpc.StatusCode.FAILED_PRECONDITION,
+                    f"session {hold_id} expired before it was closed; its escrow went back "
+                    "to the client and no usage can be settled any more",
+                )
+            return self._settled(hold)
+        prices: dict[str, NodeQuote] = hold["prices"]  # type: ignore[assignment]
+        amount = int(hold["amount"])  # type: ignore[call-overload]
+        client = str(hold["account"])
+        seen: set[str] = set()
+        charges: list[tuple[Usage, int]] = []
+        for usage in usages:
+            if usage.receipt_id in seen:
+                raise LedgerError(
+                    grpc.StatusCode.INVALID_ARGUMENT, "the same receipt was sent twice"
+                )
+            seen.add(usage.receipt_id)
+            quote = prices.get(usage.node_id)
+            if quote is None:
+                raise LedgerError(
+                    grpc.StatusCode.PERMISSION_DENIED,
+                    f"node {usage.node_id} was never granted to session {hold_id}",
+                )
+            check_amount(usage.tokens, "tokens", allow_zero=True)
+            layers = usage.layer_end - usage.layer_start
+            charges.append((usage, usage_charge(usage.tokens, layers, quote.price)))
+        total = sum(c for _, c in charges)
+        if total > amount:
+            charges = [(u, c * amount // total) for u, c in charges]
+        disputed = {
+            row[0]
+            for row in self.db.execute(
+                "SELECT node_id FROM ledger_disputes WHERE session_id = ?", [hold_id]
+            )
+        }
+        now = self._clock()
+        txid = f"settle:{hold_id}"
+        entries: list[tuple[str, int]] = []
+        earnings: list[tuple[Usage, str, int]] = []
+        fee_total = 0
+        for usage, charge in charges:
+            if charge == 0 or usage.node_id in disputed:
+                continue
+            fee = charge * self.fee_bps // 10_000
+            operator = prices[usage.node_id].operator
+            entries += [(ESCROW, -charge), (pending_account(operator), charge - fee)]
+            if fee:
+                entries.append((FEE, fee))
+            fee_total += fee
+            if charge - fee:
+                earnings.append((usage, operator, charge - fee))
+        charged = sum(-a for acct, a in entries if acct == ESCROW)
+        refunded = amount - charged
+        if refunded:
+            entries += [(ESCROW, -refunded), (client, refunded)]
+        params = {
+            "receipts": sorted(u.receipt_id for u, _ in charges),
+            "charged": charged,
+            "refunded": refunded,
+        }
+        try:
+            with self.db.atomic():
+                if self._existing(txid, params):
+                    return self._settled(self.hold(hold_id) or hold)
+                self._post(txid, "settle", params, entries)
+                self.db.execute(
+                    "UPDATE ledger_holds SET state = 'settled', closed_ms = ?, charged = ?, "
+                    "refunded = ?, fee = ? WHERE hold_id = ? AND state = 'open'",
+                    [now, charged, refunded, fee_total, hold_id],
+                )
+                failpoint("settle:mid")
+                self.db.conn.executemany(
+                    "INSERT INTO ledger_earnings (receipt_id, hold_id, node_id, operator, "
+                    "amount, state, settled_ms, release_after_ms) "
+                    "VALUES (?, ?, ?, ?, ?, 'pending', ?, ?)",
+                    [
+                        (u.receipt_id, hold_id, u.node_id, op, a, now,
+                         now + self.challenge_window_ms)
+                        for u, op, a in earnings
+                    ],
+                )  # fmt: skip
+                failpoint("settle:before-commit")
+        except sqlite3.IntegrityError as exc:
+            raise LedgerError(
+                grpc.StatusCode.ALREADY_EXISTS,
+                f"a receipt of session {hold_id} was already paid ({exc})",
+            ) from None
+        failpoint("settle:after-commit")
+        return SettlementResult(hold_id, amount, charged, refunded, fee_total)
+
+    def _settled(self, hold: Mapping[str, object]) -> SettlementResult:
+        return SettlementResult(
+            str(hold["hold_id"]), int(hold["amount"]), int(hold["charged"]),  # type: ignore[call-overload]
+            int(hold["refunded"]), int(hold["fee"]),  # type: ignore[call-overload]
+        )  # fmt: skip
+
+    def expire_holds(self, now_ms: int | None = None) -> list[str]:
+        """Refund the escrow of sessions never closed before their hold expired."""
+        now = self._clock() if now_ms is None else now_ms
+        expired = [
+            (row[0], row[1], int(row[2]))
+            for row in self.db.execute(
+                "SELECT hold_id, account, amount FROM ledger_holds "
+                "WHERE state = 'open' AND expires_ms <= ?",
+                [now],
+            )
+        ]
+        for hold_id, account, amount in expired:
+            with self.db.atomic():
+                txid = f"expire:{hold_id}"
+                params = {"amount": amount}
+                if self._existing(txid, params):
+                    continue
+                self._post(txid, "expire", params, [(ESCROW, -amount), (account, amount)])
+                self.db.execute(
+                    "UPDATE ledger_holds SET state = 'expired', closed_ms = ? WHERE hold_id = ?",
+                    [now, hold_id],
+                )
+        return [h for h, _, _ in expired]
+
+    # ---- the challenge window ------------------------------------------------------------
+
+    def release(self, earning_id: int, now_ms: int | None = None) -> None:
+        """Release one pending earning to its operator; refused inside the window."""
+        now = self._clock() if now_ms is None else now_ms
+        with self.db.atomic():
+            row = self.db.execute(
+                "SELECT operator, amount, state, release_after_ms FROM ledger_earnings "
+                "WHERE id = ?",
+                [earning_id],
+            ).fetchone()
+            if row is None:
+                raise LedgerError(grpc.StatusCode.NOT_FOUND, f"no earning {earning_id}")
+            operator, amount, state, release_after = row
+            if state != "pending":
+                if state == "released":
+                    return
+                raise LedgerError(
+                    grpc.StatusCode.FAILED_PRECONDITION,
+                    f"earning {earning_id} was {state}; it can no longer be released",
+                )
+            if now < release_after:
+                raise LedgerError(
+                    grpc.StatusCode.FAILED_PRECONDITION,
+                    f"earning {earning_id} is inside its challenge window for another "
+                    f"{(release_after - now) / 1000:.0f} s",
+                )
+            self._post(
+                f"release:{earning_id}",
+                "release",
+                {"amount": amount},
+                [(pending_account(operator), -amount), (operator_account(operator), amount)],
+            )
+            self.db.execute(
+                "UPDATE ledger_earnings SET state = 'released', closed_ms = ? WHERE id = ?",
+                [now, earning_id],
+            )
+            failpoint("release:before-commit")
+
+    def release_due(self, now_ms: int | None = None) -> int:
+        """Release every earning whose challenge window has passed; returns how many."""
+        now = self._clock() if now_ms is None else now_ms
+        due = [
+            row[0]
+            for row in self.db.execute(
+                "SELECT id FROM ledger_earnings WHERE state = 'pending' AND release_after_ms <= ?",
+                [now],
+            )
+        ]
+        for earning_id in due:
+            self.release(earning_id, now)
+        return len(due)
+
+    # ---- verification outcomes -----------------------------------------------------------
+
+    def work_rejected(self, node_id: str, session_id: str, reason: str) -> int:
+        """Verification rejected this node's work in this session: its pending earnings
+        there go back to the client, and a later settlement will not pay it. Returns the
+        credit units refunded now."""
+        _check_name(node_id, "node id")
+        _check_name(session_id, "session id")
+        now = self._clock()
+        refunded = 0
+        with self.db.atomic():
+            self.db.execute(
+                "INSERT OR IGNORE INTO ledger_disputes (node_id, session_id, reason, created_ms) "
+                "VALUES (?, ?, ?, ?)",
+                [node_id, session_id, reason[:500], now],
+            )
+            rows = self.db.execute(
+                "SELECT e.id, e.operator, e.amount, h.account FROM ledger_earnings e "
+                "JOIN ledger_holds h ON h.hold_id = e.hold_id "
+                "WHERE e.node_id = ? AND e.hold_id = ? AND e.state = 'pending'",
+                [node_id, session_id],
+            ).fetchall()
+            for earning_id, operator, amount, client in rows:
+                self._post(
+                    f"reject:{earning_id}",
+                    "reject",
+                    {"amount": amount, "reason": reason[:500]},
+                    [(pending_account(operator), -amount), (client, amount)],
+                )
+                self.db.execute(
+                    "UPDATE ledger_earnings SET state = 'rejected', closed_ms = ? WHERE id = ?",
+                    [now, earning_id],
+                )
+                refunded += int(amount)
+        return refunded
+
+    def fraud_proven(self, node_id: str, operator: str, evidence_id: str) -> int:
+        """Proven fraud: every pending earning of the node and the operator's stake go to
+        the slashing account. Idempotent per evidence id; returns the units slashed."""
+        _check_name(node_id, "node id")
+        _check_name(operator, "operator")
+        _check_name(evidence_id, "evidence id")
+        txid = f"slash:{evidence_id}"
+        now = self._clock()
+        with self.db.atomic():
+            row = self.db.execute(
+                "SELECT COALESCE(SUM(-amount), 0) FROM ledger_entries WHERE txid = ? "
+                "AND account != ?",
+                [txid, SLASHED],
+            ).fetchone()
+            if self.db.execute(
+                "SELECT 1 FROM ledger_transactions WHERE txid = ?", [txid]
+            ).fetchone():
+                return int(row[0])
+            rows = self.db.execute(
+                "SELECT id, operator, amount FROM ledger_earnings "
+                "WHERE node_id = ? AND state = 'pending'",
+                [node_id],
+            ).fetchall()
+            entries: list[tuple[str, int]] = []
+            for _, op, amount in rows:
+                entries += [(pending_account(op), -amount), (SLASHED, amount)]
+            stake = self._balance(stake_account(operator))
+            if stake:
+                entries += [(stake_account(operator), -stake), (SLASHED, stake)]
+            self._post(txid, "slash", {"node_id": node_id, "operator": operator}, entries)
+            self.db.conn.executemany(
+                "UPDATE ledger_earnings SET state = 'slashed', closed_ms = ? WHERE id = ?",
+                [(now, r[0]) for r in rows],
+            )
+        return sum(int(r[2]) for r in rows) + stake

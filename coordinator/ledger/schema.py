@@ -1,0 +1,91 @@
+"""The ledger's tables, as one migration appended to coordinator/migrations.py.
+
+Balances are a cached sum of entries, kept in the same transaction as the entries, so a
+read never scans history; `audit()` recomputes them from the entries. CHECK constraints
+are the last line of defence: only the mint may go below zero.
+"""
+
+from __future__ import annotations
+
+import sqlite_utils
+
+MIGRATION_NAME = "ledger: accounts, transactions, entries, holds, earnings, disputes"
+
+_STATEMENTS = (
+    """
+    CREATE TABLE ledger_accounts (
+        account TEXT PRIMARY KEY,
+        balance INTEGER NOT NULL DEFAULT 0,
+        created_ms INTEGER NOT NULL,
+        CHECK (balance >= 0 OR account = 'mint')
+    )
+    """,
+    # txid is the idempotency key ("grant:<request id>", "settle:<session id>", ...);
+    # params is the canonical JSON of the request, so a reused key with other
+    # parameters is refused instead of silently answered.
+    """
+    CREATE TABLE ledger_transactions (
+        txid TEXT PRIMARY KEY,
+        kind TEXT NOT NULL,
+        params TEXT NOT NULL,
+        created_ms INTEGER NOT NULL
+    )
+    """,
+    """
+    CREATE TABLE ledger_entries (
+        id INTEGER PRIMARY KEY,
+        txid TEXT NOT NULL REFERENCES ledger_transactions(txid),
+        account TEXT NOT NULL REFERENCES ledger_accounts(account),
+        amount INTEGER NOT NULL CHECK (amount != 0)
+    )
+    """,
+    "CREATE INDEX ledger_entries_txid ON ledger_entries (txid)",
+    "CREATE INDEX ledger_entries_account ON ledger_entries (account)",
+    """
+    CREATE TABLE ledger_holds (
+        hold_id TEXT PRIMARY KEY,
+        account TEXT NOT NULL,
+        amount INTEGER NOT NULL CHECK (amount > 0),
+        state TEXT NOT NULL CHECK (state IN ('open', 'settled', 'expired')),
+        client_key BLOB NOT NULL,
+        prices TEXT NOT NULL,
+        created_ms INTEGER NOT NULL,
+        expires_ms INTEGER NOT NULL,
+        closed_ms INTEGER,
+        charged INTEGER NOT NULL DEFAULT 0,
+        refunded INTEGER NOT NULL DEFAULT 0,
+        fee INTEGER NOT NULL DEFAULT 0
+    )
+    """,
+    "CREATE INDEX ledger_holds_state ON ledger_holds (state, expires_ms)",
+    """
+    CREATE TABLE ledger_earnings (
+        id INTEGER PRIMARY KEY,
+        receipt_id TEXT NOT NULL UNIQUE,
+        hold_id TEXT NOT NULL REFERENCES ledger_holds(hold_id),
+        node_id TEXT NOT NULL,
+        operator TEXT NOT NULL,
+        amount INTEGER NOT NULL CHECK (amount > 0),
+        state TEXT NOT NULL CHECK (state IN ('pending', 'released', 'slashed', 'rejected')),
+        settled_ms INTEGER NOT NULL,
+        release_after_ms INTEGER NOT NULL,
+        closed_ms INTEGER
+    )
+    """,
+    "CREATE INDEX ledger_earnings_state ON ledger_earnings (state, release_after_ms)",
+    "CREATE INDEX ledger_earnings_node ON ledger_earnings (node_id, state)",
+    """
+    CREATE TABLE ledger_disputes (
+        node_id TEXT NOT NULL,
+        session_id TEXT NOT NULL,
+        reason TEXT NOT NULL,
+        created_ms INTEGER NOT NULL,
+        PRIMARY KEY (node_id, session_id)
+    )
+    """,
+)
+
+
+def create_ledger_tables(db: sqlite_utils.Database) -> None:
+    for statement in _STATEMENTS:
+        db.execute(statement)

@@ -1,0 +1,187 @@
+"""The ledger as a coordinator component: billing for sessions (`.billing`), the Ledger RPCs, the
+background sweep that releases earnings past their challenge window and refunds holds of
+sessions nobody closed, and the verifier's entry points.
+
+`build(ctx)` is listed in coordinator/server.py COMPONENTS before sessions, so the session
+manager finds `ctx.ledger` and bills through it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import re
+from typing import Any
+
+import grpc
+
+from coordinator.context import CoordinatorContext
+from coordinator.ledger.amounts import INT64_MAX, LedgerError
+from coordinator.ledger.audit import audit
+from coordinator.ledger.billing import Billing, check_fresh
+from coordinator.ledger.book import Ledger, NodeQuote
+from protos import identity
+from protos.tessera.v1 import common_pb2, ledger_pb2
+
+log = logging.getLogger("tessera.ledger")
+
+CLIENT_ACCOUNT_RE = re.compile(r"^c[0-9a-f]{23}$")
+
+
+class LedgerComponent:
+    def __init__(self, ctx: CoordinatorContext) -> None:
+        settings = ctx.settings
+        self._ctx = ctx
+        self.ledger = Ledger(
+            ctx.db,
+            challenge_window_ms=int(settings.challenge_window_s * 1000),
+            fee_bps=settings.fee_bps,
+        )
+        self.billing = Billing(self.ledger, self.price_of)
+        self._sweep_s = settings.ledger_sweep_s
+        self._task: asyncio.Task[None] | None = None
+
+    # ---- lifecycle: the sweep -------------------------------------------------------------
+
+    async def start(self) -> None:
+        self._task = asyncio.get_running_loop().create_task(self._sweep_loop())
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+
+    def sweep(self) -> None:
+        released = self.ledger.release_due()
+        expired = self.ledger.expire_holds()
+        if released or expired:
+            log.info(
+                "ledger sweep: released %d earnings, refunded %d expired holds", released,
+                len(expired),
+            )  # fmt: skip
+
+    async def _sweep_loop(self) -> None:
+        while True:
+            try:
+                self.sweep()
+            except Exception:  # the sweep must survive one bad row; audit will name it
+                log.exception("ledger sweep failed")
+            await asyncio.sleep(self._sweep_s)
+
+    # ---- prices -----------------------------------------------------------------------------
+
+    def price_of(self, node_id: str) -> NodeQuote:
+        view = self._ctx.registry.node(node_id)
+        default = self._ctx.settings.default_price_units
+        if view is None:
+            return NodeQuote(default, node_id)
+        asked = view.capabilities.price_per_1k_token_layers_units
+        return NodeQuote(min(asked, INT64_MAX) if asked else default, view.account or node_id)
+
+    # ---- the verifier's outcomes (the verifier calls these; see docs/ledger.md) -------------
+
+    def on_work_rejected(self, node_id: str, session_id: str, reason: str) -> int:
+        refunded = self.ledger.work_rejected(node_id, session_id, reason)
+        log.warning(
+            "work of %s in %s rejected (%s): %d refunded", node_id, session_id, reason, refunded
+        )
+        return refunded
+
+    def on_fraud_proven(self, node_id: str, account: str, evidence_id: str) -> int:
+        slashed = self.ledger.fraud_proven(node_id, account or node_id, evidence_id)
+        log.warning("fraud proven against %s (%s): %d slashed", node_id, evidence_id, slashed)
+        return slashed
+
+    # ---- Ledger RPCs (services.LedgerService delegates here) --------------------------------
+
+    async def grant_credits(
+        self, request: ledger_pb2.GrantCreditsRequest, context: grpc.aio.ServicerContext
+    ) -> ledger_pb2.AccountBalance:
+        if not CLIENT_ACCOUNT_RE.match(request.account):
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"{request.account[:64]!r} is not a client account id (c + 23 hex digits); "
+                "`tessera balance` on the client's machine prints it",
+            )
+        if not request.request_id:
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                "give a request_id, so a retried grant mints only once",
+            )
+        await _answer(context, self.ledger.grant, request.account, request.amount,
+                      request.request_id)  # fmt: skip
+        log.info("granted %d credit units to %s", request.amount, request.account)
+        return self._balance(request.account)
+
+    async def get_balance(
+        self, request: ledger_pb2.SignedQuery, context: grpc.aio.ServicerContext
+    ) -> ledger_pb2.AccountBalance:
+        await _answer(context, _check_query, request, "balance")
+        return self._balance(identity.client_account(request.public_key))
+
+    async def get_earnings(
+        self, request: ledger_pb2.SignedQuery, context: grpc.aio.ServicerContext
+    ) -> ledger_pb2.Earnings:
+        await _answer(context, _check_query, request, "earnings")
+        node_id = identity.node_id(request.public_key)
+        view = self._ctx.registry.node(node_id)
+        summary = self.ledger.earnings(node_id)
+        return ledger_pb2.Earnings(
+            node_id=node_id,
+            account=(view.account or node_id) if view else node_id,
+            pending=summary.pending,
+            released=summary.released,
+            slashed=summary.slashed,
+            rejected=summary.rejected,
+            next_release_unix_ms=summary.next_release_ms,
+        )
+
+    async def audit(
+        self, request: common_pb2.Empty, context: grpc.aio.ServicerContext
+    ) -> ledger_pb2.AuditReport:
+        return audit_report(self._ctx.db)
+
+    def _balance(self, account: str) -> ledger_pb2.AccountBalance:
+        summary = self.ledger.client_balance(account)
+        return ledger_pb2.AccountBalance(
+            account=account, available=summary.available, escrowed=summary.escrowed
+        )
+
+
+def audit_report(db: Any) -> ledger_pb2.AuditReport:
+    result = audit(db)
+    return ledger_pb2.AuditReport(
+        ok=result.ok,
+        violations=result.violations,
+        transactions=result.transactions,
+        minted=result.minted,
+        escrowed=result.escrowed,
+        open_holds=result.open_holds,
+    )
+
+
+def _check_query(query: ledger_pb2.SignedQuery, purpose: str) -> None:
+    if len(query.public_key) != identity.PUBLIC_KEY_BYTES:
+        raise LedgerError(
+            grpc.StatusCode.INVALID_ARGUMENT,
+            f"public_key must be a raw {identity.PUBLIC_KEY_BYTES}-byte Ed25519 key",
+        )
+    check_fresh(query.unix_ms)
+    payload = identity.ledger_query_payload(purpose, query.public_key, query.unix_ms)
+    if not identity.verify(query.public_key, query.signature, payload):
+        raise LedgerError(
+            grpc.StatusCode.UNAUTHENTICATED, f"the {purpose} query is not signed by its key"
+        )
+
+
+async def _answer(context: grpc.aio.ServicerContext, method: Any, *args: Any) -> Any:
+    try:
+        return method(*args)
+    except LedgerError as exc:
+        await context.abort(exc.code, exc.message)
+
+
+def build(ctx: CoordinatorContext) -> LedgerComponent:
+    return LedgerComponent(ctx)

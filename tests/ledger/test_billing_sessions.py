@@ -1,0 +1,337 @@
+"""Quotes, escrow and settlement through the real session manager, placement and router,
+on a real SQLite ledger, with real Ed25519 keys for nodes and the client.
+
+The stand-in here is only the command channel to nodes (placement's `send`), as in
+tests/planner: shard readiness is reported by the test.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import grpc
+import pytest
+
+from client.billing import UsageBook, sign_open
+from coordinator.db import open_database
+from coordinator.ledger import Ledger, LedgerError, NodeQuote, audit
+from coordinator.ledger.billing import Billing
+from coordinator.placement import Placement, PlacementNode, model_spec
+from coordinator.sessions import SessionError, Sessions
+from protos import identity
+from protos.tessera.v1 import client_api_pb2, common_pb2, ledger_pb2, node_pb2
+
+CONFIG = json.dumps(
+    {
+        "architectures": ["LlamaForCausalLM"],
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 6,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "vocab_size": 100,
+        "rms_norm_eps": 1e-5,
+        "hidden_act": "silu",
+    }
+)
+MAX_LENGTH = 32
+
+
+class Node:
+    def __init__(self, price: int, tflops: float) -> None:
+        self.key = identity.generate_private_key()
+        self.public = identity.public_key_bytes(self.key)
+        self.node_id = identity.node_id(self.public)
+        self.price = price
+        self.tflops = tflops
+
+    def receipt(self, session_id: str, start: int, end: int, tokens: int) -> ledger_pb2.SignedUsage:
+        body = ledger_pb2.UsageReceipt(
+            session_id=session_id, node_id=self.node_id, node_public_key=self.public,
+            layer_start=start, layer_end=end, tokens=tokens, first_step=1, last_step=tokens,
+        ).SerializeToString(deterministic=True)  # fmt: skip
+        return ledger_pb2.SignedUsage(
+            receipt=body, node_signature=self.key.sign(identity.usage_payload(body))
+        )
+
+
+def countersign(usage: ledger_pb2.SignedUsage, key) -> ledger_pb2.SignedUsage:
+    signed = ledger_pb2.SignedUsage()
+    signed.CopyFrom(usage)
+    signed.client_signature = key.sign(identity.usage_countersign_payload(usage.receipt))
+    return signed
+
+
+class World:
+    def __init__(self, tmp_path: Path, nodes: list[Node]) -> None:
+        self.commands: list[tuple[str, int, int]] = []
+        self.placement = Placement(self._send, replicas=2, min_stages=3, debounce_s=0)
+        self.placement.set_models([model_spec("m", CONFIG)])
+        self.nodes = {n.node_id: n for n in nodes}
+        self.db = open_database(tmp_path / "coordinator.db")
+        self.ledger = Ledger(self.db, challenge_window_ms=0)
+        self.billing = Billing(self.ledger, lambda n: NodeQuote(self.nodes[n].price, f"op-{n[:6]}"))
+        info = client_api_pb2.ModelInfo(name="m", num_layers=6, hidden_size=64, vocab_size=100)
+        self.sessions = Sessions(
+            identity.generate_private_key(), self.placement, lambda n: info if n == "m" else None,
+            lambda: ["m"], billing=self.billing,
+        )  # fmt: skip
+        self.client = identity.generate_private_key()
+        self.account = identity.client_account(identity.public_key_bytes(self.client))
+
+    async def _send(self, node_id: str, command) -> bool:
+        kind = command.WhichOneof("kind")
+        if kind == "assign":
+            body = command.assign
+            self.commands.append((node_id, body.layers.start, body.layers.end))
+        return True
+
+    async def ready(self) -> None:
+        for node in self.nodes.values():
+            caps = node_pb2.Capabilities(
+                device_kind="cpu", memory_usable_bytes=4 << 30, matmul_tflops=node.tflops
+            )
+            self.placement.node_up(PlacementNode(node.node_id, "127.0.0.1:1", caps))
+        await self.placement.replan()
+        for node_id, start, end in self.commands:
+            await self.placement.shard_status(
+                node_id,
+                node_pb2.ShardStatus(
+                    model="m", layers=common_pb2.LayerRange(start=start, end=end),
+                    state=node_pb2.SHARD_STATE_READY,
+                ),
+            )  # fmt: skip
+
+    def request(self, *, sign: bool = True, **fields) -> client_api_pb2.OpenSessionRequest:
+        request = client_api_pb2.OpenSessionRequest(model="m", max_length=MAX_LENGTH, **fields)
+        if sign:
+            sign_open(request, self.client)
+        return request
+
+
+def expected_quote(grant: client_api_pb2.SessionGrant, nodes: dict[str, Node]) -> int:
+    total = 0
+    for stage in grant.stages:
+        layers = stage.layers.end - stage.layers.start
+        price = max(nodes[h.node_id].price for h in (stage.primary, *stage.alternates))
+        total += layers * price
+    return -(-total * MAX_LENGTH // 1000)
+
+
+@pytest.fixture
+async def world(tmp_path: Path) -> World:
+    w = World(tmp_path, [Node(1000 * (i + 1), 1.0 + i) for i in range(6)])
+    await w.ready()
+    yield w
+    assert audit(w.db).ok, audit(w.db).violations
+    w.db.close()
+
+
+async def test_open_quotes_and_escrows_then_close_pays_receipts_and_refunds(world: World):
+    world.ledger.grant(world.account, 1_000_000, "g1")
+    grant = world.sessions.open_session(world.request())
+    quote = grant.quote.amount
+    assert quote == expected_quote(grant, world.nodes) > 0
+    assert grant.quote.account == world.account
+    assert world.ledger.client_balance(world.account).escrowed == quote
+    claims = identity.open_capability(world.sessions._public, grant.capability)
+    assert claims.account == world.account
+    usage = []
+    charged = 0
+    for stage in grant.stages:
+        node = world.nodes[stage.primary.node_id]
+        start, end = stage.layers.start, stage.layers.end
+        usage.append(countersign(node.receipt(grant.session_id, start, end, 20), world.client))
+        charged += 20 * (end - start) * node.price // 1000
+    close = client_api_pb2.CloseSessionRequest(
+        session_id=grant.session_id, capability=grant.capability, usage=usage
+    )
+    settlement = world.sessions.close_session(close).settlement
+    assert (settlement.charged, settlement.refunded) == (charged, quote - charged)
+    assert world.sessions.close_session(close).settlement == settlement, "a retry pays once"
+    assert world.ledger.client_balance(world.account).available == 1_000_000 - charged
+    assert world.ledger.client_balance(world.account).escrowed == 0
+    world.ledger.release_due()
+    paid = sum(world.ledger.earnings(n).released for n in world.nodes)
+    assert paid == charged
+
+
+async def test_a_client_cannot_open_past_its_balance_or_its_max_price(world: World):
+    with pytest.raises(LedgerError) as err:
+        world.sessions.open_session(world.request())
+    assert err.value.code == grpc.StatusCode.FAILED_PRECONDITION
+    assert "credit units available" in err.value.message
+    world.ledger.grant(world.account, 1_000_000, "g1")
+    with pytest.raises(LedgerError) as err:
+        world.sessions.open_session(world.request(max_price=10))
+    assert err.value.code == grpc.StatusCode.FAILED_PRECONDITION
+    assert "max_price of 10" in err.value.message
+    assert world.ledger.client_balance(world.account).escrowed == 0
+
+
+async def test_prefer_cheap_routes_through_cheaper_nodes_and_fits_a_budget(world: World):
+    world.ledger.grant(world.account, 10_000_000, "g1")
+    fast = world.sessions.open_session(world.request(prefer="fast"))
+    cheap = world.sessions.open_session(world.request(prefer="cheap"))
+    assert cheap.quote.amount < fast.quote.amount
+
+    def primary_cost(grant):
+        return sum(
+            world.nodes[s.primary.node_id].price * (s.layers.end - s.layers.start)
+            for s in grant.stages
+        )
+
+    assert primary_cost(cheap) <= primary_cost(fast)
+    # A budget between the two: the default (fast) preference falls back to a cheaper route.
+    budget = cheap.quote.amount
+    fitted = world.sessions.open_session(world.request(max_price=budget))
+    assert fitted.quote.amount <= budget
+
+
+@pytest.mark.parametrize(
+    ("change", "code", "fragment"),
+    [
+        (lambda r: setattr(r, "client_signature", b"\x00" * 64),
+         grpc.StatusCode.UNAUTHENTICATED, "not signed"),
+        (lambda r: setattr(r, "max_length", 31),  # changed after signing
+         grpc.StatusCode.UNAUTHENTICATED, "not signed"),
+        (lambda r: setattr(r, "client_public_key", b"\x01" * 7),
+         grpc.StatusCode.INVALID_ARGUMENT, "32-byte"),
+        (lambda r: setattr(r, "account", "c" + "0" * 23),
+         grpc.StatusCode.INVALID_ARGUMENT, "not the account"),
+        (lambda r: setattr(r, "prefer", "slow"), grpc.StatusCode.INVALID_ARGUMENT, "prefer"),
+        (lambda r: setattr(r, "max_price", -5), grpc.StatusCode.INVALID_ARGUMENT, "max_price"),
+    ],
+)  # fmt: skip
+async def test_hostile_open_requests_are_refused(world: World, change, code, fragment):
+    world.ledger.grant(world.account, 1_000_000, "g1")
+    request = world.request()
+    change(request)
+    with pytest.raises((LedgerError, SessionError)) as err:
+        world.sessions.open_session(request)
+    assert err.value.code == code and fragment in err.value.message
+    assert world.ledger.client_balance(world.account).escrowed == 0
+
+
+async def test_stale_and_unsigned_paid_opens_are_refused(world: World):
+    world.ledger.grant(world.account, 1_000_000, "g1")
+    request = client_api_pb2.OpenSessionRequest(model="m", max_length=MAX_LENGTH)
+    with pytest.raises(LedgerError) as err:
+        world.sessions.open_session(request)
+    assert (
+        err.value.code == grpc.StatusCode.FAILED_PRECONDITION and "client key" in err.value.message
+    )
+    stale = client_api_pb2.OpenSessionRequest(model="m", max_length=MAX_LENGTH)
+    sign_open(stale, world.client)
+    stale.request_unix_ms = int(time.time() * 1000) - 3_600_000
+    stale.client_signature = world.client.sign(identity.open_session_payload(stale))
+    with pytest.raises(LedgerError) as err:
+        world.sessions.open_session(stale)
+    assert err.value.code == grpc.StatusCode.UNAUTHENTICATED and "clock" in err.value.message
+
+
+async def test_hostile_receipts_are_refused_and_the_hold_survives(world: World):
+    world.ledger.grant(world.account, 1_000_000, "g1")
+    grant = world.sessions.open_session(world.request())
+    other = world.sessions.open_session(world.request())
+    stage = grant.stages[0]
+    node = world.nodes[stage.primary.node_id]
+    start, end = stage.layers.start, stage.layers.end
+    honest = node.receipt(grant.session_id, start, end, 10)
+    impostor = Node(1, 1.0)
+    forged = impostor.receipt(grant.session_id, start, end, 10)
+    forged_body = ledger_pb2.UsageReceipt.FromString(forged.receipt)
+    forged_body.node_id = node.node_id  # claims to be the granted node, signed by another key
+    wrong_key_body = forged_body.SerializeToString()
+    inflated = node.receipt(grant.session_id, start, end, 10_000)
+    inflated.client_signature = countersign(honest, world.client).client_signature
+    overflowing = countersign(node.receipt(grant.session_id, start, end, 2**64 - 1), world.client)
+    cases = [
+        ([countersign(honest, identity.generate_private_key())], "UNAUTHENTICATED", "counter"),
+        (
+            [
+                countersign(
+                    ledger_pb2.SignedUsage(
+                        receipt=wrong_key_body,
+                        node_signature=impostor.key.sign(identity.usage_payload(wrong_key_body)),
+                    ),
+                    world.client,
+                )
+            ],
+            "UNAUTHENTICATED",
+            "not node",
+        ),  # noqa: E501
+        (
+            [
+                countersign(
+                    ledger_pb2.SignedUsage(receipt=honest.receipt, node_signature=b"\x00" * 64),
+                    world.client,
+                )
+            ],
+            "UNAUTHENTICATED",
+            "not signed by node",
+        ),  # noqa: E501
+        ([inflated], "UNAUTHENTICATED", "never agreed"),
+        (
+            [countersign(node.receipt(other.session_id, start, end, 10), world.client)],
+            "PERMISSION_DENIED",
+            "is for session",
+        ),  # noqa: E501
+        (
+            [countersign(impostor.receipt(grant.session_id, start, end, 10), world.client)],
+            "PERMISSION_DENIED",
+            "never granted",
+        ),  # noqa: E501
+        ([overflowing], "INVALID_ARGUMENT", "do not fit"),
+        ([countersign(honest, world.client)] * 2, "INVALID_ARGUMENT", "second receipt"),
+        ([ledger_pb2.SignedUsage(receipt=b"\xff\xff garbage")], "INVALID_ARGUMENT", "not a Usage"),
+        ([ledger_pb2.SignedUsage(receipt=b"x" * 5000)], "INVALID_ARGUMENT", "at most"),
+    ]
+    for usage, code, fragment in cases:
+        close = client_api_pb2.CloseSessionRequest(
+            session_id=grant.session_id, capability=grant.capability, usage=usage
+        )
+        with pytest.raises(LedgerError) as err:
+            world.sessions.close_session(close)
+        assert err.value.code.name == code and fragment in err.value.message, (fragment, err.value)
+        assert world.ledger.hold(grant.session_id)["state"] == "open"
+    close = client_api_pb2.CloseSessionRequest(
+        session_id=grant.session_id, capability=grant.capability,
+        usage=[countersign(honest, world.client)],
+    )  # fmt: skip
+    assert (
+        world.sessions.close_session(close).settlement.charged
+        == 10 * (end - start) * node.price // 1000
+    )
+    # The same receipt cannot be paid again in another session (it names this one anyway).
+    replay = client_api_pb2.CloseSessionRequest(
+        session_id=other.session_id, capability=other.capability,
+        usage=[countersign(honest, world.client)],
+    )  # fmt: skip
+    with pytest.raises(LedgerError) as err:
+        world.sessions.close_session(replay)
+    assert err.value.code == grpc.StatusCode.PERMISSION_DENIED
+
+
+def test_the_driver_countersigns_only_what_it_sent():
+    node = Node(1000, 1.0)
+    client = identity.generate_private_key()
+    book = UsageBook()
+    book.sent(node.node_id, 0, 2, 10)
+    book.received(node.node_id, 0, 2, node.receipt("s1", 0, 2, 10))
+    other = Node(1000, 1.0)
+    book.sent(other.node_id, 2, 4, 10)
+    book.received(other.node_id, 2, 4, other.receipt("s1", 2, 4, 11))  # inflated by one
+    liar = Node(1000, 1.0)
+    book.sent(liar.node_id, 4, 6, 10)
+    book.received(liar.node_id, 4, 6, node.receipt("s1", 4, 6, 5))  # another node's receipt
+    signed = book.countersign("s1", client)
+    assert [ledger_pb2.UsageReceipt.FromString(s.receipt).node_id for s in signed] == [node.node_id]
+    assert identity.verify(
+        identity.public_key_bytes(client),
+        signed[0].client_signature,
+        identity.usage_countersign_payload(signed[0].receipt),
+    )
+    assert book.countersign("another-session", client) == []

@@ -1,0 +1,109 @@
+"""The marketplace end to end with real processes: a coordinator and three priced node
+agents on loopback, credits granted with the admin CLI, generations paid from escrow by
+receipts both sides signed, earnings released after the challenge window, and kill -9 of
+the coordinator inside settlement (failpoints) with a restart on the same database.
+"""
+
+from __future__ import annotations
+
+import sqlite3
+from collections.abc import Iterator
+
+import pytest
+from support.market import (
+    GRANT,
+    audit_cli,
+    balance_cli,
+    earnings_cli,
+    expected_shares,
+    funded_client,
+    generate,
+    make_market_checkpoint,
+    paid_by_node,
+    running_market,
+    wait_for,
+)
+
+from client.api import Client
+from client.local_swarm import LocalSwarm
+from coordinator.ledger.failpoints import ENV as FAILPOINT_ENV
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def market(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalSwarm]:
+    checkpoint = make_market_checkpoint(tmp_path_factory.mktemp("ckpt") / "tiny")
+    with running_market(tmp_path_factory.mktemp("market"), checkpoint) as swarm:
+        yield swarm
+
+
+@pytest.fixture(scope="module")
+def client_key(market: LocalSwarm):
+    return funded_client(market)
+
+
+def test_a_paid_generation_moves_exactly_its_usage_to_the_operators(market, client_key):
+    before = {p.node_id: earnings_cli(market, p.node_id) for p in market.processes if p.node_id}
+    result = generate(market, client_key)
+    shares = expected_shares(market, result, nodes=3)
+    charged = sum(shares.values())
+    settlement = result.settlement
+    assert settlement is not None and result.quote > 0
+    assert (settlement.escrowed, settlement.charged) == (result.quote, charged)
+    assert settlement.refunded == result.quote - charged
+    balance = balance_cli(market)
+    assert (int(balance["available"]), int(balance["escrowed"])) == (GRANT - charged, 0)
+    # Pending during the challenge window, then released to the operators, exactly.
+    for node_id, share in shares.items():
+        earned = earnings_cli(market, node_id)
+        assert int(earned["pending"]) + int(earned["released"]) == share
+
+    def released() -> bool:
+        return all(int(earnings_cli(market, n)["released"]) == share for n, share in shares.items())
+
+    wait_for(released, "earnings to be released after the window", 30)
+    assert all(int(e["released"]) == 0 for e in before.values()), "nothing paid before"
+    audit = audit_cli(market)
+    assert audit.returncode == 0 and "ledger OK" in audit.stdout, audit.stdout
+
+
+@pytest.mark.parametrize("failpoint", ["settle:mid", "settle:before-commit", "settle:after-commit"])
+def test_kill_9_inside_settlement_then_restart_pays_exactly_once(market, client_key, failpoint):
+    address = market.address
+    market.coordinator.kill9()
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv(FAILPOINT_ENV, failpoint)
+        market.start_coordinator(listen=address)
+    balance_before = int(balance_cli(market)["available"])
+    result = generate(market, client_key)
+    # The close reached the failpoint: the coordinator died there, the client saw no answer.
+    wait_for(lambda: not market.coordinator.alive(), "the coordinator to die at the failpoint", 30)
+    assert market.coordinator.popen.returncode == -9
+    assert result.settlement is None and result.close_request is not None
+    # Offline audit of the database the dead process left behind.
+    db_path = market.coordinator_dir / "coordinator.db"
+    audit = audit_cli(market, "--db", str(db_path))
+    assert audit.returncode == 0, audit.stdout
+    with sqlite3.connect(db_path) as db:
+        (state,) = db.execute(
+            "SELECT state FROM ledger_holds WHERE hold_id = ?", [result.session_id]
+        ).fetchone()
+    assert state == ("settled" if failpoint == "settle:after-commit" else "open")
+
+    market.start_coordinator(listen=address)
+    # Nodes re-attach in any order after a restart, so the layout may have fewer stages.
+    shares = expected_shares(market, result)
+    with Client(address, key=client_key) as client:
+        settlement = client.settle(result)
+        again = client.settle(result)
+    assert settlement is not None and settlement == again
+    assert settlement.charged == sum(shares.values())
+    assert settlement.refunded == result.quote - settlement.charged
+    balance = balance_cli(market)
+    assert int(balance["available"]) == balance_before - settlement.charged
+    assert int(balance["escrowed"]) == 0
+    paid = paid_by_node(market, result.session_id)
+    assert paid == shares, "each node paid its share exactly once"
+    audit = audit_cli(market)
+    assert audit.returncode == 0 and "ledger OK" in audit.stdout, audit.stdout

@@ -1,0 +1,165 @@
+"""A priced three-node market of real processes for the ledger's end-to-end tests: the
+coordinator and node agents on loopback, and the CLIs a person would use on them
+(`credits grant`, `tessera balance`, `tessera-node earnings`, `ledger audit`)."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import sqlite3
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+from support.checkpoints import make_checkpoint
+
+from client import billing
+from client.api import Client, GenerationResult
+from client.local_swarm import LocalSwarm
+from protos.tessera.v1 import node_pb2
+
+MODEL = "tiny-llama"
+PROMPT = [1, 5, 9, 23, 42, 7, 11]
+NEW_TOKENS = 8
+PRICES = {"alpha": 1000, "bravo": 2500, "charlie": 4000}  # credit units per 1k token-layers
+GRANT = 1_000_000
+WINDOW_S = 2.0
+
+
+def run_cli(*argv: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+    result = subprocess.run(
+        [sys.executable, "-m", *argv], capture_output=True, text=True, timeout=120
+    )
+    if check and result.returncode != 0:
+        raise AssertionError(
+            f"{argv} exited {result.returncode}:\n{result.stdout}\n{result.stderr}"
+        )
+    return result
+
+
+def wait_for(predicate, what: str, timeout_s: float = 120.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if predicate():
+            return
+        time.sleep(0.2)
+    raise AssertionError(f"timed out after {timeout_s:.0f}s waiting for {what}")
+
+
+def make_market_checkpoint(directory: Path) -> Path:
+    return make_checkpoint(
+        directory, "llama", num_layers=6, hidden_size=64, intermediate_size=128, num_heads=4,
+        num_kv_heads=2, vocab_size=96, seed=7,
+    )  # fmt: skip
+
+
+@contextlib.contextmanager
+def running_market(
+    work: Path, checkpoint: Path, scripts: dict[str, Path] | None = None
+) -> Iterator[LocalSwarm]:
+    """A coordinator (short challenge window) and the three PRICES nodes, the model added
+    once all three are registered so its layout has three stages. `scripts` runs a node
+    through another entry point (a cheating agent) with the same arguments."""
+    args = ["--min-stages", "3", "--replicas", "1", "--heartbeat-interval", "1",
+            "--challenge-window", str(WINDOW_S)]  # fmt: skip
+    with pytest.MonkeyPatch.context() as env, LocalSwarm(work, coordinator_args=args) as swarm:
+        # Nodes re-attach quickly after the coordinator restarts.
+        env.setenv("TESSERA_BACKOFF_BASE_S", "0.2")
+        env.setenv("TESSERA_BACKOFF_CAP_S", "1.0")
+        swarm.start_coordinator()
+        nodes = []
+        for name, price in PRICES.items():
+            extra = ["--price", str(price), "--account", f"op-{name}"]
+            script = (scripts or {}).get(name)
+            if script is None:
+                nodes.append(swarm.start_node(name, extra))
+            else:
+                argv = ["join", "--coordinator", swarm.address, "--name", name,
+                        "--data-dir", str(work / "nodes" / name), "--device", "cpu",
+                        "--listen", "127.0.0.1:0", *extra]  # fmt: skip
+                nodes.append(swarm._spawn(name, [str(script), *argv]))
+        swarm.wait_registered(nodes)
+        swarm.add_model(checkpoint, MODEL)
+        yield swarm
+
+
+def funded_client(market: LocalSwarm) -> Ed25519PrivateKey:
+    """A client key in the market's work dir, granted GRANT credits with the admin CLI
+    (twice with one request id: granted once)."""
+    key = billing.load_key(market.workdir / "client.key", create=True)
+    account = billing.account_of(key)
+    for _ in range(2):
+        run_cli("coordinator.cli", "credits", "grant", account, str(GRANT), "--request-id",
+                "g1", "--data-dir", str(market.coordinator_dir))  # fmt: skip
+    return key
+
+
+def available(client: Client) -> bool:
+    info = {m.name: m for m in client.models()}.get(MODEL)
+    return bool(info and info.available)
+
+
+def serves(client: Client, node_id: str) -> bool:
+    nodes = {n.node_id: n for n in client.nodes()}
+    node = nodes.get(node_id)
+    return node is not None and any(
+        s.model == MODEL and s.state == node_pb2.SHARD_STATE_READY for s in node.shards
+    )
+
+
+def price_of(market: LocalSwarm, node_id: str) -> int:
+    return PRICES[market.node(node_id).name]
+
+
+def expected_shares(
+    market: LocalSwarm, result: GenerationResult, nodes: int | None = None
+) -> dict[str, int]:
+    """Per node: tokens it was sent x its layers x its price / 1000 (no fail-overs here)."""
+    assert not result.failovers
+    if nodes is not None:
+        assert len({h.node_id for h in result.route}) == nodes, f"route: {result.route}"
+    tokens = len(PROMPT) + len(result.token_ids) - 1  # the last token is never fed back
+    shares: dict[str, int] = {}
+    for hop in result.route:
+        charge = tokens * (hop.end - hop.start) * price_of(market, hop.node_id) // 1000
+        shares[hop.node_id] = shares.get(hop.node_id, 0) + charge
+    return shares
+
+
+def balance_cli(market: LocalSwarm) -> dict:
+    out = run_cli("client.cli", "balance", "--coordinator", market.address,
+                  "--key", str(market.workdir / "client.key"), "--json").stdout  # fmt: skip
+    return json.loads(out)
+
+
+def earnings_cli(market: LocalSwarm, node_id: str) -> dict:
+    name = market.node(node_id).name
+    out = run_cli("node_agent.cli", "earnings", "--coordinator", market.address,
+                  "--data-dir", str(market.workdir / "nodes" / name), "--json").stdout  # fmt: skip
+    return json.loads(out)
+
+
+def audit_cli(market: LocalSwarm, *where: str) -> subprocess.CompletedProcess[str]:
+    where = where or ("--data-dir", str(market.coordinator_dir))
+    return run_cli("coordinator.cli", "ledger", "audit", *where, check=False)
+
+
+def generate(market: LocalSwarm, key) -> GenerationResult:
+    with Client(market.address, key=key) as client:
+        wait_for(lambda: available(client), "the model to be served")
+        return client.generate_all(
+            MODEL, token_ids=PROMPT, max_new_tokens=NEW_TOKENS, stop_at_eos=False
+        )
+
+
+def paid_by_node(market: LocalSwarm, session_id: str) -> dict[str, int]:
+    with sqlite3.connect(market.coordinator_dir / "coordinator.db") as db:
+        rows = db.execute(
+            "SELECT node_id, SUM(amount) FROM ledger_earnings WHERE hold_id = ? GROUP BY node_id",
+            [session_id],
+        ).fetchall()
+    return dict(rows)
