@@ -18,7 +18,7 @@ import grpc
 import numpy as np
 
 from coordinator.jobs.blob_io import read_blob
-from coordinator.jobs.limits import JobLimits
+from coordinator.jobs.limits import JobLimits, shown
 from coordinator.jobs.repository import DatasetRecord, ShardRecord
 from coordinator.model_store.blob_store import BlobStore, BlobWriter, DigestMismatch, is_sha256_hex
 from coordinator.model_store.errors import StoreError, invalid
@@ -29,7 +29,8 @@ from protos.tessera.v1 import jobs_pb2
 def check_name(name: str, limits: JobLimits) -> None:
     if not name or len(name) > limits.max_name_chars or not name.isprintable():
         raise invalid(
-            f"dataset name must be 1-{limits.max_name_chars} printable characters, got {name!r}"
+            f"dataset name must be 1-{limits.max_name_chars} printable characters, "
+            f"got {shown(name)}"
         )
 
 
@@ -47,7 +48,7 @@ def plan_dataset(header: jobs_pb2.DatasetHeader, limits: JobLimits) -> DatasetRe
     for i, shard in enumerate(header.shards):
         if not is_sha256_hex(shard.sha256):
             raise invalid(
-                f"shard {i}: sha256 must be 64 lowercase hex digits, got {shard.sha256!r}"
+                f"shard {i}: sha256 must be 64 lowercase hex digits, got {shown(shard.sha256)}"
             )
         if shard.num_tokens == 0:
             raise invalid(f"shard {i} is empty; leave empty shards out")

@@ -1,4 +1,5 @@
-"""Size limits of the jobs component: what one upload, dataset or checkpoint may hold."""
+"""Size limits of the jobs component: what one upload, dataset or checkpoint may hold, and
+how much of a caller's string an error message repeats."""
 
 from __future__ import annotations
 
@@ -23,3 +24,8 @@ class JobLimits:
     max_list: int = 1000
     # Refuse an upload that would leave less than this free on the store's disk.
     min_free_bytes: int = 256 << 20
+
+
+def shown(value: str, limit: int = 80) -> str:
+    """A caller's string, quoted and cut short: error details travel in bounded metadata."""
+    return repr(value if len(value) <= limit else value[:limit] + "...")

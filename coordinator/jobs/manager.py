@@ -23,7 +23,7 @@ import grpc
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from coordinator.events import EventBus
-from coordinator.jobs.limits import JobLimits
+from coordinator.jobs.limits import JobLimits, shown
 from coordinator.jobs.memory import training_state_bytes
 from coordinator.jobs.repository import (
     CheckpointPartRecord,
@@ -45,6 +45,9 @@ log = logging.getLogger("tessera.jobs")
 TRAINING_TOKEN_TTL_S = 7 * 24 * 3600.0
 MAX_ACCOUNT_CHARS = 256
 MAX_LORA_RANK = 4096
+# A node a driver reported as failed gets no stage of that job for this long, even if the
+# registry still sees it (its data plane may be dead while its control stream lives).
+FAILED_NODE_COOLDOWN_S = 300.0
 
 STATES = {
     "queued": jobs_pb2.JOB_STATE_QUEUED,
@@ -103,6 +106,7 @@ class JobManager:
         # (job, node) -> training bytes this job reserved there, so that re-opening a job
         # does not count its own reservation against itself.
         self._reserved: dict[tuple[str, str], int] = {}
+        self._failed: dict[tuple[str, str], float] = {}  # (job, node) -> monotonic time
 
     # ---- submit and read ----------------------------------------------------------------
 
@@ -111,14 +115,14 @@ class JobManager:
         dataset = self.repo.dataset(request.dataset_id) if request.dataset_id else None
         if dataset is None:
             raise not_found(
-                f"no dataset with id {request.dataset_id!r}; upload it first "
+                f"no dataset with id {shown(request.dataset_id)}; upload it first "
                 "(Client.upload_dataset, or `tessera train --data FILE`)"
             )
         limits = self.limits
         _check_range("steps", request.steps, 1, limits.max_steps)
         _check_range("batch_size", request.batch_size, 1, limits.max_batch_size)
         _check_range("seq_len", request.seq_len, 1, limits.max_seq_len)
-        _check_range("checkpoint_every", request.checkpoint_every, 0, request.steps)
+        _check_range("checkpoint_every", request.checkpoint_every, 0, limits.max_steps)
         check_hyper(request.hyper, request.batch_size, limits)
         vocab = facts.layout.vocab_size
         if dataset.max_token_id >= vocab:
@@ -174,7 +178,7 @@ class JobManager:
     def require_job(self, job_id: str) -> JobRecord:
         job = self.repo.job(job_id) if job_id and len(job_id) <= 64 else None
         if job is None:
-            raise not_found(f"no job with id {job_id!r}; `tessera jobs` lists them")
+            raise not_found(f"no job with id {shown(job_id)}; `tessera jobs` lists them")
         return job
 
     def jobs(self, limit: int) -> list[JobRecord]:
@@ -267,13 +271,14 @@ class JobManager:
         if request.node_id != stage.node_id:
             raise invalid(
                 f"stage {request.stage} of job {job.id} runs on node {stage.node_id}, not "
-                f"{request.node_id!r}"
+                f"{shown(request.node_id)}"
             )
         if len(request.cause) > 4096:
             raise invalid("the failure cause is longer than 4096 characters")
         facts = self._require_model(job.model)
         hyper = _hyper(job)
-        exclude = {s.node_id for s in job.stages}
+        self._failed[(job.id, stage.node_id)] = time.monotonic()
+        exclude = {s.node_id for s in job.stages} | self._recently_failed(job.id)
         replacement = self._pick_node(job, facts, hyper, stage.start, stage.end, exclude)
         stages = list(job.stages)
         stages[request.stage] = replacement
@@ -420,7 +425,7 @@ class JobManager:
         facts = self._model_facts(name) if name and len(name) <= 256 else None
         if facts is None:
             known = ", ".join(sorted(self._model_names())) or "none yet"
-            raise not_found(f"unknown model {name!r}; known models: {known}")
+            raise not_found(f"unknown model {shown(name)}; known models: {known}")
         return facts
 
     def _driven_job(self, job_id: str, signed: client_api_pb2.SignedCapability) -> JobRecord:
@@ -434,7 +439,7 @@ class JobManager:
         if claims.session_id != job.id:
             raise StoreError(
                 grpc.StatusCode.PERMISSION_DENIED,
-                f"the capability is for {claims.session_id!r}, not job {job.id}",
+                f"the capability is for {shown(claims.session_id)}, not job {job.id}",
             )
         if claims.expires_unix_ms < _now_ms():
             raise StoreError(
@@ -509,13 +514,20 @@ class JobManager:
         ready = {h.node_id: h for h in (placement.ready_holders(job.model) if placement else [])}
         self._release(job)
         stages: list[StageRecord] = []
+        failed = self._recently_failed(job.id)
         for stage in job.stages:
             holder = ready.get(stage.node_id)
-            taken = {s.node_id for s in stages}
+            taken = {s.node_id for s in stages} | failed
             fits = placement is not None and placement.free_bytes(stage.node_id) >= (
                 self._state_bytes(job, facts, hyper, stage.start, stage.end)
             )
-            if holder and holder.start <= stage.start and stage.end <= holder.end and fits:
+            if (
+                holder
+                and stage.node_id not in failed
+                and holder.start <= stage.start
+                and stage.end <= holder.end
+                and fits
+            ):
                 stages.append(StageRecord(stage.start, stage.end, holder.node_id, holder.address))
             else:
                 stages.append(self._pick_node(job, facts, hyper, stage.start, stage.end, taken))
@@ -557,6 +569,12 @@ class JobManager:
             f"needs ({'; '.join(short)}); use --mode lora, a smaller --batch-size or --seq-len, "
             "or nodes with more memory",
         )
+
+    def _recently_failed(self, job_id: str) -> set[str]:
+        horizon = time.monotonic() - FAILED_NODE_COOLDOWN_S
+        for key in [k for k, t in self._failed.items() if t < horizon]:
+            del self._failed[key]
+        return {node for job, node in self._failed if job == job_id}
 
     def _own_reservation(self, job: JobRecord, node_id: str) -> int:
         """What this job already holds on the node (re-opening must not count it twice)."""
@@ -638,7 +656,7 @@ class JobManager:
 
 def check_hyper(hyper: training_pb2.TrainingHyper, batch_size: int, limits: JobLimits) -> None:
     if hyper.mode not in ("full", "lora"):
-        raise invalid(f"mode must be 'full' or 'lora', got {hyper.mode!r}")
+        raise invalid(f"mode must be 'full' or 'lora', got {shown(hyper.mode)}")
     if hyper.mode == "lora":
         _check_range("lora_rank", hyper.lora_rank, 1, MAX_LORA_RANK)
         if not (math.isfinite(hyper.lora_alpha) and hyper.lora_alpha > 0):

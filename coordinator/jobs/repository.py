@@ -161,9 +161,14 @@ class JobRepository:
         values = [getattr(job, c) for c in _JOB_COLUMNS if c != "stages_json"]
         values.insert(_JOB_COLUMNS.index("stages_json"), _stages_json(job.stages))
         marks = ",".join("?" * len(_JOB_COLUMNS))
+        # An upsert, not INSERT OR REPLACE: a replace deletes the row first, and the
+        # foreign keys would cascade that delete to the job's losses and checkpoints.
+        updates = ", ".join(f"{c} = excluded.{c}" for c in _JOB_COLUMNS if c != "id")
         with _transaction(self._conn):
             self._conn.execute(
-                f"INSERT OR REPLACE INTO jobs ({', '.join(_JOB_COLUMNS)}) VALUES ({marks})", values
+                f"INSERT INTO jobs ({', '.join(_JOB_COLUMNS)}) VALUES ({marks}) "
+                f"ON CONFLICT(id) DO UPDATE SET {updates}",
+                values,
             )
 
     def put_loss(self, job_id: str, loss: LossRecord, ts_ms: int) -> None:

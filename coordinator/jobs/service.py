@@ -22,8 +22,14 @@ import grpc
 from coordinator.context import CoordinatorContext
 from coordinator.jobs import datasets, export
 from coordinator.jobs.blob_io import read_blob
-from coordinator.jobs.limits import JobLimits
-from coordinator.jobs.manager import FINISHED, STATES, JobManager, ModelFacts, events_topic
+from coordinator.jobs.limits import JobLimits, shown
+from coordinator.jobs.manager import (
+    FINISHED,
+    STATES,
+    JobManager,
+    ModelFacts,
+    events_topic,
+)
 from coordinator.jobs.repository import CheckpointPartRecord, JobRecord, JobRepository
 from coordinator.model_store.blob_store import BlobStore, BlobWriter, DigestMismatch, is_sha256_hex
 from coordinator.model_store.errors import StoreError, invalid
@@ -162,7 +168,7 @@ class Jobs:
         if record is None:
             raise StoreError(
                 grpc.StatusCode.NOT_FOUND,
-                f"no dataset with id {dataset_id!r}; upload it with UploadDataset",
+                f"no dataset with id {shown(dataset_id)}; upload it with UploadDataset",
             )
         return datasets.to_info(record)
 
@@ -193,7 +199,9 @@ class Jobs:
         header = first.header
         job = self.manager.check_upload(header, node_id)
         if not is_sha256_hex(header.sha256):
-            raise invalid(f"header.sha256 must be 64 lowercase hex digits, got {header.sha256!r}")
+            raise invalid(
+                f"header.sha256 must be 64 lowercase hex digits, got {shown(header.sha256)}"
+            )
         limit = self._checkpoint_limit(job)
         if not 0 < header.total_bytes <= limit:
             raise StoreError(
