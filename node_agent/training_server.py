@@ -442,19 +442,27 @@ class TrainingStageServicer(training_pb2_grpc.TrainingStageServicer):
         return response
 
     def _activation_plan(self, job: _Job, tokens: int) -> tuple[bool, int, int]:
-        """(recompute?, bytes held while pending, transient bytes of its backward)."""
+        """(recompute?, bytes held while pending, transient bytes of its backward).
+
+        The node cannot know how many micro-batches the driver keeps in flight, so it
+        plans for all of the step's (GPipe's worst case): keep activations if that many
+        fit, else keep only inputs and recompute one micro-batch at a time in backward.
+        """
         keep = tokens * job.memory.activation_bytes_per_token
-        free = self._free_bytes()
-        if keep <= free:
-            return False, keep, 0
         inputs = tokens * job.memory.input_bytes_per_token
-        if inputs + keep <= free:
+        # What this job's activations may use: free memory plus what they hold already.
+        room = self._free_bytes() + job.bytes_held() - job.fixed_bytes
+        count = job.micro_batches
+        if count * keep <= room:
+            return False, keep, 0
+        if count * inputs + keep <= room:
             return True, inputs, keep
         raise StageError(
             grpc.StatusCode.RESOURCE_EXHAUSTED,
-            f"a micro-batch of {tokens} tokens needs {_mib(keep)} of activations "
-            f"({_mib(inputs + keep)} even when recomputed) on {job.describe()}, but only "
-            f"{_mib(max(0, free))} are free; use smaller micro-batches (more of them per step)",
+            f"{count} micro-batches of {tokens} tokens need {_mib(count * keep)} of "
+            f"activations ({_mib(count * inputs + keep)} even when recomputed) on "
+            f"{job.describe()}, but only {_mib(max(0, room))} are free; use smaller "
+            "micro-batches or a shorter seq_len",
         )
 
     async def _backward(
@@ -486,13 +494,20 @@ class TrainingStageServicer(training_pb2_grpc.TrainingStageServicer):
 
             try:
                 grad_input, compute_ms = await self._compute(job, run)
-            except StageError:
-                if mb not in trainer.pending:
-                    # The stage's own backward overflowed: the micro-batch is gone, and the
-                    # step's gradients are incomplete. GradNorm reports it as non-finite.
-                    self._release(job, mb)
-                    job.poisoned = f"backward of micro-batch {mb} produced NaN/inf gradients"
-                raise
+            except StageError as err:
+                if mb in trainer.pending:
+                    raise  # refused before autograd ran: a corrected retry works
+                # The stage's own backward overflowed from a finite gradient: the
+                # micro-batch is gone and the step's gradients are incomplete. Nothing was
+                # applied; GradNorm reports the step as non-finite and abandons it.
+                self._release(job, mb)
+                job.poisoned = f"backward of micro-batch {mb} produced NaN/inf gradients"
+                raise StageError(
+                    grpc.StatusCode.FAILED_PRECONDITION,
+                    f"step {request.step} of {job.describe()} is poisoned: {err.message}. "
+                    "Call GradNorm (it abandons the step, finite=false) and retry the step, "
+                    "or re-open every stage from the last checkpoint",
+                ) from err
             self._release(job, mb)
             job.done.add(mb)
         response = training_pb2.TrainBackwardResponse(
@@ -515,14 +530,21 @@ class TrainingStageServicer(training_pb2_grpc.TrainingStageServicer):
         _, job = self._job_for(request.capability, request.job_id, request)
         async with self._lock_for(job.job_id):
             job = self._current(job, request.step)
-            self._check_step_complete(job, request.step, "report its gradient norm")
-            sq_norm = await self._shards.run(job.trainer.grad_sq_norm)
-            reason = job.poisoned or (
-                "" if math.isfinite(sq_norm) else "the accumulated gradients overflowed"
-            )
+            reason = job.poisoned
+            if not reason:
+                self._check_step_complete(job, request.step, "report its gradient norm")
+                sq_norm = await self._shards.run(job.trainer.grad_sq_norm)
+                if not math.isfinite(sq_norm):
+                    reason = "the accumulated gradients overflowed"
             if reason:
                 # Never applied: forget the step so the driver can retry it at this version.
-                await self._shards.run(job.trainer.zero_grad)
+                trainer = job.trainer
+
+                def abandon() -> None:
+                    trainer.discard()
+                    trainer.zero_grad()
+
+                await self._shards.run(abandon)
                 job.forget_step()
                 job.abandoned = reason
                 job.nonfinite_refusals += 1
