@@ -16,8 +16,9 @@ means smaller batches or recomputation. See docs/training.md.
 After the last backward, every stage reports its squared gradient norm; the driver sums
 them into the global norm, computes one clip coefficient and sends it with OptimizerStep
 to every stage. A stage that fails raises ``StageFailed`` (the caller re-plans, then
-``replace_hop`` and ``open(restore_step=...)``); a stage that refuses the request itself
-raises ``RequestRejected``. numpy only: the client never imports torch.
+``replace_hop`` and ``open(restore_step=...)``), or its subclass ``StageOutOfSync`` when
+the node is alive but out of step (restore without re-planning); a stage that refuses the
+request itself raises ``RequestRejected``. numpy only: the client never imports torch.
 """
 
 from __future__ import annotations
@@ -77,6 +78,12 @@ class StageFailed(TesseraError):
         self.index = index
         self.node_id = node_id
         self.cause = cause
+
+
+class StageOutOfSync(StageFailed):
+    """The node is alive but its training state does not match the driver's (a stale or
+    repeated step, a step poisoned by NaN/inf gradients). Re-planning is not needed:
+    ``open(restore_step=...)`` on every stage rolls them back to one checkpoint."""
 
 
 class NonFiniteGradients(TesseraError):
@@ -161,7 +168,9 @@ class TrainingDriver:
 
         steps = await self._all(open_one)
         if len(set(steps)) != 1:
-            raise StageFailed(0, self.hops[0].node_id, f"stages opened at different steps {steps}")
+            raise StageOutOfSync(
+                0, self.hops[0].node_id, f"stages opened at different steps {steps}"
+            )
         self._version = steps[0]
         return steps[0]
 
@@ -229,7 +238,7 @@ class TrainingDriver:
         versions = await self._all(step_one)
         if set(versions) != {step + 1}:
             self._version = None
-            raise StageFailed(
+            raise StageOutOfSync(
                 0, self.hops[0].node_id, f"stages answered versions {versions}, not {step + 1}"
             )
         self._version = step + 1
@@ -322,6 +331,8 @@ class TrainingDriver:
             code, details = err.code(), err.details() or ""
             if code in CLIENT_FAULT_CODES:
                 raise RequestRejected(hop.node_id, hop.span, code, details) from err
+            if code == grpc.StatusCode.FAILED_PRECONDITION:
+                raise StageOutOfSync(index, hop.node_id, f"{method}: {details}") from err
             raise StageFailed(index, hop.node_id, f"{method}: {code.name}: {details}") from err
 
     def _split(

@@ -223,6 +223,7 @@ class TrainingNode:
         data_dir: Path,
         usable_bytes: int = 4 << 30,
         limits: TrainingLimits | None = None,
+        servicer_class: type[TrainingStageServicer] = TrainingStageServicer,
     ) -> TrainingNode:
         ctx = node_context(data_dir, keys.public)
         ctx.hardware = dataclasses.replace(ctx.hardware, memory_usable_bytes=usable_bytes)
@@ -231,7 +232,7 @@ class TrainingNode:
         store.tickets[ctx.node_id] = ctx.attach_ticket.hex()
         manager = ShardManager(DirectorySource(checkpoint), device="cpu")
         ctx.shard_handler = manager
-        training = TrainingStageServicer(ctx, manager, limits)
+        training = servicer_class(ctx, manager, limits)
         server, port = await start_server(ctx, "127.0.0.1:0", StageServicer(ctx, manager), training)
         node = cls(ctx, manager, training, server, port)
         for start, end in shards:
