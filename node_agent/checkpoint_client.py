@@ -10,6 +10,7 @@ size (never more than the caller's limit), and the sha256 the caller expects.
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -55,7 +56,8 @@ class CheckpointClient:
         self._chunk_bytes = chunk_bytes
 
     async def upload(self, ref: CheckpointRef, data: bytes) -> training_pb2.CheckpointReceipt:
-        digest = hashlib.sha256(data).hexdigest()
+        # Hashing gigabytes takes seconds: not on the event loop.
+        digest = await asyncio.to_thread(lambda: hashlib.sha256(data).hexdigest())
         header = training_pb2.CheckpointHeader(
             job_id=ref.job_id,
             step=ref.step,

@@ -90,9 +90,20 @@ def check_expiry(claims: client_api_pb2.CapabilityClaims, now_s: float) -> None:
 
 
 def check_grant(
-    claims: client_api_pb2.CapabilityClaims, node_id: str, start: int, end: int
+    claims: client_api_pb2.CapabilityClaims, node_id: str, model: str, start: int, end: int
 ) -> None:
-    """The capability must grant this node layers covering [start, end)."""
+    """The capability must be for ``model`` and grant this node layers covering
+    [start, end), a non-empty range."""
+    if model != claims.model:
+        raise StageError(
+            grpc.StatusCode.PERMISSION_DENIED,
+            f"the capability is for model {claims.model!r}, the request names {model!r}",
+        )
+    if start >= end:
+        raise StageError(
+            grpc.StatusCode.INVALID_ARGUMENT,
+            f"layer range [{start}, {end}) is empty; a stage needs start < end",
+        )
     mine = [g.layers for g in claims.grants if g.node_id == node_id]
     if not mine:
         raise StageError(
@@ -247,18 +258,7 @@ class StageServicer(stage_pb2_grpc.StageServicer):
                 f"the capability is for session {claims.session_id!r}, the request names "
                 f"{request.session_id!r}",
             )
-        if request.model != claims.model:
-            raise StageError(
-                grpc.StatusCode.PERMISSION_DENIED,
-                f"the capability is for model {claims.model!r}, the request names "
-                f"{request.model!r}",
-            )
-        if start >= end:
-            raise StageError(
-                grpc.StatusCode.INVALID_ARGUMENT,
-                f"layer range [{start}, {end}) is empty; a hop needs start < end",
-            )
-        check_grant(claims, self._ctx.node_id, start, end)
+        check_grant(claims, self._ctx.node_id, request.model, start, end)
 
     def _decode_input(self, request: stage_pb2.ForwardRequest, shard: LoadedShard) -> np.ndarray:
         config = shard.config

@@ -191,18 +191,7 @@ class TrainingStageServicer(training_pb2_grpc.TrainingStageServicer):
     ) -> training_pb2.OpenTrainingResponse:
         claims = self._claims(request.capability, request.job_id, request.HasField("capability"))
         start, end = request.layers.start, request.layers.end
-        if request.model != claims.model:
-            raise StageError(
-                grpc.StatusCode.PERMISSION_DENIED,
-                f"the capability is for model {claims.model!r}, the request names "
-                f"{request.model!r}",
-            )
-        if start >= end:
-            raise StageError(
-                grpc.StatusCode.INVALID_ARGUMENT,
-                f"layer range [{start}, {end}) is empty; a training stage needs start < end",
-            )
-        check_grant(claims, self._ctx.node_id, start, end)
+        check_grant(claims, self._ctx.node_id, request.model, start, end)
         if not self._ctx.accepting_work:
             raise StageError(
                 grpc.StatusCode.UNAVAILABLE,
@@ -690,12 +679,7 @@ class TrainingStageServicer(training_pb2_grpc.TrainingStageServicer):
                 "closed, or the node restarted); call OpenTraining, restoring the last "
                 "consistent checkpoint",
             )
-        if claims.model != job.model:
-            raise StageError(
-                grpc.StatusCode.PERMISSION_DENIED,
-                f"the capability is for model {claims.model!r}, the job trains {job.model!r}",
-            )
-        check_grant(claims, self._ctx.node_id, job.start, job.end)
+        check_grant(claims, self._ctx.node_id, job.model, job.start, job.end)
         return claims, job
 
     def _current(self, job: _Job, step: int) -> _Job:
