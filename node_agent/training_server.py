@@ -50,7 +50,7 @@ from node_agent.runtime.training import (
     state_to_bytes,
     training_memory,
 )
-from node_agent.shard_manager import LoadedShard, ShardManager, shard_manager_for
+from node_agent.shard_manager import LoadedShard, ShardManager
 from node_agent.stage_server import StageError, check_expiry, check_grant, open_capability
 from protos import codec, identity
 from protos.tessera.v1 import client_api_pb2, common_pb2, training_pb2, training_pb2_grpc
@@ -893,6 +893,11 @@ def _mib(n: int) -> str:
     return f"{n / 2**20:.1f} MiB"
 
 
-def build_training_servicer(ctx: AgentContext) -> TrainingStageServicer:
-    """Plug-in entry point the data plane calls when it starts (see node_agent/plugins.py)."""
-    return TrainingStageServicer(ctx, shard_manager_for(ctx))
+def build_training_servicer(ctx: AgentContext) -> TrainingStageServicer | None:
+    """Plug-in entry point the data plane calls when it starts (see node_agent/plugins.py).
+
+    Trains on the shards of the agent's ShardManager; an agent without a model runtime
+    (another shard handler) serves no training, and TrainingStage answers UNIMPLEMENTED."""
+    if not isinstance(ctx.shard_handler, ShardManager):
+        return None
+    return TrainingStageServicer(ctx, ctx.shard_handler)
