@@ -23,6 +23,7 @@ so the event loop stays free for other calls and inference sessions.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import logging
 import math
@@ -69,6 +70,10 @@ class TrainingLimits:
     max_tokens_per_micro_batch: int = 16384
     max_micro_batches: int = 64  # per optimizer step; also the pending cap
     max_lora_rank: int = 256
+    # A job no call touched for this long is dropped: its driver is gone, and a resumed
+    # driver re-opens every stage from a checkpoint anyway.
+    idle_ttl_s: float = 1800.0
+    expiry_interval_s: float = 60.0
 
 
 @dataclass
@@ -93,6 +98,7 @@ class _Job:
     poisoned: str = ""  # why this step's gradients may not be applied
     abandoned: str = ""  # why GradNorm abandoned the last attempt of this step
     nonfinite_refusals: int = 0
+    last_used: float = field(default_factory=time.monotonic)
 
     @property
     def fixed_bytes(self) -> int:
@@ -129,6 +135,7 @@ class TrainingStageServicer(training_pb2_grpc.TrainingStageServicer):
         self._store = store or CheckpointClient(ctx)
         self._jobs: dict[str, _Job] = {}
         self._locks: dict[str, asyncio.Lock] = {}
+        self._expiry_task: asyncio.Task[None] | None = None
 
     # ---- RPCs -----------------------------------------------------------------------
 
@@ -170,6 +177,7 @@ class TrainingStageServicer(training_pb2_grpc.TrainingStageServicer):
     async def _answer(
         self, context: grpc.aio.ServicerContext, name: str, work: Callable[[], Awaitable[T]]
     ) -> T:
+        self._start_expiry()
         try:
             return await work()
         except StageError as err:
@@ -632,7 +640,40 @@ class TrainingStageServicer(training_pb2_grpc.TrainingStageServicer):
         if job is not None:
             await self._shards.run(job.trainer.close)
 
+    async def expire_idle(self) -> list[str]:
+        """Drop the jobs idle longer than the TTL (not those with a call under way)."""
+        cutoff = time.monotonic() - self.limits.idle_ttl_s
+        expired = []
+        for job_id, job in list(self._jobs.items()):
+            lock = self._lock_for(job_id)
+            if job.last_used < cutoff and not lock.locked():
+                async with lock:
+                    await self._drop_job(job_id)
+                expired.append(job_id)
+        for job_id in [j for j, lock in self._locks.items() if j not in self._jobs]:
+            if not self._locks[job_id].locked():
+                del self._locks[job_id]
+        if expired:
+            log.info("dropped training state of idle jobs: %s", ", ".join(expired))
+        return expired
+
+    def _start_expiry(self) -> None:
+        if self._expiry_task is None or self._expiry_task.done():
+            self._expiry_task = asyncio.get_running_loop().create_task(self._expiry_loop())
+
+    async def _expiry_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.limits.expiry_interval_s)
+            try:
+                await self.expire_idle()
+            except Exception:  # the sweeper must survive whatever one job does
+                log.exception("idle training sweep failed")
+
     async def close(self) -> None:
+        if self._expiry_task is not None:
+            self._expiry_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._expiry_task
         for job_id in list(self._jobs):
             await self._drop_job(job_id)
 
@@ -698,6 +739,7 @@ class TrainingStageServicer(training_pb2_grpc.TrainingStageServicer):
                 "a stage restored from another checkpoint): roll every stage back to one "
                 "checkpoint with OpenTraining",
             )
+        current.last_used = time.monotonic()
         return current
 
     @staticmethod

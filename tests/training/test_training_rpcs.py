@@ -9,6 +9,7 @@ training_harness.py), which stands in for the coordinator's TrainingStore.
 
 from __future__ import annotations
 
+import asyncio
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -718,3 +719,23 @@ async def test_node_without_ticket_is_refused_by_the_store(pair: Pair, store) ->
         grpc.StatusCode.UNAUTHENTICATED,
         "refused the upload",
     )
+
+
+async def test_idle_jobs_are_dropped(start_node, keys: CoordinatorKeys) -> None:
+    node = await start_node([(0, 4)], limits=TrainingLimits(idle_ttl_s=0.3, expiry_interval_s=0.1))
+    cap = training_capability(keys, JOB, [(node, 0, 4)])
+    s, channel = stub(node)
+    try:
+        await s.OpenTraining(open_request(cap, 0, 4))
+        tokens, labels = counting_batch(0, batch=2)
+        await s.ForwardTrain(forward(cap, codec.encode(tokens, "int64"), labels=labels))
+        assert JOB in node.training._jobs
+        for _ in range(50):
+            if JOB not in node.training._jobs:
+                break
+            await asyncio.sleep(0.1)
+        await refused(
+            s.BackwardTrain(backward(cap, None)), grpc.StatusCode.NOT_FOUND, "OpenTraining"
+        )
+    finally:
+        await channel.close()
