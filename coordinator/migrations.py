@@ -14,6 +14,8 @@ from dataclasses import dataclass
 
 import sqlite_utils
 
+from coordinator.jobs.schema import MIGRATION_NAME as JOBS_MIGRATION
+from coordinator.jobs.schema import create_jobs_tables
 from coordinator.model_store.schema import MIGRATION_NAME as MODEL_STORE_MIGRATION
 from coordinator.model_store.schema import create_model_store_tables
 
@@ -73,6 +75,7 @@ def _nodes_and_events(db: sqlite_utils.Database) -> None:
 MIGRATIONS: list[Migration] = [
     Migration(1, "nodes and node events", _nodes_and_events),
     Migration(2, MODEL_STORE_MIGRATION, create_model_store_tables),
+    Migration(3, JOBS_MIGRATION, create_jobs_tables),
 ]
 
 

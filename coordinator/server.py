@@ -58,6 +58,7 @@ GC_GEN0_THRESHOLD = 20_000
 COMPONENTS: tuple[tuple[str, str], ...] = (
     ("model_store", "coordinator.model_store:ModelStore.from_context"),
     ("sessions", "coordinator.inference:build"),
+    ("jobs", "coordinator.jobs.service:build"),
 )
 COORDINATOR_PRESENCE_TOPIC = "tessera/coordinator/presence"
 
@@ -128,6 +129,10 @@ def build_server(ctx: CoordinatorContext) -> grpc.aio.Server:
     coordinator_pb2_grpc.add_CoordinatorServicer_to_server(CoordinatorService(ctx), server)
     client_api_pb2_grpc.add_ClientApiServicer_to_server(ClientApiService(ctx), server)
     admin_pb2_grpc.add_AdminServicer_to_server(AdminService(ctx), server)
+    for name, _ in COMPONENTS:  # components that bring services of their own (jobs)
+        component = getattr(ctx, name, None)
+        if hasattr(component, "add_to_server"):
+            component.add_to_server(server)
     return server
 
 
