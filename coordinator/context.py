@@ -1,8 +1,8 @@
 """Everything a servicer needs, in one object handed to every service.
 
-`model_store`, `sessions` and `planner` are provided by other parts of the coordinator and
-stay None until they are wired in; the servicers answer UNIMPLEMENTED for their RPCs
-until then.
+`model_store`, `sessions`, `planner` and `jobs` are provided by other parts of the
+coordinator and stay None until they are wired in; the servicers answer UNIMPLEMENTED for
+their RPCs until then.
 """
 
 from __future__ import annotations
@@ -33,6 +33,7 @@ class CoordinatorContext:
     sessions: Any = None
     planner: Any = None
     ledger: Any = None
+    jobs: Any = None
 
     @property
     def public_key(self) -> bytes:

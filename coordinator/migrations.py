@@ -16,6 +16,8 @@ import sqlite_utils
 
 from coordinator.ledger.schema import MIGRATION_NAME as LEDGER_MIGRATION
 from coordinator.ledger.schema import create_ledger_tables
+from coordinator.jobs.schema import MIGRATION_NAME as JOBS_MIGRATION
+from coordinator.jobs.schema import create_jobs_tables
 from coordinator.model_store.schema import MIGRATION_NAME as MODEL_STORE_MIGRATION
 from coordinator.model_store.schema import create_model_store_tables
 
@@ -76,6 +78,7 @@ MIGRATIONS: list[Migration] = [
     Migration(1, "nodes and node events", _nodes_and_events),
     Migration(2, MODEL_STORE_MIGRATION, create_model_store_tables),
     Migration(3, LEDGER_MIGRATION, create_ledger_tables),
+    Migration(4, JOBS_MIGRATION, create_jobs_tables),
 ]
 
 

@@ -11,10 +11,10 @@ import asyncio
 import json
 import logging
 from collections.abc import Awaitable, Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from coordinator.model_store.layout import ModelLayout
-from coordinator.planner import ModelPlan, ModelSpec, NodeSpec, Shard, plan
+from coordinator.planner import HEADROOM, ModelPlan, ModelSpec, NodeSpec, Shard, plan, shard_bytes
 from coordinator.router import Holder
 from protos.tessera.v1 import common_pb2, coordinator_pb2, node_pb2
 
@@ -106,6 +106,8 @@ class Placement:
         self._superseded: dict[tuple[str, str], Shard] = {}  # drop once the new one is ready
         self._replan_task: asyncio.Task[None] | None = None
         self._lock = asyncio.Lock()
+        # Training state held on nodes, by holder (e.g. "job/stage"): (node_id, bytes).
+        self._training: dict[str, tuple[str, int]] = {}
 
     # ---- inputs -------------------------------------------------------------------------
 
@@ -161,7 +163,30 @@ class Placement:
         if self._on_change:
             self._on_change(shard.model)
 
+    def reserve_training(self, holder: str, node_id: str, nbytes: int) -> None:
+        """Count a training stage's state against the node's memory until released."""
+        self._training[holder] = (node_id, nbytes)
+
+    def release_training(self, holder: str) -> None:
+        self._training.pop(holder, None)
+
     # ---- outputs ------------------------------------------------------------------------
+
+    def training_bytes(self, node_id: str) -> int:
+        return sum(n for holder_node, n in self._training.values() if holder_node == node_id)
+
+    def free_bytes(self, node_id: str) -> int:
+        """Usable memory (less headroom) not taken by assigned shards or training state."""
+        node = self._nodes.get(node_id)
+        if node is None:
+            return 0
+        spec = node_spec(node, self.kv_tokens)
+        used = sum(
+            shard_bytes(self._models[model], spec, shard.start, shard.end)
+            for (holder, model), shard in self._assigned.items()
+            if holder == node_id and model in self._models
+        )
+        return int(spec.usable_bytes * (1 - HEADROOM)) - used - self.training_bytes(node_id)
 
     def boundaries(self, model: str) -> list[int] | None:
         p = self._plans.get(model)
@@ -230,7 +255,12 @@ class Placement:
 
     async def replan(self) -> None:
         async with self._lock:
-            nodes = [node_spec(n, self.kv_tokens) for n in self._nodes.values()]
+            # Memory a node spends on training is not there for new inference shards.
+            nodes = []
+            for node in self._nodes.values():
+                spec = node_spec(node, self.kv_tokens)
+                training = self.training_bytes(node.node_id)
+                nodes.append(replace(spec, usable_bytes=max(0, spec.usable_bytes - training)))
             self._plans = plan(
                 list(self._models.values()),
                 nodes,

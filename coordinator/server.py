@@ -69,6 +69,7 @@ COMPONENTS: tuple[tuple[str, str], ...] = (
     ("model_store", "coordinator.model_store:ModelStore.from_context"),
     ("ledger", "coordinator.ledger.service:build"),
     ("sessions", "coordinator.inference:build"),
+    ("jobs", "coordinator.jobs.service:build"),
 )
 COORDINATOR_PRESENCE_TOPIC = "tessera/coordinator/presence"
 
@@ -140,6 +141,10 @@ def build_server(ctx: CoordinatorContext) -> grpc.aio.Server:
     client_api_pb2_grpc.add_ClientApiServicer_to_server(ClientApiService(ctx), server)
     admin_pb2_grpc.add_AdminServicer_to_server(AdminService(ctx), server)
     ledger_pb2_grpc.add_LedgerServicer_to_server(LedgerService(ctx), server)
+    for name, _ in COMPONENTS:  # components that bring services of their own (jobs)
+        component = getattr(ctx, name, None)
+        if hasattr(component, "add_to_server"):
+            component.add_to_server(server)
     return server
 
 

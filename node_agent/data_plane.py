@@ -3,6 +3,8 @@
 The agent registers whatever `node_agent.stage_server.build_stage_servicer(ctx)` returns.
 While that module does not exist, a fallback answers `Ping` (so the coordinator's
 reachability check and RTT probes work) and refuses model calls with UNAVAILABLE.
+Next to it, the `TrainingStage` service from
+`node_agent.training_server.build_training_servicer(ctx)`, when that module exists.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import grpc
 from node_agent.context import AgentContext
 from node_agent.plugins import load_plugin
 from protos import codec
-from protos.tessera.v1 import common_pb2, stage_pb2, stage_pb2_grpc
+from protos.tessera.v1 import common_pb2, stage_pb2, stage_pb2_grpc, training_pb2_grpc
 
 log = logging.getLogger(__name__)
 
@@ -76,13 +78,26 @@ def build_stage_servicer(ctx: AgentContext) -> stage_pb2_grpc.StageServicer:
     return servicer  # type: ignore[return-value]
 
 
+def build_training_servicer(ctx: AgentContext) -> training_pb2_grpc.TrainingStageServicer | None:
+    servicer = load_plugin("node_agent.training_server", "build_training_servicer", ctx)
+    return servicer  # type: ignore[return-value]
+
+
 async def start_server(
-    ctx: AgentContext, listen: str, servicer: stage_pb2_grpc.StageServicer | None = None
+    ctx: AgentContext,
+    listen: str,
+    servicer: stage_pb2_grpc.StageServicer | None = None,
+    training: training_pb2_grpc.TrainingStageServicer | None = None,
 ) -> tuple[grpc.aio.Server, int]:
     """Start the Stage server on `listen` (HOST:PORT, port 0 = any) and return the port.
-    Without `servicer`, the one `build_stage_servicer(ctx)` finds."""
+    Without `servicer`, the one `build_stage_servicer(ctx)` finds; the TrainingStage
+    service likewise (`training`, else `build_training_servicer(ctx)`; none: UNIMPLEMENTED).
+    The stage servicer is built first: it creates the shard manager both share."""
     server = grpc.aio.server(options=SERVER_OPTIONS)
     stage_pb2_grpc.add_StageServicer_to_server(servicer or build_stage_servicer(ctx), server)
+    training = training or build_training_servicer(ctx)
+    if training is not None:
+        training_pb2_grpc.add_TrainingStageServicer_to_server(training, server)
     try:
         port = server.add_insecure_port(listen)
     except RuntimeError:

@@ -2,6 +2,7 @@
 
 - `node_agent.stage_server.build_stage_servicer(ctx) -> stage_pb2_grpc.StageServicer`
 - `node_agent.shard_manager.build_shard_handler(ctx) -> ShardHandler`
+- `node_agent.training_server.build_training_servicer(ctx) -> TrainingStageServicer | None`
 
 The shard handler is built first and stored in `ctx.shard_handler`, so the stage server
 can find the loaded shards through the context.

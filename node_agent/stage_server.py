@@ -59,6 +59,67 @@ class _StreamState:
     claims: client_api_pb2.CapabilityClaims | None = None
 
 
+def open_capability(
+    ctx: AgentContext, signed: client_api_pb2.SignedCapability
+) -> client_api_pb2.CapabilityClaims:
+    """The claims of a coordinator-signed capability, checked offline with its key."""
+    coordinator_key = ctx.coordinator_public_key
+    if not coordinator_key:
+        raise StageError(
+            grpc.StatusCode.UNAVAILABLE,
+            "this node has not registered with its coordinator yet, so it cannot check "
+            "capabilities; retry in a moment or use another replica",
+        )
+    claims = identity.open_capability(coordinator_key, signed)
+    if claims is None:
+        raise StageError(
+            grpc.StatusCode.UNAUTHENTICATED,
+            "the capability's signature does not verify with this node's coordinator key "
+            "(forged, corrupted, or issued by another coordinator)",
+        )
+    return claims
+
+
+def check_expiry(claims: client_api_pb2.CapabilityClaims, now_s: float) -> None:
+    if claims.expires_unix_ms <= int(now_s * 1000):
+        when = datetime.fromtimestamp(claims.expires_unix_ms / 1000, tz=UTC)
+        raise StageError(
+            grpc.StatusCode.UNAUTHENTICATED,
+            f"token expired at {when.isoformat(timespec='seconds')}; open a new session "
+            "(or Reroute for a fresh capability)",
+        )
+
+
+def check_grant(
+    claims: client_api_pb2.CapabilityClaims, node_id: str, model: str, start: int, end: int
+) -> None:
+    """The capability must be for ``model`` and grant this node layers covering
+    [start, end), a non-empty range."""
+    if model != claims.model:
+        raise StageError(
+            grpc.StatusCode.PERMISSION_DENIED,
+            f"the capability is for model {claims.model!r}, the request names {model!r}",
+        )
+    if start >= end:
+        raise StageError(
+            grpc.StatusCode.INVALID_ARGUMENT,
+            f"layer range [{start}, {end}) is empty; a stage needs start < end",
+        )
+    mine = [g.layers for g in claims.grants if g.node_id == node_id]
+    if not mine:
+        raise StageError(
+            grpc.StatusCode.PERMISSION_DENIED,
+            f"this node ({node_id}) is not among the nodes the capability grants",
+        )
+    if not any(g.start <= start and end <= g.end for g in mine):
+        granted = ", ".join(f"[{g.start}, {g.end})" for g in mine)
+        raise StageError(
+            grpc.StatusCode.PERMISSION_DENIED,
+            f"layers [{start}, {end}) are outside what the capability grants this node: "
+            f"{granted}",
+        )
+
+
 class StageServicer(stage_pb2_grpc.StageServicer):
     def __init__(
         self,
@@ -183,31 +244,10 @@ class StageServicer(stage_pb2_grpc.StageServicer):
     def _open_capability(
         self, signed: client_api_pb2.SignedCapability
     ) -> client_api_pb2.CapabilityClaims:
-        coordinator_key = self._ctx.coordinator_public_key
-        if not coordinator_key:
-            raise StageError(
-                grpc.StatusCode.UNAVAILABLE,
-                "this node has not registered with its coordinator yet, so it cannot check "
-                "capabilities; retry in a moment or use another replica",
-            )
-        claims = identity.open_capability(coordinator_key, signed)
-        if claims is None:
-            raise StageError(
-                grpc.StatusCode.UNAUTHENTICATED,
-                "the capability's signature does not verify with this node's coordinator key "
-                "(forged, corrupted, or issued by another coordinator)",
-            )
-        return claims
+        return open_capability(self._ctx, signed)
 
     def _check_expiry(self, claims: client_api_pb2.CapabilityClaims) -> None:
-        now_ms = int(self._clock() * 1000)
-        if claims.expires_unix_ms <= now_ms:
-            when = datetime.fromtimestamp(claims.expires_unix_ms / 1000, tz=UTC)
-            raise StageError(
-                grpc.StatusCode.UNAUTHENTICATED,
-                f"token expired at {when.isoformat(timespec='seconds')}; open a new session "
-                "(or Reroute for a fresh capability)",
-            )
+        check_expiry(claims, self._clock())
 
     def _authorize(
         self,
@@ -222,31 +262,7 @@ class StageServicer(stage_pb2_grpc.StageServicer):
                 f"the capability is for session {claims.session_id!r}, the request names "
                 f"{request.session_id!r}",
             )
-        if request.model != claims.model:
-            raise StageError(
-                grpc.StatusCode.PERMISSION_DENIED,
-                f"the capability is for model {claims.model!r}, the request names "
-                f"{request.model!r}",
-            )
-        if start >= end:
-            raise StageError(
-                grpc.StatusCode.INVALID_ARGUMENT,
-                f"layer range [{start}, {end}) is empty; a hop needs start < end",
-            )
-        node_id = self._ctx.node_id
-        mine = [g.layers for g in claims.grants if g.node_id == node_id]
-        if not mine:
-            raise StageError(
-                grpc.StatusCode.PERMISSION_DENIED,
-                f"this node ({node_id}) is not among the nodes the capability grants",
-            )
-        if not any(g.start <= start and end <= g.end for g in mine):
-            granted = ", ".join(f"[{g.start}, {g.end})" for g in mine)
-            raise StageError(
-                grpc.StatusCode.PERMISSION_DENIED,
-                f"layers [{start}, {end}) are outside what the capability grants this node: "
-                f"{granted}",
-            )
+        check_grant(claims, self._ctx.node_id, request.model, start, end)
 
     def _decode_input(self, request: stage_pb2.ForwardRequest, shard: LoadedShard) -> np.ndarray:
         config = shard.config

@@ -143,6 +143,12 @@ class ModelStore:
 
     # ---- Admin ------------------------------------------------------------------------
 
+    async def import_model(
+        self, messages: AsyncIterator[admin_pb2.AddModelChunk]
+    ) -> client_api_pb2.ModelInfo:
+        """AddModel from inside the coordinator (trained weights); StoreError on refusal."""
+        return await self._import(messages)
+
     async def add_model(
         self, request_iterator: AsyncIterator[admin_pb2.AddModelChunk], context: Any
     ) -> client_api_pb2.ModelInfo:
@@ -375,37 +381,7 @@ class ModelStore:
         return replicas, f"layers {_ranges(uncovered)} have no ready replica"
 
     async def _authorize_node(self, context: Any) -> str:
-        metadata = {key: value for key, value in (context.invocation_metadata() or ())}
-        node_id = metadata.get(NODE_ID_METADATA)
-        ticket_hex = metadata.get(TICKET_METADATA)
-        if not node_id or not ticket_hex:
-            raise StoreError(
-                grpc.StatusCode.UNAUTHENTICATED,
-                f"model fetches need metadata {NODE_ID_METADATA} and {TICKET_METADATA} "
-                "(the attach_ticket from RegisterResponse, hex encoded); register first",
-            )
-        try:
-            ticket = bytes.fromhex(ticket_hex if isinstance(ticket_hex, str) else "")
-        except ValueError:
-            ticket = b""
-        if not ticket:
-            raise StoreError(
-                grpc.StatusCode.UNAUTHENTICATED, f"{TICKET_METADATA} must be the ticket in hex"
-            )
-        if self._check_ticket is None:
-            raise StoreError(
-                grpc.StatusCode.UNAUTHENTICATED,
-                "this coordinator has no node registry to check tickets against",
-            )
-        valid = self._check_ticket(node_id, ticket)
-        if inspect.isawaitable(valid):
-            valid = await valid
-        if not valid:
-            raise StoreError(
-                grpc.StatusCode.UNAUTHENTICATED,
-                f"node {node_id} is unknown or its ticket is stale; register again",
-            )
-        return node_id
+        return await authorize_node(context, self._check_ticket)
 
     def _require_model(self, name: str) -> ModelRecord:
         record = self.catalog.get(name)
@@ -511,6 +487,42 @@ class ModelStore:
                 listener(event, name)
             except Exception:
                 log.exception("model store listener failed on %s %s", event, name)
+
+
+async def authorize_node(context: Any, check_ticket: TicketCheck | None) -> str:
+    """The node id a call's metadata proves (StoreError UNAUTHENTICATED otherwise)."""
+    metadata = {key: value for key, value in (context.invocation_metadata() or ())}
+    node_id = metadata.get(NODE_ID_METADATA)
+    ticket_hex = metadata.get(TICKET_METADATA)
+    if not node_id or not ticket_hex:
+        raise StoreError(
+            grpc.StatusCode.UNAUTHENTICATED,
+            f"node calls (model fetches, checkpoints) need metadata {NODE_ID_METADATA} and "
+            f"{TICKET_METADATA} (the attach_ticket from RegisterResponse, hex encoded); "
+            "register first",
+        )
+    try:
+        ticket = bytes.fromhex(ticket_hex if isinstance(ticket_hex, str) else "")
+    except ValueError:
+        ticket = b""
+    if not ticket:
+        raise StoreError(
+            grpc.StatusCode.UNAUTHENTICATED, f"{TICKET_METADATA} must be the ticket in hex"
+        )
+    if check_ticket is None:
+        raise StoreError(
+            grpc.StatusCode.UNAUTHENTICATED,
+            "this coordinator has no node registry to check tickets against",
+        )
+    valid = check_ticket(node_id, ticket)
+    if inspect.isawaitable(valid):
+        valid = await valid
+    if not valid:
+        raise StoreError(
+            grpc.StatusCode.UNAUTHENTICATED,
+            f"node {node_id} is unknown or its ticket is stale; register again",
+        )
+    return node_id
 
 
 def _read_and_hash(handle: Any, checker: Any, size: int) -> bytes:

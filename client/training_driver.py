@@ -1,0 +1,401 @@
+"""The training driver: pipelines micro-batches through a job's stage nodes.
+
+One optimizer step splits the batch ``[B, T]`` into ``hyper.micro_batches`` micro-batches.
+Each micro-batch walks forward through the stages (token ids to the first, hidden states
+between them, labels to the last, which answers with the loss), then backward in reverse
+(the last stage starts from its loss, each stage returns the gradient of its input).
+
+Schedule: 1F1B with a window of ``max(2, stages)`` micro-batches in flight. A micro-batch
+starts its backward as soon as its forward reaches the loss, and a new micro-batch enters
+the pipeline only when one has finished its backward. Stages overlap (the first stage
+runs micro-batch k+1 forward while later stages work on k), with the same bubble as
+GPipe, but a stage never holds more than ``window`` micro-batches of activations, however
+many micro-batches a step has: GPipe would hold all of them, which on a volunteer's GPU
+means smaller batches or recomputation. See docs/training.md.
+
+After the last backward, every stage reports its squared gradient norm; the driver sums
+them into the global norm, computes one clip coefficient and sends it with OptimizerStep
+to every stage. A stage that fails raises ``StageFailed`` (the caller re-plans, then
+``replace_hop`` and ``open(restore_step=...)``), or its subclass ``StageOutOfSync`` when
+the node is alive but out of step (restore without re-planning); a stage that refuses the
+request itself raises ``RequestRejected``. numpy only: the client never imports torch.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import grpc
+import numpy as np
+
+from client.channels import ChannelPool
+from client.driver import CLIENT_FAULT_CODES
+from client.errors import RequestRejected, TesseraError
+from protos import codec
+from protos.tessera.v1 import client_api_pb2, common_pb2, training_pb2, training_pb2_grpc
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+IGNORE_INDEX = -100
+
+
+@dataclass(frozen=True)
+class TrainingHop:
+    """One stage of the training pipeline."""
+
+    node_id: str
+    address: str  # HOST:PORT of the node's data plane
+    start: int  # layer range [start, end)
+    end: int
+
+    @property
+    def span(self) -> str:
+        return f"[{self.start}, {self.end})"
+
+
+@dataclass(frozen=True)
+class StepResult:
+    step: int  # the step that was applied (version before the step)
+    loss: float  # mean over the batch's counted labels
+    grad_norm: float  # global norm before clipping
+    tokens: int  # label tokens in the batch
+    stage_ms: list[float]  # per-stage compute time of this step (sum over micro-batches)
+    wall_s: float
+
+
+class StageFailed(TesseraError):
+    """A stage node failed; the caller re-plans the stage and restores every stage."""
+
+    def __init__(self, index: int, node_id: str, cause: str) -> None:
+        super().__init__(f"training stage {index} on node {node_id} failed: {cause}")
+        self.index = index
+        self.node_id = node_id
+        self.cause = cause
+
+
+class StageOutOfSync(StageFailed):
+    """The node is alive but its training state does not match the driver's (a stale or
+    repeated step, a step poisoned by NaN/inf gradients). Re-planning is not needed:
+    ``open(restore_step=...)`` on every stage rolls them back to one checkpoint."""
+
+
+class NonFiniteGradients(TesseraError):
+    """A stage refused NaN/inf gradients; the step was abandoned on every stage, so
+    nothing was applied and the same step can be retried (e.g. with another batch)."""
+
+
+@dataclass(frozen=True)
+class TrainingDriverConfig:
+    rpc_timeout_s: float = 300.0  # a cold first step may compile kernels or load weights
+    close_timeout_s: float = 5.0
+
+
+class TrainingDriver:
+    """Drives one job's training pipeline. Use from one event loop; calls must not overlap."""
+
+    def __init__(
+        self,
+        *,
+        job_id: str,
+        model: str,
+        hops: list[TrainingHop],
+        capability: client_api_pb2.SignedCapability,
+        hyper: training_pb2.TrainingHyper,
+        channels: ChannelPool | None = None,
+        config: TrainingDriverConfig | None = None,
+    ) -> None:
+        _check_hops(hops)
+        if hyper.micro_batches < 1:
+            raise ValueError(f"hyper.micro_batches must be >= 1, got {hyper.micro_batches}")
+        self.job_id = job_id
+        self.model = model
+        self.hops = list(hops)
+        self.hyper = hyper
+        self.config = config or TrainingDriverConfig()
+        self._capability = capability
+        self._owns_channels = channels is None
+        self._channels = channels or ChannelPool()
+        self._version: int | None = None  # unknown until open()
+
+    @property
+    def version(self) -> int | None:
+        """The step every stage is at (None before ``open``)."""
+        return self._version
+
+    @property
+    def window(self) -> int:
+        """Micro-batches in flight at once (1F1B warm-up depth, at least 2)."""
+        return min(self.hyper.micro_batches, max(2, len(self.hops)))
+
+    # ---- lifecycle ------------------------------------------------------------------
+
+    async def open(
+        self,
+        *,
+        restore_step: int = 0,
+        restore_sha256: dict[tuple[int, int], str] | None = None,
+    ) -> int:
+        """Open (or re-open, which rolls back) every stage; returns the common step."""
+        restore_sha256 = restore_sha256 or {}
+        if restore_step:
+            missing = [h.span for h in self.hops if (h.start, h.end) not in restore_sha256]
+            if missing:
+                raise ValueError(
+                    f"restoring step {restore_step} needs the sha256 of every stage's "
+                    f"checkpoint; none given for layers {', '.join(missing)}"
+                )
+        self._version = None
+
+        async def open_one(index: int, hop: TrainingHop) -> int:
+            request = training_pb2.OpenTrainingRequest(
+                capability=self._capability,
+                job_id=self.job_id,
+                model=self.model,
+                layers=common_pb2.LayerRange(start=hop.start, end=hop.end),
+                hyper=self.hyper,
+                restore_step=restore_step,
+                restore_sha256=restore_sha256.get((hop.start, hop.end), "") if restore_step else "",
+            )
+            reply = await self._call(index, "OpenTraining", request)
+            return reply.step
+
+        steps = await self._all(open_one)
+        if len(set(steps)) != 1:
+            raise StageOutOfSync(
+                0, self.hops[0].node_id, f"stages opened at different steps {steps}"
+            )
+        self._version = steps[0]
+        return steps[0]
+
+    async def close(self) -> None:
+        """Free the training state on every stage (best effort) and close channels."""
+        request = training_pb2.CloseTrainingRequest(capability=self._capability, job_id=self.job_id)
+
+        async def close_one(hop: TrainingHop) -> None:
+            stub = training_pb2_grpc.TrainingStageStub(self._channels.get(hop.address))
+            try:
+                await stub.CloseTraining(request, timeout=self.config.close_timeout_s)
+            except grpc.aio.AioRpcError as err:
+                log.debug("CloseTraining on %s: %s", hop.node_id, err.code().name)
+
+        await asyncio.gather(*(close_one(hop) for hop in self.hops))
+        if self._owns_channels:
+            await self._channels.close()
+
+    def replace_hop(
+        self, index: int, hop: TrainingHop, capability: client_api_pb2.SignedCapability
+    ) -> None:
+        """Put ``hop`` in place of stage ``index`` (same layers); call ``open`` next."""
+        if not 0 <= index < len(self.hops):
+            raise ValueError(f"stage index {index} is out of range [0, {len(self.hops)})")
+        old = self.hops[index]
+        if (hop.start, hop.end) != (old.start, old.end):
+            raise ValueError(
+                f"the replacement covers layers {hop.span}, stage {index} covers {old.span}"
+            )
+        self.hops[index] = hop
+        self._capability = capability
+        self._version = None
+
+    # ---- one optimizer step ---------------------------------------------------------
+
+    async def train_step(self, step: int, input_ids: np.ndarray, labels: np.ndarray) -> StepResult:
+        """Forward and backward every micro-batch, clip globally, step every stage."""
+        if self._version is None:
+            raise ValueError("call open() before train_step()")
+        if step != self._version:
+            raise ValueError(f"the stages are at step {self._version}, not {step}")
+        micro_batches = self._split(input_ids, labels)
+        began = time.perf_counter()
+        stage_ms = [0.0] * len(self.hops)
+        losses: list[tuple[float, int]] = [(0.0, 0)] * len(micro_batches)
+        window = asyncio.Semaphore(self.window)
+
+        async def one(mb: int) -> None:
+            async with window:
+                tokens, targets = micro_batches[mb]
+                losses[mb] = await self._forward(step, mb, tokens, targets, stage_ms)
+                await self._backward(step, mb, stage_ms)
+
+        await _all_or_cancel([one(mb) for mb in range(len(micro_batches))])
+        total_sq_norm = await self._global_sq_norm(step)
+        clip = clip_coefficient(total_sq_norm, self.hyper.max_grad_norm)
+
+        async def step_one(index: int, hop: TrainingHop) -> int:
+            request = training_pb2.OptimizerStepRequest(
+                capability=self._capability, job_id=self.job_id, step=step, clip_coef=clip
+            )
+            reply = await self._call(index, "OptimizerStep", request)
+            return reply.step
+
+        versions = await self._all(step_one)
+        if set(versions) != {step + 1}:
+            self._version = None
+            raise StageOutOfSync(
+                0, self.hops[0].node_id, f"stages answered versions {versions}, not {step + 1}"
+            )
+        self._version = step + 1
+        counted = sum(n for _, n in losses)
+        return StepResult(
+            step=step,
+            loss=sum(loss * n for loss, n in losses) / counted,
+            grad_norm=math.sqrt(total_sq_norm),
+            tokens=counted,
+            stage_ms=stage_ms,
+            wall_s=time.perf_counter() - began,
+        )
+
+    async def save_checkpoint(self, step: int) -> dict[tuple[int, int], str]:
+        """Every stage uploads its state at ``step``; returns layers -> sha256."""
+        if step != self._version:
+            raise ValueError(f"the stages are at step {self._version}, not {step}")
+
+        async def save_one(index: int, hop: TrainingHop) -> str:
+            request = training_pb2.SaveCheckpointRequest(
+                capability=self._capability, job_id=self.job_id, step=step
+            )
+            reply = await self._call(index, "SaveCheckpoint", request)
+            return reply.sha256
+
+        digests = await self._all(save_one)
+        return {(h.start, h.end): d for h, d in zip(self.hops, digests, strict=True)}
+
+    # ---- the walk -------------------------------------------------------------------
+
+    async def _forward(
+        self, step: int, mb: int, tokens: np.ndarray, labels: np.ndarray, stage_ms: list[float]
+    ) -> tuple[float, int]:
+        x = codec.encode(tokens, "int64")
+        last = len(self.hops) - 1
+        for index in range(len(self.hops)):
+            request = training_pb2.TrainForwardRequest(
+                capability=self._capability, job_id=self.job_id, step=step, micro_batch=mb
+            )
+            request.input.CopyFrom(x)
+            if index == last:
+                request.labels.CopyFrom(codec.encode(labels, "int64"))
+            reply = await self._call(index, "ForwardTrain", request)
+            stage_ms[index] += reply.compute_ms
+            if index == last:
+                return reply.loss, reply.label_tokens
+            x = reply.output
+        raise AssertionError("unreachable: the last stage answers with the loss")
+
+    async def _backward(self, step: int, mb: int, stage_ms: list[float]) -> None:
+        grad: common_pb2.Tensor | None = None
+        for index in reversed(range(len(self.hops))):
+            request = training_pb2.TrainBackwardRequest(
+                capability=self._capability, job_id=self.job_id, step=step, micro_batch=mb
+            )
+            if grad is not None:
+                request.grad_output.CopyFrom(grad)
+            reply = await self._call(index, "BackwardTrain", request)
+            stage_ms[index] += reply.compute_ms
+            grad = reply.grad_input if reply.HasField("grad_input") else None
+
+    async def _global_sq_norm(self, step: int) -> float:
+        async def norm_one(index: int, hop: TrainingHop) -> training_pb2.GradNormResponse:
+            request = training_pb2.GradNormRequest(
+                capability=self._capability, job_id=self.job_id, step=step
+            )
+            return await self._call(index, "GradNorm", request)
+
+        replies = await self._all(norm_one)
+        refused = [self.hops[i].node_id for i, r in enumerate(replies) if not r.finite]
+        if refused:
+            raise NonFiniteGradients(
+                f"step {step}: NaN/inf gradients on node(s) {', '.join(refused)}; the step was "
+                "abandoned and nothing was applied. Retry it, or lower the learning rate"
+            )
+        # A sum of fp64 per-stage sums: the norm one process would compute, to rounding.
+        return sum(r.sq_norm for r in replies)
+
+    # ---- calls ----------------------------------------------------------------------
+
+    async def _all(self, fn: Callable[[int, TrainingHop], Awaitable[T]]) -> list[T]:
+        return await _all_or_cancel([fn(i, hop) for i, hop in enumerate(self.hops)])
+
+    async def _call(self, index: int, method: str, request: object) -> Any:
+        hop = self.hops[index]
+        stub = training_pb2_grpc.TrainingStageStub(self._channels.get(hop.address))
+        try:
+            return await getattr(stub, method)(request, timeout=self.config.rpc_timeout_s)
+        except grpc.aio.AioRpcError as err:
+            code, details = err.code(), err.details() or ""
+            if code in CLIENT_FAULT_CODES:
+                raise RequestRejected(hop.node_id, hop.span, code, details) from err
+            if code == grpc.StatusCode.FAILED_PRECONDITION:
+                raise StageOutOfSync(index, hop.node_id, f"{method}: {details}") from err
+            raise StageFailed(index, hop.node_id, f"{method}: {code.name}: {details}") from err
+
+    def _split(
+        self, input_ids: np.ndarray, labels: np.ndarray
+    ) -> list[tuple[np.ndarray, np.ndarray]]:
+        ids, targets = np.asarray(input_ids), np.asarray(labels)
+        for name, array in (("input_ids", ids), ("labels", targets)):
+            if array.ndim != 2 or not np.issubdtype(array.dtype, np.integer):
+                raise ValueError(
+                    f"{name} must be integers [batch, seq], got {array.dtype} {list(array.shape)}"
+                )
+        if ids.shape != targets.shape:
+            raise ValueError(f"labels {list(targets.shape)} must match input_ids {list(ids.shape)}")
+        count = self.hyper.micro_batches
+        if ids.shape[0] % count:
+            raise ValueError(
+                f"a batch of {ids.shape[0]} sequences does not split into {count} equal "
+                "micro-batches; use a batch size that is a multiple of micro_batches"
+            )
+        parts = zip(
+            np.split(ids.astype(np.int64), count),
+            np.split(targets.astype(np.int64), count),
+            strict=True,
+        )
+        result = list(parts)
+        empty = [i for i, (_, t) in enumerate(result) if not (t != IGNORE_INDEX).any()]
+        if empty:
+            raise ValueError(
+                f"micro-batches {empty} have no label to learn from (all {IGNORE_INDEX})"
+            )
+        return result
+
+
+def clip_coefficient(total_sq_norm: float, max_norm: float) -> float:
+    """The scale global-norm clipping applies, exactly as torch's clip_grad_norm_ does
+    (and node_agent.runtime.training.clip_scale, which a one-process run uses)."""
+    if max_norm <= 0:
+        return 1.0
+    return min(1.0, max_norm / (math.sqrt(total_sq_norm) + 1e-6))
+
+
+async def _all_or_cancel(coros: list[Awaitable[T]]) -> list[T]:
+    """Run together; on the first failure cancel the rest and raise that failure."""
+    tasks = [asyncio.ensure_future(c) for c in coros]
+    try:
+        return list(await asyncio.gather(*tasks))
+    except BaseException:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        raise
+
+
+def _check_hops(hops: list[TrainingHop]) -> None:
+    if not hops:
+        raise ValueError("a training pipeline needs at least one hop")
+    if hops[0].start != 0:
+        raise ValueError(f"the first hop must start at layer 0, not {hops[0].start}")
+    for before, after in zip(hops, hops[1:], strict=False):
+        if after.start != before.end:
+            raise ValueError(
+                f"hops must tile the layers: {before.span} is followed by {after.span}"
+            )
+    empty = [h.span for h in hops if h.start >= h.end]
+    if empty:
+        raise ValueError(f"hops with no layers: {', '.join(empty)}")

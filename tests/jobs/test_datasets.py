@@ -1,0 +1,146 @@
+"""Datasets: uploaded once as token shards, deduplicated, downloaded intact; bad uploads refused."""
+
+from __future__ import annotations
+
+import hashlib
+
+import grpc
+import numpy as np
+import pytest
+from jobs.jobs_harness import JobsCoordinator, aiter_of
+
+from client.datasets import (
+    SHARD_TOKENS,
+    BatchSampler,
+    TokenDataset,
+    tokens_from_chunks,
+    upload_messages,
+)
+from coordinator.jobs.limits import JobLimits
+from protos.datasets import dataset_id
+from protos.tessera.v1 import jobs_pb2
+
+
+def _header(tokens: np.ndarray, **fields) -> jobs_pb2.DatasetChunk:
+    data = tokens.astype("<i4").tobytes()
+    header = jobs_pb2.DatasetHeader(
+        name="d",
+        shards=[
+            jobs_pb2.DatasetShard(sha256=hashlib.sha256(data).hexdigest(), num_tokens=len(tokens))
+        ],
+    )
+    for key, value in fields.items():
+        setattr(header, key, value)
+    return jobs_pb2.DatasetChunk(header=header)
+
+
+def _data(payload: bytes, shard: int = 0, offset: int = 0) -> jobs_pb2.DatasetChunk:
+    return jobs_pb2.DatasetChunk(
+        data=jobs_pb2.DatasetData(shard=shard, offset=offset, data=payload)
+    )
+
+
+async def _refused(jc: JobsCoordinator, messages: list) -> grpc.aio.AioRpcError:
+    with pytest.raises(grpc.aio.AioRpcError) as caught:
+        await jc.stub.UploadDataset(aiter_of(messages))
+    # The coordinator survives and still answers.
+    assert (await jc.stub.ListJobs(jobs_pb2.ListJobsRequest())) is not None
+    return caught.value
+
+
+async def test_upload_is_stored_once_and_comes_back_intact(start_jobs) -> None:
+    jc = await start_jobs(nodes=0)
+    tokens = np.arange(SHARD_TOKENS + 1000, dtype=np.int32) % 50  # two shards
+    dataset = TokenDataset("d", tokens)
+    info = await jc.upload(tokens)
+    assert info.id == dataset.id == dataset_id(dataset.shard_list(), 0)
+    assert info.num_tokens == len(tokens) and len(info.shards) == 2 and info.max_token_id == 49
+
+    blobs_before = sorted(jc.jobs.blobs.all_digests())
+    again = await jc.upload(tokens)  # same content: same id, no new blob
+    assert again.id == info.id and sorted(jc.jobs.blobs.all_digests()) == blobs_before
+
+    assert (await jc.stub.GetDataset(jobs_pb2.DatasetRef(id=info.id))).num_tokens == len(tokens)
+    chunks = [c async for c in jc.stub.DownloadDataset(jobs_pb2.DatasetRef(id=info.id))]
+    assert np.array_equal(tokens_from_chunks(chunks).tokens, tokens)
+
+
+async def test_unknown_dataset_is_not_found(start_jobs) -> None:
+    jc = await start_jobs(nodes=0)
+    for dataset in ("0" * 64, "not-a-digest", ""):
+        with pytest.raises(grpc.aio.AioRpcError) as caught:
+            await jc.stub.GetDataset(jobs_pb2.DatasetRef(id=dataset))
+        assert caught.value.code() == grpc.StatusCode.NOT_FOUND
+        with pytest.raises(grpc.aio.AioRpcError) as caught:
+            _ = [c async for c in jc.stub.DownloadDataset(jobs_pb2.DatasetRef(id=dataset))]
+        assert caught.value.code() == grpc.StatusCode.NOT_FOUND
+
+
+async def test_malformed_uploads_are_refused_and_leave_nothing(start_jobs) -> None:
+    jc = await start_jobs(nodes=0)
+    tokens = np.arange(100, dtype=np.int32)
+    good = tokens.astype("<i4").tobytes()
+    cases = {
+        "empty stream": [],
+        "data first": [_data(good)],
+        "two headers": [_header(tokens), _header(tokens)],
+        "bad digest string": [_header(tokens, name="d")]
+        and [
+            jobs_pb2.DatasetChunk(
+                header=jobs_pb2.DatasetHeader(
+                    name="d", shards=[jobs_pb2.DatasetShard(sha256="xyz", num_tokens=100)]
+                )
+            )
+        ],  # fmt: skip
+        "no shards": [jobs_pb2.DatasetChunk(header=jobs_pb2.DatasetHeader(name="d"))],
+        "no name": [_header(tokens, name="")],
+        "hash mismatch": [_header(tokens), _data(good[:-4] + b"\x01\x00\x00\x00")],
+        "negative token": [_header(-tokens - 1), _data((-tokens - 1).astype("<i4").tobytes())],
+        "split token": [_header(tokens), _data(good[:3]), _data(good[3:], offset=3)],
+        "wrong offset": [_header(tokens), _data(good, offset=8)],
+        "too many bytes": [_header(tokens), _data(good + b"\0\0\0\0")],
+        "truncated": [_header(tokens), _data(good[:200])],
+        "wrong shard": [_header(tokens), _data(good, shard=3)],
+        "examples do not divide": [_header(tokens, example_len=7), _data(good)],
+    }
+    for label, messages in cases.items():
+        error = await _refused(jc, messages)
+        assert error.code() == grpc.StatusCode.INVALID_ARGUMENT, (label, error.details())
+    assert list(jc.jobs.blobs.all_digests()) == []
+    assert list(jc.jobs.blobs.incoming.iterdir()) == []
+
+
+async def test_oversized_dataset_is_refused_before_any_byte(start_jobs) -> None:
+    jc = await start_jobs(nodes=0)
+    jc.set_limits(JobLimits(max_dataset_bytes=1000))
+    tokens = np.arange(1000, dtype=np.int32)
+    error = await _refused(jc, [_header(tokens)])
+    assert error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert "limit" in error.details()
+    header = _header(tokens[:10])
+    header.header.shards.extend(list(header.header.shards))
+    jc.set_limits(JobLimits(max_dataset_shards=1))
+    assert (await _refused(jc, [header])).code() == grpc.StatusCode.INVALID_ARGUMENT
+
+
+def test_batches_are_deterministic_and_cover_the_data() -> None:
+    tokens = np.arange(9 * 40, dtype=np.int32)
+    sampler = BatchSampler(TokenDataset("d", tokens), seq_len=8, batch_size=4, seed=3)
+    again = BatchSampler(TokenDataset("d", tokens), seq_len=8, batch_size=4, seed=3)
+    first_epoch = []
+    for step in range(10):
+        inputs, labels = sampler.batch(step)
+        assert inputs.shape == labels.shape == (4, 8) and inputs.dtype == np.int64
+        assert np.array_equal(labels[:, :-1], inputs[:, 1:])  # labels are the next tokens
+        assert np.array_equal(inputs, again.batch(step)[0])
+        first_epoch.extend(int(row[0]) // 9 for row in inputs)
+    assert sorted(first_epoch) == list(range(40))  # every window once per epoch
+    other_seed = BatchSampler(TokenDataset("d", tokens), seq_len=8, batch_size=4, seed=4)
+    assert not np.array_equal(other_seed.batch(0)[0], sampler.batch(0)[0])
+
+
+def test_upload_messages_split_on_token_boundaries() -> None:
+    dataset = TokenDataset("d", np.arange(10, dtype=np.int32))
+    messages = list(upload_messages(dataset))
+    assert messages[0].HasField("header")
+    assert all(len(m.data.data) % 4 == 0 for m in messages[1:])
