@@ -14,10 +14,10 @@ from dataclasses import dataclass
 
 import sqlite_utils
 
-from coordinator.ledger.schema import MIGRATION_NAME as LEDGER_MIGRATION
-from coordinator.ledger.schema import create_ledger_tables
 from coordinator.jobs.schema import MIGRATION_NAME as JOBS_MIGRATION
 from coordinator.jobs.schema import create_jobs_tables
+from coordinator.ledger.schema import MIGRATION_NAME as LEDGER_MIGRATION
+from coordinator.ledger.schema import create_ledger_tables
 from coordinator.model_store.schema import MIGRATION_NAME as MODEL_STORE_MIGRATION
 from coordinator.model_store.schema import create_model_store_tables
 
