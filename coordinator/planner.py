@@ -47,6 +47,7 @@ class ModelSpec:
     embed_params: int  # held by the first stage
     head_params: int  # final norm + LM head, held by the last stage
     kv_values_per_token_per_layer: int  # 2 * kv_heads * head_dim
+    hidden_size: int = 0  # what one hop sends per token (hidden states); 0 = unknown
 
 
 @dataclass(frozen=True)
@@ -58,6 +59,10 @@ class NodeSpec:
     kv_tokens: int = 4096  # KV cache budget per shard, in tokens
     mem_bandwidth: float = 0.0  # GB/s; 0 = unknown (layer time from speed alone)
     region: str = ""  # nodes of one region form pipelines together first
+    # Measured by the coordinator (coordinator/measurements.py); 0 = not measured yet.
+    layer_ms: float = 0.0  # compute time of one layer for one token; beats the roofline
+    rtt_ms: float = 0.0  # typical round trip to the peers it hands off to (median)
+    upload_mbps: float = 0.0  # uplink: pushing a token's hidden state to the next hop
 
 
 @dataclass(frozen=True)
@@ -158,7 +163,10 @@ def _fits_any_position(model: ModelSpec, node: NodeSpec, n: int, used: int) -> b
 
 
 def layer_seconds(model: ModelSpec, node: NodeSpec) -> float:
-    """Estimated decode time of one layer for one token (roofline of compute and memory)."""
+    """Decode time of one layer for one token: measured when the coordinator has enough
+    samples, else the roofline of compute and memory bandwidth."""
+    if node.layer_ms > 0:
+        return node.layer_ms / 1000.0
     compute = 2.0 * model.params_per_layer / (max(node.speed, 1e-9) * 1e12)
     if node.mem_bandwidth <= 0:
         return compute
@@ -215,13 +223,37 @@ def estimated_tokens_per_s(
         seconds = sum(
             model_plan.holders[n.node_id].layers * layer_seconds(model, n) for n in members
         )
-        total += 1.0 / (seconds + _network_seconds(members))
+        total += 1.0 / (seconds + network_seconds(model, members))
     return total
 
 
-def _network_seconds(members: Sequence[NodeSpec]) -> float:
+def handoff_seconds(model: ModelSpec, node: NodeSpec) -> float:
+    """Time for `node` to push one token's hidden state out of its uplink (0 if unknown)."""
+    if node.upload_mbps <= 0 or model.hidden_size <= 0:
+        return 0.0
+    return model.hidden_size * node.dtype_bytes * 8 / (node.upload_mbps * 1e6)
+
+
+def network_seconds(model: ModelSpec, members: Sequence[NodeSpec]) -> float:
+    """Estimated network time of one token through a chain, in chain order.
+
+    With measured RTTs: the client's round trip to the ends (about each end's typical RTT,
+    halved twice) plus, per hand-off, half the mean of the two nodes' typical RTTs and the
+    sender's upload time. Unmeasured nodes count `HOP_S` per hand-off. Crossing regions
+    costs `CROSS_REGION_S` per extra region either way (typical RTTs are within a region).
+    """
     regions = {n.region for n in members}
-    return (len(members) - 1) * HOP_S + (len(regions) - 1) * CROSS_REGION_S
+    total = (len(regions) - 1) * CROSS_REGION_S
+    if not all(n.rtt_ms > 0 for n in members):
+        return (
+            total
+            + (len(members) - 1) * HOP_S
+            + sum(handoff_seconds(model, n) for n in members[:-1])
+        )
+    total += (members[0].rtt_ms + members[-1].rtt_ms) / 2000.0
+    for a, b in zip(members, members[1:], strict=False):
+        total += (a.rtt_ms + b.rtt_ms) / 4000.0 + handoff_seconds(model, a)
+    return total
 
 
 # ---- pipelines (min_stages == 1) ------------------------------------------------------------
@@ -237,6 +269,12 @@ class _Cand:
     last: int  # layers next to the LM head
     both: int  # layers next to both
     seconds: float  # per layer and token
+    send_s: float  # hand-off of one token's hidden state to the next member
+
+    @property
+    def shape(self) -> tuple[str, int, int, int, int]:
+        """Nodes of one shape can swap places in pipelines without changing what fits."""
+        return (self.node.region, self.mid, self.first, self.last, self.both)
 
     @property
     def node_id(self) -> str:
@@ -258,31 +296,31 @@ def _candidate(model: ModelSpec, node: NodeSpec, used: int) -> _Cand | None:
     if mid <= 0:
         return None
     return _Cand(
-        node, mid, layers(embed), layers(head), layers(embed + head), layer_seconds(model, node)
+        node,
+        mid,
+        layers(embed),
+        layers(head),
+        layers(embed + head),
+        layer_seconds(model, node),
+        handoff_seconds(model, node),
     )
 
 
 def _pick_ends(members: Sequence[_Cand]) -> tuple[int, int]:
     """Indices of the members that hold the embedding and the LM head: the pair that loses
-    the fewest layers to them (a node with spare room, or one clipped at L, loses none)."""
-    best_f = best_f2 = -1
-    best_l = best_l2 = -1
+    the fewest layers to them (a node with spare room, or one clipped at L, loses none).
+    Among equals the slowest uploader goes last: the last member hands nothing on."""
+    if len(members) == 1:
+        return 0, 0
     loss_f = [c.mid - c.first for c in members]
     loss_l = [c.mid - c.last for c in members]
-    for i in range(len(members)):
-        if best_f < 0 or loss_f[i] < loss_f[best_f]:
-            best_f, best_f2 = i, best_f
-        elif best_f2 < 0 or loss_f[i] < loss_f[best_f2]:
-            best_f2 = i
-        if best_l < 0 or loss_l[i] < loss_l[best_l]:
-            best_l, best_l2 = i, best_l
-        elif best_l2 < 0 or loss_l[i] < loss_l[best_l2]:
-            best_l2 = i
-    if best_f != best_l:
-        return best_f, best_l
-    if loss_f[best_f] + loss_l[best_l2] <= loss_f[best_f2] + loss_l[best_l]:
-        return best_f, best_l2
-    return best_f2, best_l
+    by_f = sorted(range(len(members)), key=lambda i: (loss_f[i], members[i].send_s))[:2]
+    by_l = sorted(range(len(members)), key=lambda i: (loss_l[i], -members[i].send_s))[:2]
+    if by_f[0] != by_l[0]:
+        return by_f[0], by_l[0]
+    if loss_f[by_f[0]] + loss_l[by_l[1]] <= loss_f[by_f[1]] + loss_l[by_l[0]]:
+        return by_f[0], by_l[1]
+    return by_f[1], by_l[0]
 
 
 def _ends(members: Sequence[_Cand]) -> tuple[list[_Cand], list[int]]:
@@ -384,6 +422,62 @@ def _bin_cover(
     return pipelines, pool
 
 
+Chain = list[tuple[_Cand, int, int]]
+
+
+def _chain_seconds(model: ModelSpec, chain: Chain) -> float:
+    """Estimated time per token through a chain (the objective's per-pipeline term)."""
+    compute = sum((b - a) * c.seconds for c, a, b in chain)
+    return compute + network_seconds(model, [c.node for c, _, _ in chain])
+
+
+def _own_seconds(c: _Cand) -> float:
+    """What a member adds to its pipeline's time per token, for ranking nodes of a shape."""
+    return c.mid * c.seconds + c.node.rtt_ms / 2000.0 + c.send_s
+
+
+def _refine(model: ModelSpec, pipelines: list[Chain], rounds: int = 2) -> list[Chain]:
+    """Local search on the objective: nodes of one shape (region and what fits) trade places
+    across pipelines so that fast nodes end up together and slow ones together.
+
+    Served tokens/s sums 1 / latency over pipelines, a convex function of the latencies: for
+    the same nodes, spreading latencies apart (assortative grouping) serves more. Each
+    shape's reassignment is kept only if the objective over the pipelines it touched rises.
+    Sorting only: O(n log n) per round.
+    """
+    pipelines = list(pipelines)
+    seconds = [_chain_seconds(model, chain) for chain in pipelines]
+    for _ in range(rounds):
+        improved = False
+        places: dict[tuple[str, int, int, int, int], list[tuple[int, int]]] = {}
+        for p, chain in enumerate(pipelines):
+            for i, (c, _, _) in enumerate(chain):
+                places.setdefault(c.shape, []).append((p, i))
+        for spots in places.values():
+            if len(spots) < 2:
+                continue
+            members = [[c for c, _, _ in pipelines[p]] for p in range(len(pipelines))]
+            nodes = sorted((members[p][i] for p, i in spots), key=_own_seconds)
+            rest = sorted(spots, key=lambda s: seconds[s[0]] - _own_seconds(members[s[0]][s[1]]))
+            touched = {p for p, _ in spots}
+            for (p, i), node in zip(rest, nodes, strict=True):
+                members[p][i] = node
+            rebuilt = {p: _chain(model, members[p]) for p in touched}
+            if any(chain is None for chain in rebuilt.values()):
+                continue
+            new_seconds = {p: _chain_seconds(model, chain) for p, chain in rebuilt.items()}
+            before = sum(1.0 / seconds[p] for p in touched)
+            after = sum(1.0 / new_seconds[p] for p in touched)
+            if after > before * (1 + 1e-9):
+                for p, chain in rebuilt.items():
+                    pipelines[p] = chain  # type: ignore[assignment]
+                    seconds[p] = new_seconds[p]
+                improved = True
+        if not improved:
+            break
+    return pipelines
+
+
 def _form_pipelines(
     model: ModelSpec, cands: list[_Cand]
 ) -> tuple[list[list[tuple[_Cand, int, int]]], list[_Cand]]:
@@ -400,7 +494,7 @@ def _form_pipelines(
     if len(by_region) > 1:
         made, rest = _bin_cover(model, rest)
         pipelines += made
-    return pipelines, rest
+    return _refine(model, pipelines), rest
 
 
 def _place_chain(
