@@ -70,11 +70,16 @@ def test_admission_stops_when_a_node_on_the_route_has_no_free_slot():
 
 def test_upper_bound_by_hand_for_one_node_that_holds_everything():
     s = swarm(node("a"))
-    # 4 slots x 4 layers at batch-1 cost; network floor = the client's 20 ms round trip.
-    layer = (WEIGHTS + KV_PER_SESSION) / 1e11
-    expected = 4 / (0.020 + 4 * layer)
-    assert upper_bound_tokens_per_s(s, [HOME]) == pytest.approx(expected)
-    # The same node really serving 4 sessions is slower (batch 4), so below the bound.
-    layer4 = (WEIGHTS + 4 * KV_PER_SESSION) / 1e11
-    real = 4 / (0.020 + 4 * layer4)
+
+    # One node, no hops. The j-th of its 4 slots serves a session that pays at least the
+    # layer time at batch j on its 4 layers; network floor = the client's 20 ms round trip.
+    def layer(batch: int) -> float:
+        return (WEIGHTS + batch * KV_PER_SESSION) / 1e11
+
+    expected = sum(1 / (0.020 + 4 * layer(j)) for j in range(1, 5))
+    assert upper_bound_tokens_per_s(s, [HOME] * 10) == pytest.approx(expected)
+    # Each client is one session: one client, one slot's worth.
+    assert upper_bound_tokens_per_s(s, [HOME]) == pytest.approx(1 / (0.020 + 4 * layer(1)))
+    # The same node really serving 4 sessions is slower (batch 4 for all), so below the bound.
+    real = 4 / (0.020 + 4 * layer(4))
     assert real < expected
