@@ -60,7 +60,9 @@ class NodeSpec:
     mem_bandwidth: float = 0.0  # GB/s; 0 = unknown (layer time from speed alone)
     region: str = ""  # nodes of one region form pipelines together first
     # Measured by the coordinator (coordinator/measurements.py); 0 = not measured yet.
-    layer_ms: float = 0.0  # compute time of one layer for one token; beats the roofline
+    # compute time per billion parameters and token (decode reads each weight once per
+    # token, so this serves every model); beats the roofline
+    ms_per_gparam: float = 0.0
     rtt_ms: float = 0.0  # typical round trip to the peers it hands off to (median)
     upload_mbps: float = 0.0  # uplink: pushing a token's hidden state to the next hop
 
@@ -165,8 +167,8 @@ def _fits_any_position(model: ModelSpec, node: NodeSpec, n: int, used: int) -> b
 def layer_seconds(model: ModelSpec, node: NodeSpec) -> float:
     """Decode time of one layer for one token: measured when the coordinator has enough
     samples, else the roofline of compute and memory bandwidth."""
-    if node.layer_ms > 0:
-        return node.layer_ms / 1000.0
+    if node.ms_per_gparam > 0:
+        return node.ms_per_gparam * model.params_per_layer / 1e12
     compute = 2.0 * model.params_per_layer / (max(node.speed, 1e-9) * 1e12)
     if node.mem_bandwidth <= 0:
         return compute
