@@ -29,6 +29,12 @@ HEADROOM = 0.10
 # A fresh plan replaces the kept one only when its estimated served throughput is this
 # much higher: moving weights costs minutes of downloads, and estimates are noisy.
 HYSTERESIS = 0.20
+# Moving weights pays off only over the time the new layout will last: about a node's
+# median session (an hour; see bench/placement_sim/churn.py). A move that takes m seconds
+# of downloads must gain enough over the rest of this horizon (see `worth_moving`).
+PAYBACK_S = 3600.0
+# Download rate assumed for a node that has not reported one (Mb/s).
+DEFAULT_DOWNLOAD_MBPS = 100.0
 # Estimated cost of one hand-off between two nodes of a pipeline (serialisation plus a
 # one-way trip inside a region), and the extra when the pipeline crosses regions. Only
 # used to compare plans; the router uses measured RTTs.
@@ -51,6 +57,20 @@ class ModelSpec:
 
 
 @dataclass(frozen=True)
+class Shard:
+    model: str
+    start: int
+    end: int
+
+    def covers(self, start: int, end: int) -> bool:
+        return self.start <= start and end <= self.end
+
+    @property
+    def layers(self) -> int:
+        return self.end - self.start
+
+
+@dataclass(frozen=True)
 class NodeSpec:
     node_id: str
     usable_bytes: int
@@ -65,20 +85,8 @@ class NodeSpec:
     ms_per_gparam: float = 0.0
     rtt_ms: float = 0.0  # typical round trip to the peers it hands off to (median)
     upload_mbps: float = 0.0  # uplink: pushing a token's hidden state to the next hop
-
-
-@dataclass(frozen=True)
-class Shard:
-    model: str
-    start: int
-    end: int
-
-    def covers(self, start: int, end: int) -> bool:
-        return self.start <= start and end <= self.end
-
-    @property
-    def layers(self) -> int:
-        return self.end - self.start
+    download_mbps: float = 0.0  # fetching weights (0: DEFAULT_DOWNLOAD_MBPS)
+    cached: tuple[Shard, ...] = ()  # shards whose weights the node has on disk already
 
 
 @dataclass
@@ -571,22 +579,115 @@ def _plan_pipelines(
     replicas: int,
     hysteresis: float,
 ) -> ModelPlan:
+    if old is None:
+        return _fresh_pipelines(model, nodes, used, replicas)
     before = dict(used)
-    fresh = _fresh_pipelines(model, nodes, used, replicas)
-    if old is None or (not old.holders and not fresh.holders):
-        return fresh
-    fresh_used = dict(used)
+    candidates = replan_candidates(model, nodes, old, replicas, used)
+    choice = choose_replan(model, old, candidates, by_id, hysteresis)
     used.clear()
     used.update(before)
-    kept = _kept_pipelines(model, nodes, by_id, used, old, replicas)
-    gain = estimated_tokens_per_s(model, fresh, by_id)
-    if gain > estimated_tokens_per_s(model, kept, by_id) * (1 + hysteresis) or (
-        kept.missing_layers() and not fresh.missing_layers()
-    ):
-        used.clear()
-        used.update(fresh_used)
-        return fresh
-    return kept
+    for node_id, shard in candidates[choice].holders.items():
+        used[node_id] += shard_bytes(model, by_id[node_id], shard.start, shard.end)
+    return candidates[choice]
+
+
+def replan_candidates(
+    model: ModelSpec,
+    nodes: Sequence[NodeSpec],
+    old: ModelPlan,
+    replicas: int,
+    used: Mapping[str, int] | None = None,
+) -> dict[str, ModelPlan]:
+    """The plans a re-plan chooses from (`choose_replan`), cheapest to move first:
+
+    - kept: no surviving shard moves; broken pipelines repaired by idle nodes; idle nodes
+      form new pipelines; the rest replicate.
+    - repaired: as kept, but replicas outside pipelines are idle too (they repair broken
+      pipelines and form new ones), and survivors of pipelines that cannot be repaired
+      rejoin the pool: whole pipelines never move.
+    - fresh: everything planned from scratch.
+    """
+    node_list = sorted(nodes, key=lambda n: (-n.speed, -n.usable_bytes, n.node_id))
+    by_id = {n.node_id: n for n in node_list}
+    base = dict(used) if used is not None else {n.node_id: 0 for n in node_list}
+    kept = _kept_pipelines(model, node_list, by_id, dict(base), old, replicas)
+    fresh = _fresh_pipelines(model, node_list, dict(base), replicas)
+    repaired = _kept_pipelines(model, node_list, by_id, dict(base), old, replicas, release=True)
+    return {"kept": kept, "repaired": repaired, "fresh": fresh}
+
+
+def choose_replan(
+    model: ModelSpec,
+    old: ModelPlan,
+    candidates: Mapping[str, ModelPlan],
+    nodes: Mapping[str, NodeSpec],
+    hysteresis: float,
+) -> str:
+    """Keep the plan unless another one is worth its moves (`worth_moving`); a kept plan
+    that cannot serve the model gives way to the candidate that can, moving least."""
+    kept = candidates["kept"]
+    base = estimated_tokens_per_s(model, kept, nodes)
+    complete = [name for name in ("repaired", "fresh") if not candidates[name].missing_layers()]
+    if kept.missing_layers() and complete:
+        return min(complete, key=lambda n: move_seconds(model, old, candidates[n], nodes))
+    # A ladder, cheapest move first: each step must be worth its own moves over the plan
+    # it would replace (a fresh plan must beat the repaired one, not only the kept one).
+    best, best_value = "kept", base
+    for name in ("repaired", "fresh"):
+        plan_ = candidates[name]
+        if plan_.missing_layers() and not kept.missing_layers():
+            continue
+        gain = estimated_tokens_per_s(model, plan_, nodes)
+        move = move_seconds(model, old, plan_, nodes)
+        if worth_moving(best_value, gain, move, hysteresis):
+            best, best_value = name, gain
+    return best
+
+
+def worth_moving(kept: float, new: float, move_s: float, hysteresis: float) -> bool:
+    """Switch to a plan serving `new` tokens/s (estimated) from one serving `kept` when the
+    move, `move_s` seconds of downloads during which the old shards keep serving (load
+    before drop), gains more than `hysteresis` x kept over the payback horizon:
+
+        (new - kept) x (PAYBACK_S - move_s) > hysteresis x kept x PAYBACK_S
+
+    With instant moves this is new > kept x (1 + hysteresis); a move as long as the
+    horizon is never worth it."""
+    if math.isinf(hysteresis) or move_s >= PAYBACK_S:
+        return False
+    return (new - kept) * (PAYBACK_S - move_s) > hysteresis * kept * PAYBACK_S
+
+
+def fetch_bytes(model: ModelSpec, node: NodeSpec, old: Shard | None, new: Shard) -> int:
+    """Weights `node` must download to serve `new`: layers (and the embedding or LM head)
+    that neither its current shard nor a cached one holds."""
+    have = [s for s in (old, *node.cached) if s is not None and s.model == new.model]
+    missing = sum(
+        1 for layer in range(new.start, new.end) if not any(s.start <= layer < s.end for s in have)
+    )
+    total = missing * model.params_per_layer
+    if new.start == 0 and not any(s.start == 0 for s in have):
+        total += model.embed_params
+    if new.end == model.num_layers and not any(s.end == model.num_layers for s in have):
+        total += model.head_params
+    return total * node.dtype_bytes
+
+
+def move_seconds(
+    model: ModelSpec, old: ModelPlan, new: ModelPlan, nodes: Mapping[str, NodeSpec]
+) -> float:
+    """How long the move from `old` to `new` downloads: nodes fetch in parallel, so the
+    slowest node's bytes / its download rate."""
+    slowest = 0.0
+    for node_id, shard in new.holders.items():
+        node = nodes.get(node_id)
+        if node is None:
+            continue
+        fetched = fetch_bytes(model, node, old.holders.get(node_id), shard)
+        if fetched:
+            rate = (node.download_mbps or DEFAULT_DOWNLOAD_MBPS) * 1e6 / 8
+            slowest = max(slowest, fetched / rate)
+    return slowest
 
 
 def _kept_pipelines(
@@ -596,15 +697,23 @@ def _kept_pipelines(
     used: dict[str, int],
     old: ModelPlan,
     replicas: int,
+    *,
+    release: bool = False,
 ) -> ModelPlan:
     """The previous plan minus vanished nodes; broken pipelines repaired with idle nodes;
-    idle nodes forming new pipelines. No surviving shard moves."""
+    idle nodes forming new pipelines. No surviving shard moves.
+
+    `release`: replicas outside pipelines, and survivors of pipelines that cannot be
+    repaired, are idle too (their shards may move); pipelines that are whole stay put."""
     n_layers = model.num_layers
     kept = ModelPlan(model.name, [0, n_layers])
     if old.boundaries[-1] != n_layers:
         old = ModelPlan(model.name, [0, n_layers])
+    in_pipeline = {nid for pipe in old.pipelines for nid in pipe}
     for node_id, shard in old.holders.items():
         node = by_id.get(node_id)
+        if release and node_id not in in_pipeline:
+            continue
         if node and fits(model, node, shard.start, shard.end, used[node_id]):
             kept.holders[node_id] = shard
             used[node_id] += shard_bytes(model, node, shard.start, shard.end)
@@ -622,13 +731,45 @@ def _kept_pipelines(
         if not survivors:
             continue
         repaired = _repair(model, kept, survivors, idle, by_id, used)
+        if repaired is None and not release:
+            # Replicas outside pipelines are fail-over alternates: when no idle node
+            # can fill the hole, one of them moves into it (only it fetches weights).
+            spares = _spare_candidates(model, kept, in_pipeline, by_id, used)
+            repaired = _repair(model, kept, survivors, spares, by_id, used)
         if repaired is not None:
             kept.pipelines.append(repaired)
+        elif release:
+            for nid in survivors:
+                shard = kept.holders.pop(nid)
+                used[nid] -= shard_bytes(model, by_id[nid], shard.start, shard.end)
+                if (c := _candidate(model, by_id[nid], used[nid])) is not None:
+                    idle.append(c)
     pipelines, rest = _form_pipelines(model, idle)
     for chain in pipelines:
         _place_chain(model, kept, chain, used)
     _fill_floor(model, kept, rest, used, replicas)
     return kept
+
+
+def _spare_candidates(
+    model: ModelSpec,
+    kept: ModelPlan,
+    old_members: set[str],
+    by_id: Mapping[str, NodeSpec],
+    used: Mapping[str, int],
+) -> list[_Cand]:
+    """Holders that were in no pipeline and are in none now (replicas), sized as if their
+    replica shard were dropped."""
+    members = old_members | {nid for pipe in kept.pipelines for nid in pipe}
+    spares = []
+    for nid, shard in kept.holders.items():
+        if nid in members:
+            continue
+        node = by_id[nid]
+        free = used[nid] - shard_bytes(model, node, shard.start, shard.end)
+        if (c := _candidate(model, node, free)) is not None:
+            spares.append(c)
+    return spares
 
 
 def _repair(
@@ -655,35 +796,76 @@ def _repair(
     picks: list[tuple[_Cand, int, int]] = []
     taken: set[str] = set()
     for a, b in holes:
-        need = b - a
-        best: _Cand | None = None
-        best_key: tuple[bool, int, float, str] | None = None
-        for c in idle:
-            if c.node_id in taken:
-                continue
-            if a == 0 and b == n_layers:
-                room = c.both
-            elif a == 0:
-                room = c.first
-            elif b == n_layers:
-                room = c.last
-            else:
-                room = c.mid
-            if room < need:
-                continue
-            key = (c.node.region != region, room, c.seconds, c.node_id)
-            if best_key is None or key < best_key:
-                best, best_key = c, key
-        if best is None:
-            return None
-        picks.append((best, a, b))
-        taken.add(best.node_id)
+        best = _hole_filler(model, idle, taken, region, a, b)
+        if best is not None:
+            picks.append((best, a, b))
+            taken.add(best.node_id)
+            continue
+        # No idle node holds the whole hole: cover it with several, largest first.
+        p = a
+        while p < b:
+            part = _largest_filler(model, idle, taken, region, p, b)
+            if part is None:
+                return None
+            picks.append(part)
+            taken.add(part[0].node_id)
+            p = part[2]
     for cand, a, b in picks:
+        replaced = kept.holders.pop(cand.node_id, None)  # a spare replica moving in
+        if replaced is not None:
+            used[cand.node_id] -= shard_bytes(model, cand.node, replaced.start, replaced.end)
         kept.holders[cand.node_id] = Shard(model.name, a, b)
         used[cand.node_id] += shard_bytes(model, cand.node, a, b)
     idle[:] = [c for c in idle if c.node_id not in taken]
     members = survivors + [c.node_id for c, _, _ in picks]
     return tuple(sorted(members, key=lambda nid: kept.holders[nid].start))
+
+
+def _room(model: ModelSpec, c: _Cand, a: int, b: int) -> int:
+    """Layers c holds in a range [a, b) (the embedding with layer 0, the head with L)."""
+    n_layers = model.num_layers
+    if a == 0:
+        return c.both if b == n_layers else c.first
+    return c.last if b == n_layers else c.mid
+
+
+def _hole_filler(
+    model: ModelSpec, idle: Sequence[_Cand], taken: set[str], region: str, a: int, b: int
+) -> _Cand | None:
+    """The idle node that fills [a, b) alone: same region, cached, smallest, fastest first."""
+    best: _Cand | None = None
+    best_key: tuple[bool, bool, int, float, str] | None = None
+    for c in idle:
+        if c.node_id in taken:
+            continue
+        room = _room(model, c, a, b)
+        if room < b - a:
+            continue
+        cached = any(x.model == model.name and x.covers(a, b) for x in c.node.cached)
+        key = (c.node.region != region, not cached, room, c.seconds, c.node_id)
+        if best_key is None or key < best_key:
+            best, best_key = c, key
+    return best
+
+
+def _largest_filler(
+    model: ModelSpec, idle: Sequence[_Cand], taken: set[str], region: str, p: int, b: int
+) -> tuple[_Cand, int, int] | None:
+    """The idle node (same region first) that covers the most of [p, b) from p."""
+    best: tuple[_Cand, int, int] | None = None
+    best_key: tuple[bool, int, float, str] | None = None
+    for c in idle:
+        if c.node_id in taken:
+            continue
+        q = min(b, p + _room(model, c, p, p + 1))
+        if _room(model, c, p, q) < q - p:  # the head makes it lose layers at the end
+            q = p + _room(model, c, p, q)
+        if q <= p:
+            continue
+        key = (c.node.region != region, -(q - p), c.seconds, c.node_id)
+        if best_key is None or key < best_key:
+            best, best_key = (c, p, q), key
+    return best
 
 
 # ---- one stage layout (min_stages > 1) ------------------------------------------------------

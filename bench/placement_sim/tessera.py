@@ -65,6 +65,7 @@ class TesseraSystem:
                 region=n.site.region,
                 rtt_ms=peers[n.node_id],
                 upload_mbps=n.site.access.up_mbps,
+                download_mbps=n.site.access.down_mbps,
             )
             for n in self.swarm.nodes.values()
         ]
