@@ -469,9 +469,13 @@ def _refine(model: ModelSpec, pipelines: list[Chain], rounds: int = 2) -> list[C
             members = [[c for c, _, _ in pipelines[p]] for p in range(len(pipelines))]
             nodes = sorted((members[p][i] for p, i in spots), key=_own_seconds)
             rest = sorted(spots, key=lambda s: seconds[s[0]] - _own_seconds(members[s[0]][s[1]]))
-            touched = {p for p, _ in spots}
+            touched = set()
             for (p, i), node in zip(rest, nodes, strict=True):
-                members[p][i] = node
+                if members[p][i] is not node:
+                    members[p][i] = node
+                    touched.add(p)
+            if not touched:
+                continue
             rebuilt = {p: _chain(model, members[p]) for p in touched}
             if any(chain is None for chain in rebuilt.values()):
                 continue
@@ -485,6 +489,43 @@ def _refine(model: ModelSpec, pipelines: list[Chain], rounds: int = 2) -> list[C
                 improved = True
         if not improved:
             break
+    return pipelines
+
+
+SWAP_TRIES_PER_PIPELINE = 40
+MAX_SWAP_TRIES = 3000  # bounds plan time on large swarms (about 0.1 s)
+
+
+def _swap_search(model: ModelSpec, pipelines: list[Chain]) -> list[Chain]:
+    """Local search on the objective across shapes: two members of two pipelines (same
+    region) trade places when both pipelines still cover [0, L) and the sum of 1 / latency
+    rises. Pairs are drawn by a fixed pseudo-random sequence, so plans stay reproducible."""
+    count = len(pipelines)
+    if count < 2:
+        return pipelines
+    pipelines = list(pipelines)
+    seconds = [_chain_seconds(model, chain) for chain in pipelines]
+    state = 0x2545F491
+    tries = min(SWAP_TRIES_PER_PIPELINE * count, MAX_SWAP_TRIES)
+    for _ in range(tries):
+        state = (state * 6364136223846793005 + 1442695040888963407) % 2**64
+        p, q = (state >> 11) % count, (state >> 29) % count
+        if p == q:
+            continue
+        i, j = (state >> 40) % len(pipelines[p]), (state >> 50) % len(pipelines[q])
+        a, b = pipelines[p][i][0], pipelines[q][j][0]
+        if a.node.region != b.node.region or a.shape == b.shape:
+            continue  # same shape: _refine's job; other region: more cross-region hops
+        mp = [c for c, _, _ in pipelines[p]]
+        mq = [c for c, _, _ in pipelines[q]]
+        mp[i], mq[j] = b, a
+        cp, cq = _chain(model, mp), _chain(model, mq)
+        if cp is None or cq is None or len(cp) != len(mp) or len(cq) != len(mq):
+            continue
+        sp, sq = _chain_seconds(model, cp), _chain_seconds(model, cq)
+        if 1 / sp + 1 / sq > (1 / seconds[p] + 1 / seconds[q]) * (1 + 1e-9):
+            pipelines[p], pipelines[q] = cp, cq
+            seconds[p], seconds[q] = sp, sq
     return pipelines
 
 
@@ -504,7 +545,7 @@ def _form_pipelines(
     if len(by_region) > 1:
         made, rest = _bin_cover(model, rest)
         pipelines += made
-    return _refine(model, pipelines), rest
+    return _swap_search(model, _refine(model, pipelines)), rest
 
 
 def _place_chain(

@@ -54,6 +54,12 @@ class TesseraSystem:
 
     def _node_specs(self) -> list[NodeSpec]:
         peers = typical_peer_rtt_ms(list(self.swarm.nodes.values()))
+        swarm, slots = self.swarm, self.swarm.params.slots
+        per_gparam = 1e12 / swarm.model.params_per_layer  # ms per gparam, from s per layer
+        measured: dict[str, float] = {}  # per card: every node of a card measures the same
+        for n in swarm.nodes.values():
+            if n.gpu.name not in measured:
+                measured[n.gpu.name] = swarm.layer_time_s(n.node_id, slots) * per_gparam
         return [
             NodeSpec(
                 n.node_id,
@@ -66,6 +72,9 @@ class TesseraSystem:
                 rtt_ms=peers[n.node_id],
                 upload_mbps=n.site.access.up_mbps,
                 download_mbps=n.site.access.down_mbps,
+                # What coordinator/measurements.py converges to once traffic flows: the
+                # node's per-layer time with its KV slots in use.
+                ms_per_gparam=measured[n.gpu.name],
             )
             for n in self.swarm.nodes.values()
         ]
