@@ -446,6 +446,9 @@ def _own_seconds(c: _Cand) -> float:
     return c.mid * c.seconds + c.node.rtt_ms / 2000.0 + c.send_s
 
 
+LARGE_SWARM_PIPELINES = 200
+
+
 def _refine(model: ModelSpec, pipelines: list[Chain], rounds: int = 2) -> list[Chain]:
     """Local search on the objective: nodes of one shape (region and what fits) trade places
     across pipelines so that fast nodes end up together and slow ones together.
@@ -456,35 +459,42 @@ def _refine(model: ModelSpec, pipelines: list[Chain], rounds: int = 2) -> list[C
     Sorting only: O(n log n) per round.
     """
     pipelines = list(pipelines)
+    if len(pipelines) > LARGE_SWARM_PIPELINES:
+        rounds = 1  # plan time: a second round gains little on thousands of nodes
     seconds = [_chain_seconds(model, chain) for chain in pipelines]
+    # Positions refer to these member lists (chain order changes when a chain is rebuilt).
+    members = [[c for c, _, _ in chain] for chain in pipelines]
+    places: dict[tuple[str, int, int, int, int], list[tuple[int, int]]] = {}
+    for p, group in enumerate(members):
+        for i, c in enumerate(group):
+            places.setdefault(c.shape, []).append((p, i))
     for _ in range(rounds):
         improved = False
-        places: dict[tuple[str, int, int, int, int], list[tuple[int, int]]] = {}
-        for p, chain in enumerate(pipelines):
-            for i, (c, _, _) in enumerate(chain):
-                places.setdefault(c.shape, []).append((p, i))
         for spots in places.values():
             if len(spots) < 2:
                 continue
-            members = [[c for c, _, _ in pipelines[p]] for p in range(len(pipelines))]
-            nodes = sorted((members[p][i] for p, i in spots), key=_own_seconds)
-            rest = sorted(spots, key=lambda s: seconds[s[0]] - _own_seconds(members[s[0]][s[1]]))
+            own = {(p, i): _own_seconds(members[p][i]) for p, i in spots}
+            order = sorted(spots, key=own.__getitem__)
+            nodes = [members[p][i] for p, i in order]
+            rest = sorted(spots, key=lambda s: seconds[s[0]] - own[s])
+            trial = {p: list(members[p]) for p, _ in spots}
             touched = set()
             for (p, i), node in zip(rest, nodes, strict=True):
-                if members[p][i] is not node:
-                    members[p][i] = node
+                if trial[p][i] is not node:
+                    trial[p][i] = node
                     touched.add(p)
             if not touched:
                 continue
-            rebuilt = {p: _chain(model, members[p]) for p in touched}
-            if any(chain is None for chain in rebuilt.values()):
+            rebuilt = {p: _chain(model, trial[p]) for p in touched}
+            if any(chain is None or len(chain) != len(trial[p]) for p, chain in rebuilt.items()):
                 continue
-            new_seconds = {p: _chain_seconds(model, chain) for p, chain in rebuilt.items()}
+            new_seconds = {p: _chain_seconds(model, chain) for p, chain in rebuilt.items()}  # type: ignore[arg-type]
             before = sum(1.0 / seconds[p] for p in touched)
             after = sum(1.0 / new_seconds[p] for p in touched)
             if after > before * (1 + 1e-9):
                 for p, chain in rebuilt.items():
                     pipelines[p] = chain  # type: ignore[assignment]
+                    members[p] = trial[p]
                     seconds[p] = new_seconds[p]
                 improved = True
         if not improved:
