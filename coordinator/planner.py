@@ -502,7 +502,7 @@ def _refine(model: ModelSpec, pipelines: list[Chain], rounds: int = 2) -> list[C
     return pipelines
 
 
-SWAP_TRIES_PER_PIPELINE = 40
+SWAP_TRIES_PER_PIPELINE = 200
 MAX_SWAP_TRIES = 3000  # bounds plan time on large swarms (about 0.1 s)
 
 

@@ -70,7 +70,8 @@ class TesseraSystem:
                 mem_bandwidth=n.gpu.memory_gbps,
                 region=n.site.region,
                 rtt_ms=peers[n.node_id],
-                upload_mbps=n.site.access.up_mbps,
+                # Measured hand-offs carry the batch of a busy node: its uplink per session.
+                upload_mbps=n.site.access.up_mbps / slots,
                 download_mbps=n.site.access.down_mbps,
                 # What coordinator/measurements.py converges to once traffic flows: the
                 # node's per-layer time with its KV slots in use.
