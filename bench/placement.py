@@ -59,7 +59,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             "Columns: used = nodes holding layers; tok/s = served tokens/s at saturation; "
             "sess = sessions admitted; hops = mean hops per session; p50/p95 ms = time per "
             "token of the admitted sessions; GB/event = weights fetched per churn event; "
-            "tok/s@end = served tokens/s after the churn trace; plan ms = initial placement."
+            "tok/s@end = served tokens/s after the churn trace; plan ms = CPU time of the "
+            "initial placement."
         ),
     )
     parser.add_argument(

@@ -13,6 +13,7 @@ import logging
 from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, replace
 
+from coordinator.measurements import Measurements
 from coordinator.model_store.layout import ModelLayout
 from coordinator.planner import HEADROOM, ModelPlan, ModelSpec, NodeSpec, Shard, plan, shard_bytes
 from coordinator.router import Holder
@@ -20,6 +21,7 @@ from protos.tessera.v1 import common_pb2, coordinator_pb2, node_pb2
 
 log = logging.getLogger("tessera.placement")
 
+MAX_CACHED_SHARDS = 8  # shards remembered per node as being in its disk cache
 # CPU nodes compute in fp32; GPU nodes in fp16/bf16.
 _DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
 
@@ -57,6 +59,7 @@ def model_spec(name: str, config_json: str) -> ModelSpec:
         embed_params=embed,
         head_params=head,
         kv_values_per_token_per_layer=2 * layout.num_kv_heads * layout.head_dim,
+        hidden_size=layout.hidden_size,
     )
 
 
@@ -66,14 +69,33 @@ def compute_dtype(capabilities: node_pb2.Capabilities) -> str:
     return "float32"
 
 
-def node_spec(node: PlacementNode, kv_tokens: int) -> NodeSpec:
+def claimed_ms_per_gparam(capabilities: node_pb2.Capabilities) -> float:
+    """What the node's own benchmark implies per billion parameters and token (2 FLOPs
+    per parameter at its measured matmul rate): a prior that measurements replace."""
+    return 2.0 / max(capabilities.matmul_tflops, 1e-3)
+
+
+def node_spec(
+    node: PlacementNode,
+    kv_tokens: int,
+    measurements: Measurements | None = None,
+    cached: Iterable[Shard] = (),
+) -> NodeSpec:
+    """The planner's view of a node: memory and dtype from its capabilities; speed and
+    RTT from the coordinator's measurements once it has them (the node's claim until
+    then, and never faster than it was measured); region as the node declared it."""
     caps = node.capabilities
+    claimed = claimed_ms_per_gparam(caps)
     return NodeSpec(
         node_id=node.node_id,
         usable_bytes=caps.memory_usable_bytes,
         speed=max(caps.matmul_tflops, 1e-3),
         dtype_bytes=_DTYPE_BYTES[compute_dtype(caps)],
         kv_tokens=kv_tokens,
+        region=caps.region,
+        ms_per_gparam=measurements.ms_per_gparam(node.node_id, claimed) if measurements else 0.0,
+        rtt_ms=measurements.rtt_ms(node.node_id) if measurements else 0.0,
+        cached=tuple(cached),
     )
 
 
@@ -90,8 +112,12 @@ class Placement:
         kv_tokens: int = 2048,
         debounce_s: float = 0.2,
         on_change: Callable[[str], None] | None = None,
+        measurements: Measurements | None = None,
     ) -> None:
         self._send = send_command
+        # Fed by the lead's wiring (driver step reports, telemetry RTTs); read at re-plan
+        # and routing time.
+        self.measurements = measurements or Measurements()
         self.replicas = replicas
         self.min_stages = min_stages
         self.kv_tokens = kv_tokens
@@ -104,6 +130,10 @@ class Placement:
         self._assigned: dict[tuple[str, str], Shard] = {}
         self._state: dict[tuple[str, Shard], int] = {}
         self._superseded: dict[tuple[str, str], Shard] = {}  # drop once the new one is ready
+        # Shards each node has been ready with: their weights are in its disk cache, so the
+        # planner prefers it for them and does not count them as fetched. Kept when the node
+        # goes away (a returning node still has its cache); bounded by MAX_CACHED_SHARDS.
+        self._cached: dict[str, list[Shard]] = {}
         self._replan_task: asyncio.Task[None] | None = None
         self._lock = asyncio.Lock()
         # Training state held on nodes, by holder (e.g. "job/stage"): (node_id, bytes).
@@ -157,6 +187,10 @@ class Placement:
                 shard.start,
                 shard.end,
             )
+            cached = self._cached.setdefault(node_id, [])
+            if shard not in cached:
+                cached.append(shard)
+                del cached[:-MAX_CACHED_SHARDS]
             old = self._superseded.pop((node_id, shard.model), None)
             if old is not None and old != shard:
                 await self._drop(node_id, old)
@@ -193,16 +227,42 @@ class Placement:
         return list(p.boundaries) if p else None
 
     def ready_holders(self, model: str) -> list[Holder]:
+        """Ready replicas for the router: measured per-layer time (the claim until there
+        are measurements), load, and the planner's pipeline each belongs to."""
         holders = []
+        spec = self._models.get(model)
+        model_plan = self._plans.get(model)
+        group = {
+            nid: f"{i}"
+            for i, pipe in enumerate(model_plan.pipelines if model_plan else ())
+            for nid in pipe
+        }
+        params = spec.params_per_layer if spec else 1_000_000_000
         for (node_id, shard), state in self._state.items():
             node = self._nodes.get(node_id)
             if shard.model != model or state != node_pb2.SHARD_STATE_READY or node is None:
                 continue
-            speed = max(node.capabilities.matmul_tflops, 1e-3)
+            claimed = claimed_ms_per_gparam(node.capabilities) * params / 1e9
+            ms = self.measurements.layer_ms(node_id, params, claimed)
+            # The pipeline label only holds while the shard is the one the plan gave it.
+            planned = model_plan.holders.get(node_id) if model_plan else None
             holders.append(
-                Holder(node_id, node.address, shard.start, shard.end, 1.0 / speed, node.load)
+                Holder(
+                    node_id,
+                    node.address,
+                    shard.start,
+                    shard.end,
+                    ms,
+                    node.load,
+                    group=group.get(node_id, "") if planned == shard else "",
+                )
             )
         return holders
+
+    def rtt_ms(self, a: str, b: str) -> float:
+        """Measured round trip between two nodes for the router (0 when unmeasured)."""
+        rtt = self.measurements.pair_rtt_ms(a, b)
+        return rtt if rtt is not None else 0.0
 
     def coverage(self, model: str) -> list[int]:
         spec = self._models.get(model)
@@ -258,7 +318,9 @@ class Placement:
             # Memory a node spends on training is not there for new inference shards.
             nodes = []
             for node in self._nodes.values():
-                spec = node_spec(node, self.kv_tokens)
+                spec = node_spec(
+                    node, self.kv_tokens, self.measurements, self._cached.get(node.node_id, ())
+                )
                 training = self.training_bytes(node.node_id)
                 nodes.append(replace(spec, usable_bytes=max(0, spec.usable_bytes - training)))
             self._plans = plan(

@@ -29,6 +29,12 @@ HEADROOM = 0.10
 # A fresh plan replaces the kept one only when its estimated served throughput is this
 # much higher: moving weights costs minutes of downloads, and estimates are noisy.
 HYSTERESIS = 0.20
+# Moving weights pays off only over the time the new layout will last: about a node's
+# median session (an hour; see bench/placement_sim/churn.py). A move that takes m seconds
+# of downloads must gain enough over the rest of this horizon (see `worth_moving`).
+PAYBACK_S = 3600.0
+# Download rate assumed for a node that has not reported one (Mb/s).
+DEFAULT_DOWNLOAD_MBPS = 100.0
 # Estimated cost of one hand-off between two nodes of a pipeline (serialisation plus a
 # one-way trip inside a region), and the extra when the pipeline crosses regions. Only
 # used to compare plans; the router uses measured RTTs.
@@ -47,17 +53,7 @@ class ModelSpec:
     embed_params: int  # held by the first stage
     head_params: int  # final norm + LM head, held by the last stage
     kv_values_per_token_per_layer: int  # 2 * kv_heads * head_dim
-
-
-@dataclass(frozen=True)
-class NodeSpec:
-    node_id: str
-    usable_bytes: int
-    speed: float  # relative compute speed (measured TFLOPS or better)
-    dtype_bytes: int = 4  # 4 for fp32 on CPU, 2 for fp16/bf16 on GPU
-    kv_tokens: int = 4096  # KV cache budget per shard, in tokens
-    mem_bandwidth: float = 0.0  # GB/s; 0 = unknown (layer time from speed alone)
-    region: str = ""  # nodes of one region form pipelines together first
+    hidden_size: int = 0  # what one hop sends per token (hidden states); 0 = unknown
 
 
 @dataclass(frozen=True)
@@ -72,6 +68,25 @@ class Shard:
     @property
     def layers(self) -> int:
         return self.end - self.start
+
+
+@dataclass(frozen=True)
+class NodeSpec:
+    node_id: str
+    usable_bytes: int
+    speed: float  # relative compute speed (measured TFLOPS or better)
+    dtype_bytes: int = 4  # 4 for fp32 on CPU, 2 for fp16/bf16 on GPU
+    kv_tokens: int = 4096  # KV cache budget per shard, in tokens
+    mem_bandwidth: float = 0.0  # GB/s; 0 = unknown (layer time from speed alone)
+    region: str = ""  # nodes of one region form pipelines together first
+    # Measured by the coordinator (coordinator/measurements.py); 0 = not measured yet.
+    # compute time per billion parameters and token (decode reads each weight once per
+    # token, so this serves every model); beats the roofline
+    ms_per_gparam: float = 0.0
+    rtt_ms: float = 0.0  # typical round trip to the peers it hands off to (median)
+    upload_mbps: float = 0.0  # uplink: pushing a token's hidden state to the next hop
+    download_mbps: float = 0.0  # fetching weights (0: DEFAULT_DOWNLOAD_MBPS)
+    cached: tuple[Shard, ...] = ()  # shards whose weights the node has on disk already
 
 
 @dataclass
@@ -158,7 +173,10 @@ def _fits_any_position(model: ModelSpec, node: NodeSpec, n: int, used: int) -> b
 
 
 def layer_seconds(model: ModelSpec, node: NodeSpec) -> float:
-    """Estimated decode time of one layer for one token (roofline of compute and memory)."""
+    """Decode time of one layer for one token: measured when the coordinator has enough
+    samples, else the roofline of compute and memory bandwidth."""
+    if node.ms_per_gparam > 0:
+        return node.ms_per_gparam * model.params_per_layer / 1e12
     compute = 2.0 * model.params_per_layer / (max(node.speed, 1e-9) * 1e12)
     if node.mem_bandwidth <= 0:
         return compute
@@ -215,13 +233,37 @@ def estimated_tokens_per_s(
         seconds = sum(
             model_plan.holders[n.node_id].layers * layer_seconds(model, n) for n in members
         )
-        total += 1.0 / (seconds + _network_seconds(members))
+        total += 1.0 / (seconds + network_seconds(model, members))
     return total
 
 
-def _network_seconds(members: Sequence[NodeSpec]) -> float:
+def handoff_seconds(model: ModelSpec, node: NodeSpec) -> float:
+    """Time for `node` to push one token's hidden state out of its uplink (0 if unknown)."""
+    if node.upload_mbps <= 0 or model.hidden_size <= 0:
+        return 0.0
+    return model.hidden_size * node.dtype_bytes * 8 / (node.upload_mbps * 1e6)
+
+
+def network_seconds(model: ModelSpec, members: Sequence[NodeSpec]) -> float:
+    """Estimated network time of one token through a chain, in chain order.
+
+    With measured RTTs: the client's round trip to the ends (about each end's typical RTT,
+    halved twice) plus, per hand-off, half the mean of the two nodes' typical RTTs and the
+    sender's upload time. Unmeasured nodes count `HOP_S` per hand-off. Crossing regions
+    costs `CROSS_REGION_S` per extra region either way (typical RTTs are within a region).
+    """
     regions = {n.region for n in members}
-    return (len(members) - 1) * HOP_S + (len(regions) - 1) * CROSS_REGION_S
+    total = (len(regions) - 1) * CROSS_REGION_S
+    if not all(n.rtt_ms > 0 for n in members):
+        return (
+            total
+            + (len(members) - 1) * HOP_S
+            + sum(handoff_seconds(model, n) for n in members[:-1])
+        )
+    total += (members[0].rtt_ms + members[-1].rtt_ms) / 2000.0
+    for a, b in zip(members, members[1:], strict=False):
+        total += (a.rtt_ms + b.rtt_ms) / 4000.0 + handoff_seconds(model, a)
+    return total
 
 
 # ---- pipelines (min_stages == 1) ------------------------------------------------------------
@@ -237,6 +279,12 @@ class _Cand:
     last: int  # layers next to the LM head
     both: int  # layers next to both
     seconds: float  # per layer and token
+    send_s: float  # hand-off of one token's hidden state to the next member
+
+    @property
+    def shape(self) -> tuple[str, int, int, int, int]:
+        """Nodes of one shape can swap places in pipelines without changing what fits."""
+        return (self.node.region, self.mid, self.first, self.last, self.both)
 
     @property
     def node_id(self) -> str:
@@ -258,31 +306,31 @@ def _candidate(model: ModelSpec, node: NodeSpec, used: int) -> _Cand | None:
     if mid <= 0:
         return None
     return _Cand(
-        node, mid, layers(embed), layers(head), layers(embed + head), layer_seconds(model, node)
+        node,
+        mid,
+        layers(embed),
+        layers(head),
+        layers(embed + head),
+        layer_seconds(model, node),
+        handoff_seconds(model, node),
     )
 
 
 def _pick_ends(members: Sequence[_Cand]) -> tuple[int, int]:
     """Indices of the members that hold the embedding and the LM head: the pair that loses
-    the fewest layers to them (a node with spare room, or one clipped at L, loses none)."""
-    best_f = best_f2 = -1
-    best_l = best_l2 = -1
+    the fewest layers to them (a node with spare room, or one clipped at L, loses none).
+    Among equals the slowest uploader goes last: the last member hands nothing on."""
+    if len(members) == 1:
+        return 0, 0
     loss_f = [c.mid - c.first for c in members]
     loss_l = [c.mid - c.last for c in members]
-    for i in range(len(members)):
-        if best_f < 0 or loss_f[i] < loss_f[best_f]:
-            best_f, best_f2 = i, best_f
-        elif best_f2 < 0 or loss_f[i] < loss_f[best_f2]:
-            best_f2 = i
-        if best_l < 0 or loss_l[i] < loss_l[best_l]:
-            best_l, best_l2 = i, best_l
-        elif best_l2 < 0 or loss_l[i] < loss_l[best_l2]:
-            best_l2 = i
-    if best_f != best_l:
-        return best_f, best_l
-    if loss_f[best_f] + loss_l[best_l2] <= loss_f[best_f2] + loss_l[best_l]:
-        return best_f, best_l2
-    return best_f2, best_l
+    by_f = sorted(range(len(members)), key=lambda i: (loss_f[i], members[i].send_s))[:2]
+    by_l = sorted(range(len(members)), key=lambda i: (loss_l[i], -members[i].send_s))[:2]
+    if by_f[0] != by_l[0]:
+        return by_f[0], by_l[0]
+    if loss_f[by_f[0]] + loss_l[by_l[1]] <= loss_f[by_f[1]] + loss_l[by_l[0]]:
+        return by_f[0], by_l[1]
+    return by_f[1], by_l[0]
 
 
 def _ends(members: Sequence[_Cand]) -> tuple[list[_Cand], list[int]]:
@@ -384,6 +432,113 @@ def _bin_cover(
     return pipelines, pool
 
 
+Chain = list[tuple[_Cand, int, int]]
+
+
+def _chain_seconds(model: ModelSpec, chain: Chain) -> float:
+    """Estimated time per token through a chain (the objective's per-pipeline term)."""
+    compute = sum((b - a) * c.seconds for c, a, b in chain)
+    return compute + network_seconds(model, [c.node for c, _, _ in chain])
+
+
+def _own_seconds(c: _Cand) -> float:
+    """What a member adds to its pipeline's time per token, for ranking nodes of a shape."""
+    return c.mid * c.seconds + c.node.rtt_ms / 2000.0 + c.send_s
+
+
+LARGE_SWARM_PIPELINES = 200
+
+
+def _refine(model: ModelSpec, pipelines: list[Chain], rounds: int = 2) -> list[Chain]:
+    """Local search on the objective: nodes of one shape (region and what fits) trade places
+    across pipelines so that fast nodes end up together and slow ones together.
+
+    Served tokens/s sums 1 / latency over pipelines, a convex function of the latencies: for
+    the same nodes, spreading latencies apart (assortative grouping) serves more. Each
+    shape's reassignment is kept only if the objective over the pipelines it touched rises.
+    Sorting only: O(n log n) per round.
+    """
+    pipelines = list(pipelines)
+    if len(pipelines) > LARGE_SWARM_PIPELINES:
+        rounds = 1  # plan time: a second round gains little on thousands of nodes
+    seconds = [_chain_seconds(model, chain) for chain in pipelines]
+    # Positions refer to these member lists (chain order changes when a chain is rebuilt).
+    members = [[c for c, _, _ in chain] for chain in pipelines]
+    places: dict[tuple[str, int, int, int, int], list[tuple[int, int]]] = {}
+    for p, group in enumerate(members):
+        for i, c in enumerate(group):
+            places.setdefault(c.shape, []).append((p, i))
+    for _ in range(rounds):
+        improved = False
+        for spots in places.values():
+            if len(spots) < 2:
+                continue
+            own = {(p, i): _own_seconds(members[p][i]) for p, i in spots}
+            order = sorted(spots, key=own.__getitem__)
+            nodes = [members[p][i] for p, i in order]
+            rest = sorted(spots, key=lambda s: seconds[s[0]] - own[s])
+            trial = {p: list(members[p]) for p, _ in spots}
+            touched = set()
+            for (p, i), node in zip(rest, nodes, strict=True):
+                if trial[p][i] is not node:
+                    trial[p][i] = node
+                    touched.add(p)
+            if not touched:
+                continue
+            rebuilt = {p: _chain(model, trial[p]) for p in touched}
+            if any(chain is None or len(chain) != len(trial[p]) for p, chain in rebuilt.items()):
+                continue
+            new_seconds = {p: _chain_seconds(model, chain) for p, chain in rebuilt.items()}  # type: ignore[arg-type]
+            before = sum(1.0 / seconds[p] for p in touched)
+            after = sum(1.0 / new_seconds[p] for p in touched)
+            if after > before * (1 + 1e-9):
+                for p, chain in rebuilt.items():
+                    pipelines[p] = chain  # type: ignore[assignment]
+                    members[p] = trial[p]
+                    seconds[p] = new_seconds[p]
+                improved = True
+        if not improved:
+            break
+    return pipelines
+
+
+SWAP_TRIES_PER_PIPELINE = 200
+MAX_SWAP_TRIES = 3000  # bounds plan time on large swarms (about 0.1 s)
+
+
+def _swap_search(model: ModelSpec, pipelines: list[Chain]) -> list[Chain]:
+    """Local search on the objective across shapes: two members of two pipelines (same
+    region) trade places when both pipelines still cover [0, L) and the sum of 1 / latency
+    rises. Pairs are drawn by a fixed pseudo-random sequence, so plans stay reproducible."""
+    count = len(pipelines)
+    if count < 2:
+        return pipelines
+    pipelines = list(pipelines)
+    seconds = [_chain_seconds(model, chain) for chain in pipelines]
+    state = 0x2545F491
+    tries = min(SWAP_TRIES_PER_PIPELINE * count, MAX_SWAP_TRIES)
+    for _ in range(tries):
+        state = (state * 6364136223846793005 + 1442695040888963407) % 2**64
+        p, q = (state >> 11) % count, (state >> 29) % count
+        if p == q:
+            continue
+        i, j = (state >> 40) % len(pipelines[p]), (state >> 50) % len(pipelines[q])
+        a, b = pipelines[p][i][0], pipelines[q][j][0]
+        if a.node.region != b.node.region or a.shape == b.shape:
+            continue  # same shape: _refine's job; other region: more cross-region hops
+        mp = [c for c, _, _ in pipelines[p]]
+        mq = [c for c, _, _ in pipelines[q]]
+        mp[i], mq[j] = b, a
+        cp, cq = _chain(model, mp), _chain(model, mq)
+        if cp is None or cq is None or len(cp) != len(mp) or len(cq) != len(mq):
+            continue
+        sp, sq = _chain_seconds(model, cp), _chain_seconds(model, cq)
+        if 1 / sp + 1 / sq > (1 / seconds[p] + 1 / seconds[q]) * (1 + 1e-9):
+            pipelines[p], pipelines[q] = cp, cq
+            seconds[p], seconds[q] = sp, sq
+    return pipelines
+
+
 def _form_pipelines(
     model: ModelSpec, cands: list[_Cand]
 ) -> tuple[list[list[tuple[_Cand, int, int]]], list[_Cand]]:
@@ -400,7 +555,7 @@ def _form_pipelines(
     if len(by_region) > 1:
         made, rest = _bin_cover(model, rest)
         pipelines += made
-    return pipelines, rest
+    return _swap_search(model, _refine(model, pipelines)), rest
 
 
 def _place_chain(
@@ -475,22 +630,115 @@ def _plan_pipelines(
     replicas: int,
     hysteresis: float,
 ) -> ModelPlan:
+    if old is None:
+        return _fresh_pipelines(model, nodes, used, replicas)
     before = dict(used)
-    fresh = _fresh_pipelines(model, nodes, used, replicas)
-    if old is None or (not old.holders and not fresh.holders):
-        return fresh
-    fresh_used = dict(used)
+    candidates = replan_candidates(model, nodes, old, replicas, used)
+    choice = choose_replan(model, old, candidates, by_id, hysteresis)
     used.clear()
     used.update(before)
-    kept = _kept_pipelines(model, nodes, by_id, used, old, replicas)
-    gain = estimated_tokens_per_s(model, fresh, by_id)
-    if gain > estimated_tokens_per_s(model, kept, by_id) * (1 + hysteresis) or (
-        kept.missing_layers() and not fresh.missing_layers()
-    ):
-        used.clear()
-        used.update(fresh_used)
-        return fresh
-    return kept
+    for node_id, shard in candidates[choice].holders.items():
+        used[node_id] += shard_bytes(model, by_id[node_id], shard.start, shard.end)
+    return candidates[choice]
+
+
+def replan_candidates(
+    model: ModelSpec,
+    nodes: Sequence[NodeSpec],
+    old: ModelPlan,
+    replicas: int,
+    used: Mapping[str, int] | None = None,
+) -> dict[str, ModelPlan]:
+    """The plans a re-plan chooses from (`choose_replan`), cheapest to move first:
+
+    - kept: no surviving shard moves; broken pipelines repaired by idle nodes; idle nodes
+      form new pipelines; the rest replicate.
+    - repaired: as kept, but replicas outside pipelines are idle too (they repair broken
+      pipelines and form new ones), and survivors of pipelines that cannot be repaired
+      rejoin the pool: whole pipelines never move.
+    - fresh: everything planned from scratch.
+    """
+    node_list = sorted(nodes, key=lambda n: (-n.speed, -n.usable_bytes, n.node_id))
+    by_id = {n.node_id: n for n in node_list}
+    base = dict(used) if used is not None else {n.node_id: 0 for n in node_list}
+    kept = _kept_pipelines(model, node_list, by_id, dict(base), old, replicas)
+    fresh = _fresh_pipelines(model, node_list, dict(base), replicas)
+    repaired = _kept_pipelines(model, node_list, by_id, dict(base), old, replicas, release=True)
+    return {"kept": kept, "repaired": repaired, "fresh": fresh}
+
+
+def choose_replan(
+    model: ModelSpec,
+    old: ModelPlan,
+    candidates: Mapping[str, ModelPlan],
+    nodes: Mapping[str, NodeSpec],
+    hysteresis: float,
+) -> str:
+    """Keep the plan unless another one is worth its moves (`worth_moving`); a kept plan
+    that cannot serve the model gives way to the candidate that can, moving least."""
+    kept = candidates["kept"]
+    base = estimated_tokens_per_s(model, kept, nodes)
+    complete = [name for name in ("repaired", "fresh") if not candidates[name].missing_layers()]
+    if kept.missing_layers() and complete:
+        return min(complete, key=lambda n: move_seconds(model, old, candidates[n], nodes))
+    # A ladder, cheapest move first: each step must be worth its own moves over the plan
+    # it would replace (a fresh plan must beat the repaired one, not only the kept one).
+    best, best_value = "kept", base
+    for name in ("repaired", "fresh"):
+        plan_ = candidates[name]
+        if plan_.missing_layers() and not kept.missing_layers():
+            continue
+        gain = estimated_tokens_per_s(model, plan_, nodes)
+        move = move_seconds(model, old, plan_, nodes)
+        if worth_moving(best_value, gain, move, hysteresis):
+            best, best_value = name, gain
+    return best
+
+
+def worth_moving(kept: float, new: float, move_s: float, hysteresis: float) -> bool:
+    """Switch to a plan serving `new` tokens/s (estimated) from one serving `kept` when the
+    move, `move_s` seconds of downloads during which the old shards keep serving (load
+    before drop), gains more than `hysteresis` x kept over the payback horizon:
+
+        (new - kept) x (PAYBACK_S - move_s) > hysteresis x kept x PAYBACK_S
+
+    With instant moves this is new > kept x (1 + hysteresis); a move as long as the
+    horizon is never worth it."""
+    if math.isinf(hysteresis) or move_s >= PAYBACK_S:
+        return False
+    return (new - kept) * (PAYBACK_S - move_s) > hysteresis * kept * PAYBACK_S
+
+
+def fetch_bytes(model: ModelSpec, node: NodeSpec, old: Shard | None, new: Shard) -> int:
+    """Weights `node` must download to serve `new`: layers (and the embedding or LM head)
+    that neither its current shard nor a cached one holds."""
+    have = [s for s in (old, *node.cached) if s is not None and s.model == new.model]
+    missing = sum(
+        1 for layer in range(new.start, new.end) if not any(s.start <= layer < s.end for s in have)
+    )
+    total = missing * model.params_per_layer
+    if new.start == 0 and not any(s.start == 0 for s in have):
+        total += model.embed_params
+    if new.end == model.num_layers and not any(s.end == model.num_layers for s in have):
+        total += model.head_params
+    return total * node.dtype_bytes
+
+
+def move_seconds(
+    model: ModelSpec, old: ModelPlan, new: ModelPlan, nodes: Mapping[str, NodeSpec]
+) -> float:
+    """How long the move from `old` to `new` downloads: nodes fetch in parallel, so the
+    slowest node's bytes / its download rate."""
+    slowest = 0.0
+    for node_id, shard in new.holders.items():
+        node = nodes.get(node_id)
+        if node is None:
+            continue
+        fetched = fetch_bytes(model, node, old.holders.get(node_id), shard)
+        if fetched:
+            rate = (node.download_mbps or DEFAULT_DOWNLOAD_MBPS) * 1e6 / 8
+            slowest = max(slowest, fetched / rate)
+    return slowest
 
 
 def _kept_pipelines(
@@ -500,15 +748,23 @@ def _kept_pipelines(
     used: dict[str, int],
     old: ModelPlan,
     replicas: int,
+    *,
+    release: bool = False,
 ) -> ModelPlan:
     """The previous plan minus vanished nodes; broken pipelines repaired with idle nodes;
-    idle nodes forming new pipelines. No surviving shard moves."""
+    idle nodes forming new pipelines. No surviving shard moves.
+
+    `release`: replicas outside pipelines, and survivors of pipelines that cannot be
+    repaired, are idle too (their shards may move); pipelines that are whole stay put."""
     n_layers = model.num_layers
     kept = ModelPlan(model.name, [0, n_layers])
     if old.boundaries[-1] != n_layers:
         old = ModelPlan(model.name, [0, n_layers])
+    in_pipeline = {nid for pipe in old.pipelines for nid in pipe}
     for node_id, shard in old.holders.items():
         node = by_id.get(node_id)
+        if release and node_id not in in_pipeline:
+            continue
         if node and fits(model, node, shard.start, shard.end, used[node_id]):
             kept.holders[node_id] = shard
             used[node_id] += shard_bytes(model, node, shard.start, shard.end)
@@ -526,13 +782,45 @@ def _kept_pipelines(
         if not survivors:
             continue
         repaired = _repair(model, kept, survivors, idle, by_id, used)
+        if repaired is None and not release:
+            # Replicas outside pipelines are fail-over alternates: when no idle node
+            # can fill the hole, one of them moves into it (only it fetches weights).
+            spares = _spare_candidates(model, kept, in_pipeline, by_id, used)
+            repaired = _repair(model, kept, survivors, spares, by_id, used)
         if repaired is not None:
             kept.pipelines.append(repaired)
+        elif release:
+            for nid in survivors:
+                shard = kept.holders.pop(nid)
+                used[nid] -= shard_bytes(model, by_id[nid], shard.start, shard.end)
+                if (c := _candidate(model, by_id[nid], used[nid])) is not None:
+                    idle.append(c)
     pipelines, rest = _form_pipelines(model, idle)
     for chain in pipelines:
         _place_chain(model, kept, chain, used)
     _fill_floor(model, kept, rest, used, replicas)
     return kept
+
+
+def _spare_candidates(
+    model: ModelSpec,
+    kept: ModelPlan,
+    old_members: set[str],
+    by_id: Mapping[str, NodeSpec],
+    used: Mapping[str, int],
+) -> list[_Cand]:
+    """Holders that were in no pipeline and are in none now (replicas), sized as if their
+    replica shard were dropped."""
+    members = old_members | {nid for pipe in kept.pipelines for nid in pipe}
+    spares = []
+    for nid, shard in kept.holders.items():
+        if nid in members:
+            continue
+        node = by_id[nid]
+        free = used[nid] - shard_bytes(model, node, shard.start, shard.end)
+        if (c := _candidate(model, node, free)) is not None:
+            spares.append(c)
+    return spares
 
 
 def _repair(
@@ -559,35 +847,76 @@ def _repair(
     picks: list[tuple[_Cand, int, int]] = []
     taken: set[str] = set()
     for a, b in holes:
-        need = b - a
-        best: _Cand | None = None
-        best_key: tuple[bool, int, float, str] | None = None
-        for c in idle:
-            if c.node_id in taken:
-                continue
-            if a == 0 and b == n_layers:
-                room = c.both
-            elif a == 0:
-                room = c.first
-            elif b == n_layers:
-                room = c.last
-            else:
-                room = c.mid
-            if room < need:
-                continue
-            key = (c.node.region != region, room, c.seconds, c.node_id)
-            if best_key is None or key < best_key:
-                best, best_key = c, key
-        if best is None:
-            return None
-        picks.append((best, a, b))
-        taken.add(best.node_id)
+        best = _hole_filler(model, idle, taken, region, a, b)
+        if best is not None:
+            picks.append((best, a, b))
+            taken.add(best.node_id)
+            continue
+        # No idle node holds the whole hole: cover it with several, largest first.
+        p = a
+        while p < b:
+            part = _largest_filler(model, idle, taken, region, p, b)
+            if part is None:
+                return None
+            picks.append(part)
+            taken.add(part[0].node_id)
+            p = part[2]
     for cand, a, b in picks:
+        replaced = kept.holders.pop(cand.node_id, None)  # a spare replica moving in
+        if replaced is not None:
+            used[cand.node_id] -= shard_bytes(model, cand.node, replaced.start, replaced.end)
         kept.holders[cand.node_id] = Shard(model.name, a, b)
         used[cand.node_id] += shard_bytes(model, cand.node, a, b)
     idle[:] = [c for c in idle if c.node_id not in taken]
     members = survivors + [c.node_id for c, _, _ in picks]
     return tuple(sorted(members, key=lambda nid: kept.holders[nid].start))
+
+
+def _room(model: ModelSpec, c: _Cand, a: int, b: int) -> int:
+    """Layers c holds in a range [a, b) (the embedding with layer 0, the head with L)."""
+    n_layers = model.num_layers
+    if a == 0:
+        return c.both if b == n_layers else c.first
+    return c.last if b == n_layers else c.mid
+
+
+def _hole_filler(
+    model: ModelSpec, idle: Sequence[_Cand], taken: set[str], region: str, a: int, b: int
+) -> _Cand | None:
+    """The idle node that fills [a, b) alone: same region, cached, smallest, fastest first."""
+    best: _Cand | None = None
+    best_key: tuple[bool, bool, int, float, str] | None = None
+    for c in idle:
+        if c.node_id in taken:
+            continue
+        room = _room(model, c, a, b)
+        if room < b - a:
+            continue
+        cached = any(x.model == model.name and x.covers(a, b) for x in c.node.cached)
+        key = (c.node.region != region, not cached, room, c.seconds, c.node_id)
+        if best_key is None or key < best_key:
+            best, best_key = c, key
+    return best
+
+
+def _largest_filler(
+    model: ModelSpec, idle: Sequence[_Cand], taken: set[str], region: str, p: int, b: int
+) -> tuple[_Cand, int, int] | None:
+    """The idle node (same region first) that covers the most of [p, b) from p."""
+    best: tuple[_Cand, int, int] | None = None
+    best_key: tuple[bool, int, float, str] | None = None
+    for c in idle:
+        if c.node_id in taken:
+            continue
+        q = min(b, p + _room(model, c, p, p + 1))
+        if _room(model, c, p, q) < q - p:  # the head makes it lose layers at the end
+            q = p + _room(model, c, p, q)
+        if q <= p:
+            continue
+        key = (c.node.region != region, -(q - p), c.seconds, c.node_id)
+        if best_key is None or key < best_key:
+            best, best_key = (c, p, q), key
+    return best
 
 
 # ---- one stage layout (min_stages > 1) ------------------------------------------------------

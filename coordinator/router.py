@@ -19,6 +19,9 @@ from dataclasses import dataclass
 # A hop on a node the route already uses costs this much more (ms): distinct nodes spread
 # load and keep a pipeline as deep as the layout asks.
 REUSE_PENALTY_MS = 1e6
+# A whole pipeline is taken over the cheapest mixed chain unless the mix is faster by more
+# than this fraction (see Holder.group).
+GROUP_SLACK = 0.25
 # Labels kept per layer position: more finds better chains when RTTs differ, at more cost.
 BEAM = 3
 MAX_ALTERNATES = 8
@@ -35,6 +38,10 @@ class Holder:
     end: int
     ms_per_layer: float  # compute time of one layer for one token
     load: float = 0.0  # active sessions or queue length; raises the cost
+    # The planner's pipeline this holder belongs to ("" for a spare replica). Whole
+    # pipelines are preferred: a route that borrows one member of a pipeline strands the
+    # others' KV slots, and at saturation that costs a whole session per borrowed slot.
+    group: str = ""
 
     def cost(self, layers: int) -> float:
         return layers * self.ms_per_layer * (1.0 + self.load)
@@ -74,11 +81,20 @@ def route(
     client and node n. Both default to 0 (then compute and load alone decide).
     """
     usable = [h for h in holders if h.node_id not in exclude]
+    cuts = list(boundaries)
+    if len(cuts) == 2:
+        whole = _best_group_chain(cuts[0], cuts[1], usable, holders, rtt_ms, client_rtt_ms)
+        if whole is not None:
+            mixed = _cheapest_chain(
+                cuts[0], cuts[1], usable, set(), None, rtt_ms, client_rtt_ms, client_rtt_ms
+            )
+            mixed_cost = _chain_cost(mixed, rtt_ms, client_rtt_ms) if mixed else float("inf")
+            if whole[0] <= mixed_cost * (1.0 + GROUP_SLACK):
+                return _stages(whole[1], usable, rtt_ms)
     stages: list[Stage] = []
     used: set[str] = set()
     missing: list[str] = []
     previous: str | None = None
-    cuts = list(boundaries)
     for i, (a, b) in enumerate(zip(cuts, cuts[1:], strict=False)):
         chain = _cheapest_chain(
             a,
@@ -100,6 +116,64 @@ def route(
     if missing:
         raise NoRouteError(f"no ready node serves layers {', '.join(missing)}")
     return stages
+
+
+def _stages(
+    chain: Sequence[tuple[Holder, int, int]], usable: Sequence[Holder], rtt_ms: RttMs | None
+) -> list[Stage]:
+    stages: list[Stage] = []
+    previous: str | None = None
+    for h, p, q in chain:
+        stages.append(_stage(h, p, q, usable, previous, rtt_ms))
+        previous = h.node_id
+    return stages
+
+
+def _chain_cost(
+    chain: Sequence[tuple[Holder, int, int]],
+    rtt_ms: RttMs | None,
+    client_rtt_ms: ClientRttMs | None,
+) -> float:
+    """What `_cheapest_chain` charges for a chain: load-adjusted compute, half RTTs."""
+    cost = sum(h.cost(q - p) for h, p, q in chain)
+    nodes = [h.node_id for h, _, _ in chain]
+    cost += sum(_edge(rtt_ms, a, b) for a, b in zip(nodes, nodes[1:], strict=False))
+    if client_rtt_ms is not None and chain:
+        cost += (client_rtt_ms(chain[0][0].node_id) + client_rtt_ms(chain[-1][0].node_id)) / 2.0
+    return cost
+
+
+def _best_group_chain(
+    start: int,
+    end: int,
+    usable: Sequence[Holder],
+    holders: Sequence[Holder],
+    rtt_ms: RttMs | None,
+    client_rtt_ms: ClientRttMs | None,
+) -> tuple[float, list[tuple[Holder, int, int]]] | None:
+    """The cheapest pipeline whose members are all usable and chain exactly over
+    [start, end), with its cost; None when there is none."""
+    usable_ids = {h.node_id for h in usable}
+    groups: dict[str, list[Holder]] = {}
+    for h in holders:
+        if h.group:
+            groups.setdefault(h.group, []).append(h)
+    best: tuple[float, list[tuple[Holder, int, int]]] | None = None
+    for members in groups.values():
+        if any(h.node_id not in usable_ids for h in members):
+            continue
+        members = sorted(members, key=lambda h: h.start)
+        if (
+            members[0].start != start
+            or members[-1].end != end
+            or any(x.end != y.start for x, y in zip(members, members[1:], strict=False))
+        ):
+            continue
+        chain = [(h, h.start, h.end) for h in members]
+        cost = _chain_cost(chain, rtt_ms, client_rtt_ms)
+        if best is None or cost < best[0]:
+            best = (cost, chain)
+    return best
 
 
 def _edge(rtt_ms: RttMs | None, a: str | None, b: str) -> float:

@@ -10,11 +10,28 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
+import numpy as np
+
 from coordinator.planner import ModelPlan, ModelSpec, NodeSpec, plan
 from coordinator.router import Holder, NoRouteError, route
 
-from .regions import Site
+from .regions import Site, backbone_rtt_ms
 from .swarm import Hop, SimNode, Swarm, fetched_bytes, handoff_s
+
+
+def typical_peer_rtt_ms(nodes: list[SimNode]) -> dict[str, float]:
+    """What the coordinator's measurements report as a node's typical RTT: the median of its
+    round trips to the peers of its region (backbone + its access line + theirs)."""
+    access: dict[str, list[float]] = {}
+    for n in nodes:
+        access.setdefault(n.site.region, []).append(n.site.access.rtt_ms)
+    median = {region: float(np.median(values)) for region, values in access.items()}
+    return {
+        n.node_id: backbone_rtt_ms(n.site.region, n.site.region)
+        + n.site.access.rtt_ms
+        + median[n.site.region]
+        for n in nodes
+    }
 
 
 class TesseraSystem:
@@ -31,10 +48,18 @@ class TesseraSystem:
             embed_params=model.embed_params,
             head_params=model.head_params,
             kv_values_per_token_per_layer=model.kv_values_per_token_per_layer,
+            hidden_size=model.hidden,
         )
         self.plan: ModelPlan | None = None
 
     def _node_specs(self) -> list[NodeSpec]:
+        peers = typical_peer_rtt_ms(list(self.swarm.nodes.values()))
+        swarm, slots = self.swarm, self.swarm.params.slots
+        per_gparam = 1e12 / swarm.model.params_per_layer  # ms per gparam, from s per layer
+        measured: dict[str, float] = {}  # per card: every node of a card measures the same
+        for n in swarm.nodes.values():
+            if n.gpu.name not in measured:
+                measured[n.gpu.name] = swarm.layer_time_s(n.node_id, slots) * per_gparam
         return [
             NodeSpec(
                 n.node_id,
@@ -44,6 +69,13 @@ class TesseraSystem:
                 kv_tokens=self.swarm.params.kv_tokens,
                 mem_bandwidth=n.gpu.memory_gbps,
                 region=n.site.region,
+                rtt_ms=peers[n.node_id],
+                # Measured hand-offs carry the batch of a busy node: its uplink per session.
+                upload_mbps=n.site.access.up_mbps / slots,
+                download_mbps=n.site.access.down_mbps,
+                # What coordinator/measurements.py converges to once traffic flows: the
+                # node's per-layer time with its KV slots in use.
+                ms_per_gparam=measured[n.gpu.name],
             )
             for n in self.swarm.nodes.values()
         ]
@@ -78,6 +110,7 @@ class TesseraSystem:
         if self.plan is None or not self.plan.holders:
             return None
         swarm = self.swarm
+        group = {nid: str(i) for i, pipe in enumerate(self.plan.pipelines) for nid in pipe}
         holders = [
             Holder(
                 nid,
@@ -85,6 +118,7 @@ class TesseraSystem:
                 s.start,
                 s.end,
                 swarm.layer_time_s(nid, load.get(nid, 0) + 1) * 1000.0,
+                group=group.get(nid, ""),
             )
             for nid, s in self.plan.holders.items()
             if nid in swarm.nodes

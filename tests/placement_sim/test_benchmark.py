@@ -53,7 +53,7 @@ def test_tessera_adapter_routes_through_the_planners_layout():
     assert system.route(HOME, {}, full=set(system.ranges())) is None
 
 
-@pytest.mark.parametrize("name", ["7b-us-east-steam", "70b-europe-highend"])
+@pytest.mark.parametrize("name", [s.name for s in FULL])
 def test_no_system_beats_the_upper_bound(name):
     scenario = quick([s for s in FULL if s.name == name])[0]
     result = run_scenario(scenario, ServingParams(), default_systems(2))

@@ -1,10 +1,11 @@
 """The performance model on examples small enough to check by hand."""
 
+import numpy as np
 import pytest
 from placement_sim.serving import saturate, throughput_of
 from placement_sim.swarm import Hop, handoff_s, layer_time_s, session_latency_s
-from placement_sim.upper_bound import upper_bound_tokens_per_s
-from placement_toy import EXACT, HOME, TOY, node, swarm
+from placement_sim.upper_bound import lp_max, max_sessions, upper_bound_tokens_per_s
+from placement_toy import EXACT, HOME, TOY, gpu_holding, node, swarm, toy_model
 
 # One toy layer: 10,487,808 params -> 20,975,616 bytes; KV 2*8*128*2 = 4096 bytes per token;
 # mean context 256 tokens -> 1,048,576 KV bytes per session; flops per token
@@ -70,11 +71,53 @@ def test_admission_stops_when_a_node_on_the_route_has_no_free_slot():
 
 def test_upper_bound_by_hand_for_one_node_that_holds_everything():
     s = swarm(node("a"))
-    # 4 slots x 4 layers at batch-1 cost; network floor = the client's 20 ms round trip.
-    layer = (WEIGHTS + KV_PER_SESSION) / 1e11
-    expected = 4 / (0.020 + 4 * layer)
-    assert upper_bound_tokens_per_s(s, [HOME]) == pytest.approx(expected)
-    # The same node really serving 4 sessions is slower (batch 4), so below the bound.
-    layer4 = (WEIGHTS + 4 * KV_PER_SESSION) / 1e11
-    real = 4 / (0.020 + 4 * layer4)
+
+    # One node, no hops. The j-th of its 4 slots serves a session that pays at least the
+    # layer time at batch j on its 4 layers; network floor = the client's 20 ms round trip.
+    def layer(batch: int) -> float:
+        return (WEIGHTS + batch * KV_PER_SESSION) / 1e11
+
+    expected = sum(1 / (0.020 + 4 * layer(j)) for j in range(1, 5))
+    assert upper_bound_tokens_per_s(s, [HOME] * 10) == pytest.approx(expected)
+    # Each client is one session: one client, one slot's worth.
+    assert upper_bound_tokens_per_s(s, [HOME]) == pytest.approx(1 / (0.020 + 4 * layer(1)))
+    # The same node really serving 4 sessions is slower (batch 4 for all), so below the bound.
+    real = 4 / (0.020 + 4 * layer(4))
     assert real < expected
+
+
+def test_session_count_bound_is_the_bin_covering_lp():
+    # L = 32, 4 slots: the 32-layer node carries 4 sessions alone; three 23-layer nodes need
+    # two per session, so 12 slots make 6. Sum of capacities / L would allow 12.6.
+    assert max_sessions([23, 23, 23, 32], 4, 32) == 10
+    assert max_sessions([15, 15], 4, 32) == 0  # 30 layers cannot cover 32
+    assert max_sessions([8, 8, 8, 8], 1, 32) == 1
+    # 10 + 10 + 20: one session per slot needs {10, 10, 20} or {20, 20}; with one 20 and
+    # two 10s, each session takes one of each.
+    assert max_sessions([10, 10, 20], 4, 40) == 4
+    value, duals = lp_max(np.array([[1.0, 2.0], [3.0, 1.0]]), np.array([4.0, 6.0]))
+    assert value == pytest.approx(2.8) and duals == pytest.approx([0.4, 0.2])
+
+
+def test_the_bound_charges_every_hop_out_of_a_node():
+    # Two nodes holding 2 of the 4 layers each: every session hops once. Items on each node
+    # carry half of (its nearest-peer RTT / 2 + hand-off); the last node's share is taken back
+    # from the client floor, so a 2-hop session is bounded by client RTT + the hop + compute.
+    model = toy_model(4)
+    a = node("a", gpu=gpu_holding(2.5))
+    b = node("b", gpu=gpu_holding(2.5))
+    s = swarm(a, b, model=model)
+    bound = upper_bound_tokens_per_s(s, [HOME] * 10)
+
+    def layer(batch: int) -> float:
+        return (WEIGHTS + batch * KV_PER_SESSION) / 1e11
+
+    hop = 0.010 + 2.048e-3  # 20 ms RTT / 2 + hand-off at batch 1 (slot j: j x 2.048 ms)
+    # items of slot j on each node: 2 layers at layer(j) + (10 ms + j * 2.048 ms) / 2 each
+    per_item = {j: layer(j) + (0.010 + j * 2.048e-3) / 2 for j in range(1, 5)}
+    # floor: 20 ms / 2 + (20 ms / 2 - hop)
+    floor = 0.010 + 0.010 - hop
+    expected = sum(1 / (floor + 4 * per_item[j]) for j in range(1, 5))
+    assert bound == pytest.approx(expected)
+    served = saturate(FixedRoute(s), [HOME] * 10)
+    assert served.tokens_per_s < bound

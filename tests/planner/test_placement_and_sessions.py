@@ -151,3 +151,30 @@ async def test_unavailable_models_say_why():
     assert placement.unavailable_reason("m") == "nodes are still fetching or loading layers 0-5"
     await ready_all(placement, swarm)
     assert placement.unavailable_reason("m") == ""
+
+
+async def test_measured_speed_replaces_a_lying_benchmark_and_routes_follow_pipelines():
+    swarm, placement, sessions, key = make(min_stages=1)
+    # Both nodes hold the whole model; "liar" claims 10x the matmul rate of "honest".
+    placement.node_up(PlacementNode("liar", "127.0.0.1:9100", caps(tflops=10.0)))
+    placement.node_up(PlacementNode("honest", "127.0.0.1:9101", caps(tflops=1.0)))
+    await placement.replan()
+    await ready_all(placement, swarm)
+    spec = model_spec("m", CONFIG)
+    before = {h.node_id: h for h in placement.ready_holders("m")}
+    assert before["liar"].ms_per_layer < before["honest"].ms_per_layer  # the claim, for now
+    assert all(h.group for h in before.values())  # each is a pipeline of its own
+    # Drivers time real traffic: the liar is really 4x slower per layer than the honest one.
+    honest_ms = before["honest"].ms_per_layer
+    for node_id, ms in (("liar", 4 * honest_ms), ("honest", honest_ms)):
+        placement.measurements.observe_step(
+            node_id,
+            layers=2,
+            params_per_layer=spec.params_per_layer,
+            tokens=1,
+            compute_ms=2 * ms,
+        )
+    after = {h.node_id: h for h in placement.ready_holders("m")}
+    assert after["liar"].ms_per_layer == pytest.approx(4 * honest_ms)  # one observation
+    grant = sessions.open_session(client_api_pb2.OpenSessionRequest(model="m", max_length=32))
+    assert [s.primary.node_id for s in grant.stages] == ["honest"]

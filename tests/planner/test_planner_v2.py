@@ -7,10 +7,16 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from coordinator.planner import (
+    PAYBACK_S,
     ModelSpec,
     NodeSpec,
+    Shard,
     estimated_tokens_per_s,
+    fetch_bytes,
+    move_seconds,
     plan,
+    replan_candidates,
+    worth_moving,
 )
 
 MODEL = ModelSpec(
@@ -41,12 +47,18 @@ nodes_strategy = st.lists(
 ).map(lambda specs: [node(i, gb, speed, region=r) for i, (gb, speed, r) in enumerate(specs)])
 
 
-def moved(before, after) -> bool:
-    return any(
-        nid in before.holders
-        and not shard.covers(before.holders[nid].start, before.holders[nid].end)
+def movers(before, after) -> set[str]:
+    """Nodes whose new shard needs layers their old one did not hold."""
+    return {
+        nid
         for nid, shard in after.holders.items()
-    )
+        if nid in before.holders
+        and not shard.covers(before.holders[nid].start, before.holders[nid].end)
+    }
+
+
+def moved(before, after) -> bool:
+    return bool(movers(before, after))
 
 
 def test_small_cards_form_their_own_pipelines():
@@ -85,21 +97,79 @@ def test_moves_only_when_the_gain_beats_the_hysteresis(nodes, joiners, data, hys
     now = [n for n in nodes if n.node_id not in leaving] + joiners
     by_id = {n.node_id: n for n in now}
     second = plan([MODEL], now, {"m": first}, replicas=1, hysteresis=hysteresis)["m"]
-    kept = plan([MODEL], now, {"m": first}, replicas=1, hysteresis=math.inf)["m"]
-    fresh = plan([MODEL], now, replicas=1)["m"]
-    if moved(first, kept):
-        # Even with infinite hysteresis, a plan that cannot serve the model is replaced.
-        assert kept.holders == fresh.holders == second.holders
-        assert not fresh.missing_layers()
+    candidates = replan_candidates(MODEL, now, first, 1)
+    kept = candidates["kept"]
+    # The kept candidate never moves a pipeline member; a replica outside every pipeline
+    # moves only into a pipeline (a repair).
+    members = {nid for pipe in first.pipelines for nid in pipe}
+    kept_members = {nid for pipe in kept.pipelines for nid in pipe}
+    for nid in movers(first, kept):
+        assert nid not in members and nid in kept_members
+    assert second.holders in [c.holders for c in candidates.values()]
+    if second.holders == kept.holders:
         return
-    gain_beats = estimated_tokens_per_s(MODEL, fresh, by_id) > estimated_tokens_per_s(
-        MODEL, kept, by_id
-    ) * (1 + hysteresis)
-    if gain_beats or (kept.missing_layers() and not fresh.missing_layers()):
-        assert second.holders == fresh.holders
-    else:
-        assert second.holders == kept.holders
-        assert not moved(first, second)
+    if kept.missing_layers():
+        assert not second.missing_layers()  # a plan that cannot serve gives way
+        return
+    assert not math.isinf(hysteresis)
+    gain = estimated_tokens_per_s(MODEL, second, by_id)
+    assert gain > estimated_tokens_per_s(MODEL, kept, by_id) * (1 + hysteresis)
+    assert worth_moving(
+        estimated_tokens_per_s(MODEL, kept, by_id),
+        gain,
+        move_seconds(MODEL, first, second, by_id),
+        hysteresis,
+    )
+
+
+def test_a_move_must_pay_for_its_downloads():
+    # Instant moves: the hysteresis alone. Slow ones need more gain; one as long as the
+    # payback horizon is never worth it.
+    assert worth_moving(100.0, 121.0, 0.0, 0.2)
+    assert not worth_moving(100.0, 119.0, 0.0, 0.2)
+    assert not worth_moving(100.0, 121.0, PAYBACK_S / 2, 0.2)
+    assert worth_moving(100.0, 141.0, PAYBACK_S / 2, 0.2)
+    assert not worth_moving(100.0, 1e9, PAYBACK_S, 0.2)
+    assert not worth_moving(100.0, 1e9, 0.0, math.inf)
+
+
+def test_cached_weights_are_not_fetched_and_repairs_prefer_nodes_that_have_them():
+    layer_bytes = MODEL.params_per_layer * 4
+    cold = node(1, 0.3)
+    warm = NodeSpec("n02", int(0.3e9), 1.0, kv_tokens=1024, cached=(Shard("m", 0, 12),))
+    assert fetch_bytes(MODEL, cold, None, Shard("m", 4, 12)) == 8 * layer_bytes
+    assert fetch_bytes(MODEL, warm, None, Shard("m", 4, 12)) == 0
+    assert fetch_bytes(MODEL, warm, Shard("m", 12, 16), Shard("m", 8, 20)) == 4 * layer_bytes
+    head = MODEL.head_params * 4
+    assert fetch_bytes(MODEL, cold, Shard("m", 20, 24), Shard("m", 16, 24)) == 4 * layer_bytes
+    assert fetch_bytes(MODEL, cold, None, Shard("m", 20, 24)) == 4 * layer_bytes + head
+    # A pipeline of two 0.1 GB nodes loses its first member; two idle nodes could fill
+    # the hole, and the one with the layers on disk is chosen.
+    a, b = node(3, 0.1), node(4, 0.1)
+    first = plan([MODEL], [a, b], replicas=1)["m"]
+    gone = first.pipelines[0][0]
+    hole = first.holders[gone]
+    idle_cold = node(5, 0.1)
+    idle_warm = NodeSpec(
+        "n06", int(0.1e9), 1.0, kv_tokens=1024, cached=(Shard("m", hole.start, hole.end),)
+    )
+    survivors = [n for n in (a, b) if n.node_id != gone]
+    second = plan([MODEL], [*survivors, idle_cold, idle_warm], {"m": first}, replicas=1)["m"]
+    assert second.holders.get("n06") == hole
+    assert "n06" in second.pipelines[0] and "n05" not in second.pipelines[0]
+
+
+def test_a_spare_replica_moves_into_a_broken_pipeline_when_no_node_is_idle():
+    # Three equal nodes: two form the pipeline, the third replicates. One member leaves.
+    nodes = [node(i, 0.1) for i in range(3)]
+    first = plan([MODEL], nodes, replicas=1)["m"]
+    (pipe,) = first.pipelines
+    spare = next(n.node_id for n in nodes if n.node_id not in pipe)
+    now = [n for n in nodes if n.node_id != pipe[0]]
+    second = plan([MODEL], now, {"m": first}, replicas=1, hysteresis=math.inf)["m"]
+    assert not second.missing_layers()
+    assert spare in {nid for p in second.pipelines for nid in p}
+    assert second.holders[pipe[1]] == first.holders[pipe[1]]  # the survivor stays put
 
 
 @settings(max_examples=100, deadline=None)

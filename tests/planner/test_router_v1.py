@@ -3,8 +3,10 @@ import pytest
 from coordinator.router import Holder, NoRouteError, cover_span, route
 
 
-def h(nid: str, start: int, end: int, ms: float = 1.0, load: float = 0.0) -> Holder:
-    return Holder(nid, f"127.0.0.1:{1000 + len(nid)}", start, end, ms, load)
+def h(
+    nid: str, start: int, end: int, ms: float = 1.0, load: float = 0.0, group: str = ""
+) -> Holder:
+    return Holder(nid, f"127.0.0.1:{1000 + len(nid)}", start, end, ms, load, group)
 
 
 def test_one_hop_per_stage_with_alternates_and_spread():
@@ -36,3 +38,31 @@ def test_cover_span_uses_fewest_hops_and_avoids_excluded():
     assert [(x.node_id, x.start, x.end) for x in hops] == [("a", 0, 6), ("b", 6, 12)]
     with pytest.raises(NoRouteError):
         cover_span(0, 12, [h("a", 0, 6)])
+
+
+def test_a_whole_pipeline_is_preferred_over_borrowing_members_of_two():
+    # p1 = a [0,6) + b [6,12), p2 = c [0,8) + d [8,12). The mixed chain c [0,8) + b [8,12)
+    # is a little cheaper, but it would strand a and d: at saturation that loses sessions.
+    holders = [
+        h("a", 0, 6, ms=1.0, group="p1"),
+        h("b", 6, 12, ms=0.9, group="p1"),
+        h("c", 0, 8, ms=0.95, group="p2"),
+        h("d", 8, 12, ms=1.0, group="p2"),
+    ]
+    stages = route([0, 12], holders)
+    assert {s.primary.node_id for s in stages} in ({"a", "b"}, {"c", "d"})
+    # Without pipeline labels the router takes the cheapest mix.
+    plain = [Holder(x.node_id, x.address, x.start, x.end, x.ms_per_layer) for x in holders]
+    assert [s.primary.node_id for s in route([0, 12], plain)] == ["c", "b"]
+    # A pipeline with a member excluded (full or failed) is not whole: the route mixes.
+    stages = route([0, 12], holders, exclude={"a", "d"})
+    assert [s.primary.node_id for s in stages] == ["c", "b"]
+
+
+def test_a_much_faster_mix_beats_a_whole_pipeline():
+    holders = [
+        h("a", 0, 6, ms=10.0, group="p1"),
+        h("b", 6, 12, ms=10.0, group="p1"),
+        h("fast", 0, 12, ms=1.0),
+    ]
+    assert [s.primary.node_id for s in route([0, 12], holders)] == ["fast"]
