@@ -108,15 +108,22 @@ def open_capability(
 
 
 def output_payload(
-    session_id: str, step: int, layer_start: int, layer_end: int, output_sha256: bytes
+    session_id: str,
+    step: int,
+    layer_start: int,
+    layer_end: int,
+    input_digest: bytes,
+    output_sha256: bytes,
 ) -> bytes:
-    """What a stage node signs for each reply: (session, step, stage layers, sha256(output))."""
+    """What a stage node signs for each reply: (session, step, stage layers, digest of the
+    session's input prefix (protos.output_check.input_chain), sha256(output))."""
     return b"".join(
         [
             _OUTPUT_DOMAIN,
             session_id.encode(),
             b"\n",
             f"{step}:{layer_start}:{layer_end}\n".encode(),
+            input_digest,
             output_sha256,
         ]
     )
