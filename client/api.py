@@ -37,11 +37,14 @@ from client.errors import (
 from client.records import FailoverEvent, HopRecord, StageTiming
 from client.sampling import Sampler, SamplingParams
 from client.tokenizer import TextTokenizer, load_tokenizer
+from client.verification import StageVerifier, VerificationStats
 from protos.tessera.v1 import (
     client_api_pb2,
     client_api_pb2_grpc,
     common_pb2,
     node_pb2,
+    verification_pb2,
+    verification_pb2_grpc,
 )
 
 DEFAULT_COORDINATOR = "127.0.0.1:7000"
@@ -77,6 +80,8 @@ class GenerationResult:
     finish_reason: str = ""  # "length" | "eos" | "error"
     wall_s: float = 0.0
     first_token_s: float = 0.0
+    # Signature checks and sampled redundant execution (client/verification.py).
+    verification: VerificationStats | None = None
 
     @property
     def tokens_per_s(self) -> float:
@@ -151,6 +156,7 @@ class AsyncClient:
         self.driver_config = driver_config or DriverConfig()
         self._channel = open_channel(self.coordinator)
         self._stub = client_api_pb2_grpc.ClientApiStub(self._channel)
+        self._verification = verification_pb2_grpc.VerificationStub(self._channel)
         self._stage_channels = ChannelPool()
         self._models: dict[str, _ModelHandle] = {}
         self.last_run: GenerationResult | None = None
@@ -208,12 +214,14 @@ class AsyncClient:
                 model=model, max_length=len(prompt_ids) + max_new_tokens, account=self.account
             ),
         )
+        verifier = StageVerifier(grant.session_id, self._stage_channels, self._report)
         driver = PipelineDriver(
             grant,
             model,
             rerouter=self._reroute,
             channels=self._stage_channels,
             config=self.driver_config,
+            verifier=verifier,
         )
         result = GenerationResult(
             model=model,
@@ -221,6 +229,7 @@ class AsyncClient:
             prompt_token_ids=list(prompt_ids),
             text="" if handle.tokenizer else None,
             initial_route=driver.route,
+            verification=verifier.stats,
         )
         self.last_run = result
         decoder = handle.tokenizer.stream(prompt_ids) if handle.tokenizer else None
@@ -322,9 +331,17 @@ class AsyncClient:
     ) -> client_api_pb2.RerouteResponse:
         return await self._stub.Reroute(request, timeout=self.timeout_s)
 
+    async def _report(
+        self, report: verification_pb2.VerificationReport
+    ) -> verification_pb2.ReportVerdict:
+        # A mismatch waits for the arbiter's replay: allow it more than a plain RPC.
+        return await self._verification.Report(report, timeout=max(self.timeout_s, 120.0))
+
     async def _end_session(
         self, driver: PipelineDriver, grant: client_api_pb2.SessionGrant
     ) -> None:
+        if driver.verifier is not None:
+            await driver.verifier.finish()
         await driver.close()
         request = client_api_pb2.CloseSessionRequest(
             session_id=grant.session_id, capability=grant.capability

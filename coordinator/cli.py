@@ -64,6 +64,16 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _probability(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not 0.0 <= value <= 1.0:
+        raise argparse.ArgumentTypeError(f"expected a probability in [0, 1], got {text!r}")
+    return value
+
+
 def _listen_address(text: str) -> str:
     from coordinator.addresses import split_host_port
 
@@ -141,6 +151,20 @@ def _add_serve_parser(subparsers: Any) -> None:
         "--kv-tokens", type=_positive_int, default=4096, metavar="N",
         help="KV-cache tokens each shard reserves for its sessions (default: %(default)s)",
     )  # fmt: skip
+    serve_parser.add_argument(
+        "--verify-warmup", type=_positive_int, default=10, metavar="N",
+        help="a node's outputs are all checked until it has N consecutive verified results; "
+        "then the checking probability falls as N/results (default: %(default)s)",
+    )  # fmt: skip
+    serve_parser.add_argument(
+        "--verify-min-probability", type=_probability, default=0.05, metavar="P",
+        help="the checking probability never falls below P (default: %(default)s)",
+    )  # fmt: skip
+    serve_parser.add_argument(
+        "--canary-interval", type=float, default=60.0, metavar="S",
+        help="send every ready node a canary spot-check about every S seconds; 0 turns "
+        "canaries off (default: %(default)s)",
+    )  # fmt: skip
     serve_parser.set_defaults(func=_run_serve)
 
 
@@ -158,6 +182,9 @@ def _run_serve(args: argparse.Namespace) -> int:
         replicas=args.replicas,
         min_stages=args.min_stages,
         kv_tokens_per_shard=args.kv_tokens,
+        verify_warmup=args.verify_warmup,
+        verify_min_probability=args.verify_min_probability,
+        canary_interval_s=args.canary_interval,
     )
     if settings.offline_after <= settings.suspect_after:
         raise CliError(

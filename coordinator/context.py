@@ -32,6 +32,7 @@ class CoordinatorContext:
     model_store: Any = None
     sessions: Any = None
     planner: Any = None
+    verifier: Any = None
 
     @property
     def public_key(self) -> bytes:

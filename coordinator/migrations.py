@@ -16,6 +16,7 @@ import sqlite_utils
 
 from coordinator.model_store.schema import MIGRATION_NAME as MODEL_STORE_MIGRATION
 from coordinator.model_store.schema import create_model_store_tables
+from coordinator.verifier.reputation import create_tables as create_verifier_tables
 
 
 @dataclass(frozen=True)
@@ -73,6 +74,7 @@ def _nodes_and_events(db: sqlite_utils.Database) -> None:
 MIGRATIONS: list[Migration] = [
     Migration(1, "nodes and node events", _nodes_and_events),
     Migration(2, MODEL_STORE_MIGRATION, create_model_store_tables),
+    Migration(3, "verifier: reputation, evidence, canaries", create_verifier_tables),
 ]
 
 

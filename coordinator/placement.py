@@ -106,6 +106,8 @@ class Placement:
         self._superseded: dict[tuple[str, str], Shard] = {}  # drop once the new one is ready
         self._replan_task: asyncio.Task[None] | None = None
         self._lock = asyncio.Lock()
+        # Cost multiplier per node for the router; the verifier makes failing nodes dearer.
+        self.trust_cost: Callable[[str], float] = lambda node_id: 1.0
 
     # ---- inputs -------------------------------------------------------------------------
 
@@ -174,8 +176,9 @@ class Placement:
             if shard.model != model or state != node_pb2.SHARD_STATE_READY or node is None:
                 continue
             speed = max(node.capabilities.matmul_tflops, 1e-3)
+            ms_per_layer = self.trust_cost(node_id) / speed
             holders.append(
-                Holder(node_id, node.address, shard.start, shard.end, 1.0 / speed, node.load)
+                Holder(node_id, node.address, shard.start, shard.end, ms_per_layer, node.load)
             )
         return holders
 

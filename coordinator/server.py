@@ -34,10 +34,20 @@ from coordinator.context import CoordinatorContext
 from coordinator.events import EventBus, InProcessBus, MqttBus
 from coordinator.presence import PresenceWatcher
 from coordinator.registry import Registry
-from coordinator.services import AdminService, ClientApiService, CoordinatorService
+from coordinator.services import (
+    AdminService,
+    ClientApiService,
+    CoordinatorService,
+    VerificationService,
+)
 from coordinator.settings import Settings
 from protos import codec, identity
-from protos.tessera.v1 import admin_pb2_grpc, client_api_pb2_grpc, coordinator_pb2_grpc
+from protos.tessera.v1 import (
+    admin_pb2_grpc,
+    client_api_pb2_grpc,
+    coordinator_pb2_grpc,
+    verification_pb2_grpc,
+)
 
 log = logging.getLogger(__name__)
 
@@ -58,6 +68,7 @@ GC_GEN0_THRESHOLD = 20_000
 COMPONENTS: tuple[tuple[str, str], ...] = (
     ("model_store", "coordinator.model_store:ModelStore.from_context"),
     ("sessions", "coordinator.inference:build"),
+    ("verifier", "coordinator.verifier:build"),
 )
 COORDINATOR_PRESENCE_TOPIC = "tessera/coordinator/presence"
 
@@ -128,6 +139,7 @@ def build_server(ctx: CoordinatorContext) -> grpc.aio.Server:
     coordinator_pb2_grpc.add_CoordinatorServicer_to_server(CoordinatorService(ctx), server)
     client_api_pb2_grpc.add_ClientApiServicer_to_server(ClientApiService(ctx), server)
     admin_pb2_grpc.add_AdminServicer_to_server(AdminService(ctx), server)
+    verification_pb2_grpc.add_VerificationServicer_to_server(VerificationService(ctx), server)
     return server
 
 

@@ -26,6 +26,7 @@ from protos.tessera.v1 import (
     common_pb2,
     coordinator_pb2,
     coordinator_pb2_grpc,
+    verification_pb2_grpc,
 )
 
 log = logging.getLogger(__name__)
@@ -33,6 +34,7 @@ log = logging.getLogger(__name__)
 _MISSING = {
     "model_store": "this coordinator has no model store configured yet",
     "sessions": "this coordinator cannot open inference sessions yet (no session manager)",
+    "verifier": "this coordinator runs no verifier",
 }
 
 
@@ -163,7 +165,11 @@ class ClientApiService(client_api_pb2_grpc.ClientApiServicer):
             NodeState.OFFLINE, NodeState.BANNED
         }  # fmt: skip
         views = sorted(self.ctx.registry.nodes(states), key=lambda v: (v.name, v.node_id))
-        return client_api_pb2.ListNodesResponse(nodes=[v.to_proto() for v in views])
+        nodes = [v.to_proto() for v in views]
+        if self.ctx.verifier is not None:
+            for info in nodes:
+                info.trust.CopyFrom(self.ctx.verifier.trust(info.node_id))
+        return client_api_pb2.ListNodesResponse(nodes=nodes)
 
     async def ListModels(self, request: Any, context: Any) -> Any:
         store = await _component(self.ctx, "model_store", context)
@@ -208,3 +214,18 @@ class AdminService(admin_pb2_grpc.AdminServicer):
         await require_admin(context, self.ctx.admin_token)
         store = await _component(self.ctx, "model_store", context)
         return await store.remove_model(request, context)
+
+
+class VerificationService(verification_pb2_grpc.VerificationServicer):
+    """Delegates to the verifier component (coordinator/verifier)."""
+
+    def __init__(self, ctx: CoordinatorContext) -> None:
+        self.ctx = ctx
+
+    async def Report(self, request: Any, context: Any) -> Any:  # noqa: N802
+        verifier = await _component(self.ctx, "verifier", context)
+        return await verifier.report(request, context)
+
+    async def GetSessionRisk(self, request: Any, context: Any) -> Any:  # noqa: N802
+        verifier = await _component(self.ctx, "verifier", context)
+        return await verifier.get_session_risk(request, context)
