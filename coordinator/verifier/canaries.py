@@ -3,8 +3,9 @@
 They catch lazy nodes (zeros, echoed input, stale answers) even when no client samples
 them. Each (model, layer range) has a small pool of canaries, derived from a seed: token
 ids for a range that starts at layer 0, hidden states otherwise. A round picks one canary
-per range and sends it to every ready holder of that range, over the ordinary data plane
-with a capability that looks like any client's (coordinator/verifier/stage_runner.py).
+per stage of the model's layout and sends it to every ready holder covering that stage,
+over the ordinary data plane with a capability that looks like any client's
+(coordinator/verifier/stage_runner.py).
 
 The reference answer is not computed by the coordinator: it is established the first time
 two holders of independent operators agree on it, and then stored (``canary_references``).
@@ -100,12 +101,16 @@ class Canaries:
             return
         self.rounds += 1
         for record in store.models():
+            # Canaries run the stages routes use, so a middle stage gets hidden states.
+            cuts = planner.boundaries(record.name) or [0, record.num_layers]
             ranges: dict[tuple[int, int], list[NodeFacts]] = {}
             for holder in planner.ready_holders(record.name):
                 facts = self._verifier.node_facts(holder.node_id)
                 if facts is None or not self._verifier.routable(holder.node_id):
                     continue
-                ranges.setdefault((holder.start, holder.end), []).append(facts)
+                for start, end in zip(cuts, cuts[1:], strict=False):
+                    if holder.start <= start and end <= holder.end:
+                        ranges.setdefault((start, end), []).append(facts)
             for (start, end), holders in ranges.items():
                 index = self._rng.randrange(POOL)
                 key = f"{record.name}:{start}:{end}:{index}"

@@ -444,6 +444,11 @@ class Verifier:
             pk="evidence_id",
         )
         self.reputation.failed(node_id, canary=canary)
+        view = self._ctx.registry.node(node_id)
+        if view is not None and view.state is NodeState.BANNED:
+            # Already convicted (e.g. two canaries of one round): one ban, one slashing.
+            self._notify(WorkRejected(node_id, session_id, reason))
+            return evidence
         log.error("FRAUD PROVEN: node %s (account %r): %s; banning it (evidence %s)",
                   node_id, account, reason, evidence[:16])  # fmt: skip
         try:
