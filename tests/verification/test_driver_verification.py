@@ -1,0 +1,126 @@
+"""The driver's side of verification, over real stage servers on loopback.
+
+No coordinator here (the stand-in key signs capabilities), so a mismatch cannot be
+arbitrated: the driver must then refuse the primary's output and fail over, which still
+keeps greedy output equal to the whole model's.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from data_plane.stage_harness import (
+    MODEL,
+    CoordinatorKeys,
+    StageNode,
+    reference_greedy,
+    session_grant,
+)
+from data_plane.test_driver import PROMPT, greedy
+
+from client.channels import ChannelPool
+from client.driver import PipelineDriver
+from client.verification import StageVerifier
+from node_agent import failpoints
+from node_agent.stage_server import StageServicer
+from protos import identity
+from protos.tessera.v1 import client_api_pb2
+
+NEW_TOKENS = 8
+
+
+def keyed(
+    keys: CoordinatorKeys,
+    grant: client_api_pb2.SessionGrant,
+    nodes: list[StageNode],
+    accounts: dict[str, str],
+    probability: float,
+) -> client_api_pb2.SessionGrant:
+    """The grant with what a real coordinator adds for verification, signed again."""
+    by_id = {n.node_id: n for n in nodes}
+    claims = client_api_pb2.CapabilityClaims.FromString(grant.capability.claims)
+    for hop in claims.grants:
+        hop.public_key = by_id[hop.node_id].public_key
+        hop.account = accounts.get(hop.node_id, "")
+        hop.device_kind, hop.compute_dtype = "cpu", "float32"
+        hop.check_probability = probability
+    grant.capability.CopyFrom(identity.sign_capability(keys.key, claims))
+    return grant
+
+
+def driver_for(grant: client_api_pb2.SessionGrant) -> PipelineDriver:
+    channels = ChannelPool()
+    verifier = StageVerifier(grant.session_id, channels, rng=random.Random(1))
+    return PipelineDriver(grant, MODEL, channels=channels, verifier=verifier)
+
+
+class UnsignedServicer(StageServicer):
+    """Answers correctly but without a signature."""
+
+    async def _forward_one(self, request, stream):
+        response = await super()._forward_one(request, stream)
+        response.signature = b""
+        return response
+
+
+async def test_an_unsigned_reply_is_a_failure_of_that_node(start_node, keys, checkpoint) -> None:
+    a = await start_node([(0, 2)])
+    b = await start_node([(2, 4)], servicer_class=UnsignedServicer)
+    b_alt = await start_node([(2, 4)])
+    grant = keyed(
+        keys, session_grant(keys, [(0, 2, a, []), (2, 4, b, [b_alt])]), [a, b, b_alt], {}, 0.0
+    )
+    driver = driver_for(grant)
+    tokens = await greedy(driver, PROMPT, NEW_TOKENS)
+    assert tokens == reference_greedy(checkpoint, PROMPT, NEW_TOKENS)
+    [event] = driver.failovers
+    assert event.failed_node_id == b.node_id and "unsigned" in event.reason
+    await driver.close()
+
+
+async def test_a_corrupting_primary_is_caught_and_its_output_never_used(
+    start_node, keys, checkpoint, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv(failpoints.ENV_VAR, "corrupt=0.3,seed=1")
+    cheater = await start_node([(0, 4)])
+    monkeypatch.delenv(failpoints.ENV_VAR)
+    honest = [await start_node([(0, 4)]) for _ in range(2)]
+    accounts = {cheater.node_id: "op-c", honest[0].node_id: "op-a", honest[1].node_id: "op-b"}
+    grant = keyed(
+        keys, session_grant(keys, [(0, 4, cheater, honest)]), [cheater, *honest], accounts, 1.0
+    )
+    driver = driver_for(grant)
+    tokens = await greedy(driver, PROMPT, NEW_TOKENS)
+    assert tokens == reference_greedy(checkpoint, PROMPT, NEW_TOKENS)
+    stats = driver.verifier.stats
+    assert stats.mismatches >= 1
+    assert any(f.failed_node_id == cheater.node_id for f in driver.failovers)
+    assert cheater.node_id not in {h.node_id for h in driver.route}
+    await driver.close()
+
+
+async def test_nodes_of_one_operator_never_check_each_other(start_node, keys) -> None:
+    primary, sibling, stranger = [await start_node([(0, 4)]) for _ in range(3)]
+    accounts = {primary.node_id: "op-x", sibling.node_id: "op-x", stranger.node_id: "op-y"}
+    grant = keyed(
+        keys,
+        session_grant(keys, [(0, 4, primary, [sibling, stranger])]),
+        [primary, sibling, stranger],
+        accounts,
+        1.0,
+    )
+    driver = driver_for(grant)
+    await greedy(driver, PROMPT, NEW_TOKENS)
+    pairs = driver.verifier.stats.pairs
+    assert pairs and set(pairs) == {(primary.node_id, stranger.node_id)}
+    await driver.close()
+
+    # With only a sibling to ask, nothing is checked at all.
+    alone = keyed(
+        keys, session_grant(keys, [(0, 4, primary, [sibling])]), [primary, sibling], accounts, 1.0
+    )
+    driver = driver_for(alone)
+    await greedy(driver, PROMPT, NEW_TOKENS)
+    assert driver.verifier.stats.pairs == [] and not driver.verifier.stats.checked
+    await driver.close()
