@@ -222,15 +222,11 @@ async def test_a_rival_cannot_get_an_honest_node_banned(setup) -> None:
     x, y = nodes["x"], nodes["y"]
     # y claims x computed on another history than the one x signed for.
     lie = mismatch(session, x, y, 5, prefix=np.array([[1, 2, 3]], dtype=np.int64))
-    await expect(
-        grpc.StatusCode.INVALID_ARGUMENT, lambda: session.report(lie), "does not hash"
-    )
+    await expect(grpc.StatusCode.INVALID_ARGUMENT, lambda: session.report(lie), "does not hash")
     # y alters x's output after x signed it.
     altered = mismatch(session, x, y, 6)
     altered.primary.output.CopyFrom(codec.encode(np.ones((1, 1, 8), dtype=np.float32)))
-    await expect(
-        grpc.StatusCode.INVALID_ARGUMENT, lambda: session.report(altered), "does not hash"
-    )
+    await expect(grpc.StatusCode.INVALID_ARGUMENT, lambda: session.report(altered), "does not hash")
     # A genuine disagreement between x's and y's own signed outputs, but nobody
     # independent can arbitrate: no one is banned on y's word.
     verdict = await session.report(mismatch(session, x, y, 7))
@@ -263,13 +259,9 @@ async def test_malformed_and_oversized_reports(setup) -> None:
     garbage.prefix[0].CopyFrom(common_pb2.Tensor(dtype="int64", shape=[1, 3], data=b"\x00"))
     await expect(grpc.StatusCode.INVALID_ARGUMENT, lambda: session.report(garbage), "bytes")
     too_many = [agreement(session, x, y, 100)] * (MAX_COMPARISONS + 1)
-    await expect(
-        grpc.StatusCode.RESOURCE_EXHAUSTED, lambda: session.report(*too_many), "at most"
-    )
+    await expect(grpc.StatusCode.RESOURCE_EXHAUSTED, lambda: session.report(*too_many), "at most")
     mismatches = [mismatch(session, x, y, 200 + i) for i in range(MAX_MISMATCHES + 1)]
-    await expect(
-        grpc.StatusCode.RESOURCE_EXHAUSTED, lambda: session.report(*mismatches), "at most"
-    )
+    await expect(grpc.StatusCode.RESOURCE_EXHAUSTED, lambda: session.report(*mismatches), "at most")
     bad_counts = [verification_pb2.NodeCalls(node_id=x.node_id, calls=1, checked=5)]
     await expect(
         grpc.StatusCode.INVALID_ARGUMENT,

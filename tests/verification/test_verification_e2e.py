@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import math
 import os
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -208,3 +210,14 @@ def test_a_lazy_node_is_caught_by_canaries_without_client_traffic(
             assert state_of_log(node) == "ok"
         log = swarm.coordinator.log_text()
         assert f"FRAUD PROVEN: node {lazy.node_id}" in log and "canary" in log
+        # `tessera nodes` shows trust and state.
+        listing = subprocess.run(
+            [sys.executable, "-m", "client.cli", "nodes", "--all", "--coordinator", swarm.address],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=True,
+        ).stdout
+        assert "TRUST" in listing.splitlines()[0]
+        [lazy_row] = [line for line in listing.splitlines() if lazy.node_id in line]
+        assert "banned" in lazy_row and "1 failed" in lazy_row
