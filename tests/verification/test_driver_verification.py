@@ -124,3 +124,26 @@ async def test_nodes_of_one_operator_never_check_each_other(start_node, keys) ->
     await greedy(driver, PROMPT, NEW_TOKENS)
     assert driver.verifier.stats.pairs == [] and not driver.verifier.stats.checked
     await driver.close()
+
+
+async def test_checkers_catch_up_on_skipped_positions_without_false_alarms(
+    start_node, keys, checkpoint
+) -> None:
+    # Half the calls are checked, at random: each checker's cache falls behind between
+    # its checks and must catch up from the driver's history (hidden states for the
+    # second stage) before it can answer the very call the primary answered.
+    first = [await start_node([(0, 2)]) for _ in range(3)]
+    second = [await start_node([(2, 4)]) for _ in range(3)]
+    nodes = [*first, *second]
+    accounts = {n.node_id: f"op-{i}" for i, n in enumerate(nodes)}
+    layout = [(0, 2, first[0], first[1:]), (2, 4, second[0], second[1:])]
+    grant = keyed(keys, session_grant(keys, layout), nodes, accounts, 0.5)
+    driver = driver_for(grant)
+    tokens = await greedy(driver, PROMPT, 12)
+    assert tokens == reference_greedy(checkpoint, PROMPT, 12)
+    stats = driver.verifier.stats
+    assert stats.mismatches == 0 and not driver.failovers
+    checked = sum(stats.checked.values())
+    calls = sum(stats.calls.values())
+    assert 0 < checked < calls, (checked, calls)
+    await driver.close()

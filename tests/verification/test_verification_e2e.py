@@ -165,6 +165,11 @@ def test_a_5_percent_corrupter_is_banned_within_the_bound_and_outputs_stay_hones
             cheater_calls += stats.calls.get(cheater, 0)
             cheater_calls += sum(1 for _, checker in stats.pairs if checker == cheater)
         trust = {n.node_id: n.trust for n in client.nodes(include_offline=True)}
+    # The client can read the session's risk figures the coordinator computed.
+    risk = result.verification.risk
+    assert risk is not None and risk.calls >= NEW_TOKENS and 0 < risk.checked <= risk.calls
+    p = risk.checked / risk.calls
+    assert risk.detection_probability == pytest.approx(1 - (1 - p * CORRUPTION) ** risk.calls)
     assert trust[cheater].failures >= 1
     # Honest nodes were never blamed, and one operator's nodes never checked each other.
     for name in ("honest-a1", "honest-a2", "honest-b"):
