@@ -178,11 +178,14 @@ class StageVerifier:
             response.step,
             request.layers.start,
             request.layers.end,
-            response.input_digest,
             hashlib.sha256(response.output.data).digest(),
+            input_digest=response.input_digest,
         )
         if not response.signature:
             raise NodeRejected(f"node {node_id} sent an unsigned output")
+        if len(response.input_digest) != output_check.DIGEST_BYTES:
+            # Without it the signature would not commit to the input history.
+            raise NodeRejected(f"node {node_id} signed no digest of its input history")
         if not identity.verify(grant.public_key, response.signature, payload):
             raise NodeRejected(f"node {node_id} sent an output whose signature does not verify")
         return grant

@@ -74,6 +74,7 @@ def _nodes_and_events(db: sqlite_utils.Database) -> None:
 MIGRATIONS: list[Migration] = [
     Migration(1, "nodes and node events", _nodes_and_events),
     Migration(2, MODEL_STORE_MIGRATION, create_model_store_tables),
+    # Merging after the ledger (3) and jobs (4) migrations: this one becomes 5, and last.
     Migration(3, "verifier: reputation, evidence, canaries", create_verifier_tables),
 ]
 

@@ -176,7 +176,7 @@ class StageServicer(stage_pb2_grpc.StageServicer):
         digest = hashlib.sha256(output.data).digest()
         signature = self._ctx.private_key.sign(
             identity.output_payload(
-                request.session_id, request.step, start, end, input_digest, digest
+                request.session_id, request.step, start, end, digest, input_digest=input_digest
             )
         )
         return stage_pb2.ForwardResponse(

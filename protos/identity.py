@@ -112,11 +112,15 @@ def output_payload(
     step: int,
     layer_start: int,
     layer_end: int,
-    input_digest: bytes,
     output_sha256: bytes,
+    *,
+    input_digest: bytes = b"",
 ) -> bytes:
     """What a stage node signs for each reply: (session, step, stage layers, digest of the
-    session's input prefix (protos.output_check.input_chain), sha256(output))."""
+    session's input prefix (protos.output_check.input_chain), sha256(output)).
+
+    The inference data plane always passes the 32-byte input digest; without one (training
+    micro-batches) the bytes are those of the original (session, step, layers, sha256)."""
     return b"".join(
         [
             _OUTPUT_DOMAIN,

@@ -31,6 +31,7 @@ TOLERANCES: dict[tuple[str, str], float] = {
 _BY_DTYPE = {"float32": 1e-3, "float16": 3e-2, "bfloat16": 8e-2}
 LOOSEST = max(_BY_DTYPE.values())
 _EMPTY_CHAIN = hashlib.sha256(b"tessera/v1/input-chain\n").digest()
+DIGEST_BYTES = len(_EMPTY_CHAIN)
 
 
 def tolerance(device_kind: str, dtype: str) -> float:

@@ -23,7 +23,7 @@ from protos.tessera.v1 import client_api_pb2, common_pb2, verification_pb2
 MAX_COMPARISONS = 4096
 MAX_MISMATCHES = 4
 MAX_NODE_CALLS = 1024
-DIGEST_BYTES = 32
+DIGEST_BYTES = output_check.DIGEST_BYTES
 
 
 class ReportError(Exception):
@@ -113,8 +113,8 @@ def check_comparison(
             signed.step,
             signed.layers.start,
             signed.layers.end,
-            signed.input_digest,
             signed.output_sha256,
+            input_digest=signed.input_digest,
         )
         if not identity.verify(grant.public_key, signed.signature, payload):
             raise ReportError(

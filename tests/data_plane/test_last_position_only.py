@@ -115,7 +115,9 @@ async def test_the_last_stage_answers_the_last_position_signed(start_node, keys,
         prefix = output_check.prefix_digest(
             [(np.array([PROMPT[: position + 1]], dtype=np.int64), "int64")]
         )
-        payload = identity.output_payload("s-last", response.step, 0, NUM_LAYERS, prefix, digest)
+        payload = identity.output_payload(
+            "s-last", response.step, 0, NUM_LAYERS, digest, input_digest=prefix
+        )
         assert identity.verify(node.public_key, response.signature, payload)
     # The cache still holds every position, not just the one answered.
     assert (prefill.cache_length, decode.cache_length) == (len(PROMPT) - 1, len(PROMPT))

@@ -132,12 +132,12 @@ async def test_prefill_and_decode_match_the_full_model_and_are_signed(
     digest = hashlib.sha256(response.output.data).digest()
     prefix = output_check.prefix_digest([(np.array([PROMPT], dtype=np.int64), "int64")])
     assert response.input_digest == prefix, "the signature must commit to the input prefix"
-    payload = identity.output_payload("s-happy", 1, 0, NUM_LAYERS, prefix, digest)
+    payload = identity.output_payload("s-happy", 1, 0, NUM_LAYERS, digest, input_digest=prefix)
     assert identity.verify(node.public_key, response.signature, payload)
     assert not identity.verify(
         node.public_key,
         response.signature,
-        identity.output_payload("s-happy", 2, 0, 4, prefix, digest),
+        identity.output_payload("s-happy", 2, 0, 4, digest, input_digest=prefix),
     )
 
     generated = []

@@ -46,8 +46,10 @@ def test_verify_rejects_malformed_keys_and_signatures_without_raising() -> None:
 
 
 def test_output_payload_binds_session_step_and_layers() -> None:
-    base = identity.output_payload("s", 3, 0, 4, b"i" * 32, b"h" * 32)
-    assert base != identity.output_payload("s", 4, 0, 4, b"i" * 32, b"h" * 32)
-    assert base != identity.output_payload("s", 3, 0, 5, b"i" * 32, b"h" * 32)
-    assert base != identity.output_payload("t", 3, 0, 4, b"i" * 32, b"h" * 32)
-    assert base != identity.output_payload("s", 3, 0, 4, b"j" * 32, b"h" * 32)
+    base = identity.output_payload("s", 3, 0, 4, b"h" * 32)
+    assert base != identity.output_payload("s", 4, 0, 4, b"h" * 32)
+    assert base != identity.output_payload("s", 3, 0, 5, b"h" * 32)
+    assert base != identity.output_payload("t", 3, 0, 4, b"h" * 32)
+    chained = identity.output_payload("s", 3, 0, 4, b"h" * 32, input_digest=b"i" * 32)
+    assert chained != base
+    assert chained != identity.output_payload("s", 3, 0, 4, b"h" * 32, input_digest=b"j" * 32)

@@ -68,7 +68,9 @@ async def test_a_zeros_node_signs_zeros_over_the_wire(
     # Signed like any honest answer: the signature is what makes it evidence.
     prefix = output_check.prefix_digest([(np.array([[1, 2, 3]], dtype=np.int64), "int64")])
     digest = hashlib.sha256(response.output.data).digest()
-    payload = identity.output_payload("s-lazy", response.step, 0, NUM_LAYERS, prefix, digest)
+    payload = identity.output_payload(
+        "s-lazy", response.step, 0, NUM_LAYERS, digest, input_digest=prefix
+    )
     assert identity.verify(node.public_key, response.signature, payload)
     await session.close()
 

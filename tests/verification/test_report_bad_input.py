@@ -52,7 +52,7 @@ class Node:
         tensor = codec.encode(output.astype(np.float32))
         digest = digest or output_check.prefix_digest([(PREFIX, "int64"), (INPUT, "int64")])
         out_hash = hashlib.sha256(tensor.data).digest()
-        payload = identity.output_payload(session_id, step, *LAYERS, digest, out_hash)
+        payload = identity.output_payload(session_id, step, *LAYERS, out_hash, input_digest=digest)
         return verification_pb2.SignedOutput(
             node_id=self.node_id,
             step=step,
