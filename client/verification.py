@@ -20,6 +20,7 @@ run.
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import logging
 import random
@@ -47,6 +48,16 @@ Reporter = Callable[
     [verification_pb2.VerificationReport], Awaitable[verification_pb2.ReportVerdict]
 ]
 Outcome = verification_pb2.Verdict.Outcome
+
+
+END_SESSION_TIMEOUT_S = 2.0
+
+
+@dataclass
+class _CheckerStream:
+    address: str
+    call: grpc.aio.StreamStreamCall
+    capability_sent: bytes = b""
 
 
 class NodeRejected(Exception):
@@ -92,6 +103,7 @@ class StageVerifier:
         # Positions of a checker's cache that match our history, per (node, span).
         self._synced: dict[tuple[str, Span], int] = {}
         self._unfit_checkers: set[str] = set()
+        self._streams: dict[str, _CheckerStream] = {}
         self._pending: list[verification_pb2.Comparison] = []
         self.stats = VerificationStats()
 
@@ -140,7 +152,9 @@ class StageVerifier:
         return await self._compare(hop, checker, request, response, checked, output, history)
 
     async def finish(self) -> verification_pb2.SessionRisk | None:
-        """Send what is left to report; returns the coordinator's risk figures."""
+        """End the checkers' caches, send what is left to report; returns the
+        coordinator's risk figures."""
+        await self._end_checker_sessions()
         if self._reporter is None or not self._keyed:
             return None  # nothing was checked: a coordinator without a verifier
         try:
@@ -149,6 +163,22 @@ class StageVerifier:
             log.warning("verification report failed: %s: %s", err.code().name, err.details())
             return None
         return verdict.risk
+
+    async def _end_checker_sessions(self) -> None:
+        streams, self._streams = self._streams, {}
+        request = stage_pb2.EndSessionRequest(
+            session_id=self.session_id, capability=self._capability
+        )
+
+        async def end(stream: _CheckerStream) -> None:
+            stream.call.cancel()
+            stub = stage_pb2_grpc.StageStub(self._channels.get(stream.address))
+            try:
+                await stub.EndSession(request, timeout=END_SESSION_TIMEOUT_S)
+            except grpc.aio.AioRpcError as err:  # best effort: idle caches expire anyway
+                log.debug("EndSession on checker: %s", err.code().name)
+
+        await asyncio.gather(*(end(s) for s in streams.values()))
 
     # ---- signatures -----------------------------------------------------------------
 
@@ -215,26 +245,22 @@ class StageVerifier:
         history: RouteHistory,
     ) -> stage_pb2.ForwardResponse:
         key = (checker.node_id, span)
-        stub = stage_pb2_grpc.StageStub(self._channels.get(checker.address))
         for attempt in range(2):
             synced = 0 if attempt else self._synced.get(key, 0)
-            call = stub.Forward(timeout=self._timeout_s)
             try:
-                requests = self._catch_up(span, synced, request, history)
-                for i, message in enumerate(requests):
-                    if i == 0:
-                        message.capability.CopyFrom(self._capability)
-                    await call.write(message)
-                    answer = await call.read()
-                    if answer is grpc.aio.EOF:
-                        raise NodeRejected(f"checker {checker.node_id} ended the stream")
+                async with asyncio.timeout(self._timeout_s):
+                    answer = await self._send(
+                        checker, self._catch_up(span, synced, request, history)
+                    )
             except grpc.aio.AioRpcError as err:
+                self._close_stream(checker.node_id)
                 # Its cache expired since the last check: catch up from position 0 once.
                 if err.code() == grpc.StatusCode.FAILED_PRECONDITION and synced and not attempt:
                     continue
                 raise
-            finally:
-                call.cancel()
+            except (TimeoutError, NodeRejected):
+                self._close_stream(checker.node_id)
+                raise NodeRejected(f"checker {checker.node_id} did not answer") from None
             self._synced[key] = request.start_pos + request.input.shape[1]
             self._check_signature(checker.node_id, request, answer)
             if list(answer.output.shape) != list(response.output.shape):
@@ -244,6 +270,35 @@ class StageVerifier:
                 )
             return answer
         raise AssertionError("unreachable")
+
+    async def _send(
+        self, checker: HopRecord, messages: list[stage_pb2.ForwardRequest]
+    ) -> stage_pb2.ForwardResponse:
+        """Write each message on the checker's stream (kept for the session, like the
+        driver's own) and read its answer; the last answer comes back."""
+        stream = self._streams.get(checker.node_id)
+        if stream is None:
+            stub = stage_pb2_grpc.StageStub(self._channels.get(checker.address))
+            stream = self._streams[checker.node_id] = _CheckerStream(
+                checker.address, stub.Forward()
+            )
+        answer: stage_pb2.ForwardResponse | None = None
+        for message in messages:
+            if stream.capability_sent != self._capability.signature:
+                message.capability.CopyFrom(self._capability)
+                stream.capability_sent = self._capability.signature
+            await stream.call.write(message)
+            read = await stream.call.read()
+            if read is grpc.aio.EOF:
+                raise NodeRejected(f"checker {checker.node_id} ended the stream")
+            answer = read
+        assert answer is not None
+        return answer
+
+    def _close_stream(self, node_id: str) -> None:
+        stream = self._streams.pop(node_id, None)
+        if stream is not None:
+            stream.call.cancel()
 
     @staticmethod
     def _catch_up(
