@@ -116,15 +116,30 @@ class Canaries:
                 key = f"{record.name}:{start}:{end}:{index}"
                 chunk = canary_input(key, start, record.hidden_size, record.vocab_size)
                 await asyncio.gather(
-                    *(self._probe(key, record.name, start, end, chunk, h) for h in holders)
+                    *(self._probe(key, record.name, start, end, chunk, h, holders) for h in holders)
                 )
 
     async def _probe(
-        self, key: str, model: str, start: int, end: int, chunk: common_pb2.Tensor, facts: NodeFacts
+        self,
+        key: str,
+        model: str,
+        start: int,
+        end: int,
+        chunk: common_pb2.Tensor,
+        facts: NodeFacts,
+        holders: list[NodeFacts],
     ) -> None:
+        # Granted alongside, as a route's alternates would be.
+        others = [h.node_id for h in holders if h.node_id != facts.node_id]
         try:
             run = await self._verifier.runner.run(
-                facts.node_id, facts.address, model, start, end, [chunk]
+                facts.node_id,
+                facts.address,
+                model,
+                start,
+                end,
+                [chunk],
+                also_granted=self._rng.sample(others, min(2, len(others))),
             )
         except (grpc.aio.AioRpcError, ConnectionError) as err:
             log.info("canary to %s did not run: %s", facts.node_id, err)

@@ -98,10 +98,11 @@ def session_risk(
 
 
 class Verifier:
-    def __init__(self, ctx: Any, reputation: Reputation, runner: StageRunner) -> None:
+    def __init__(self, ctx: Any, reputation: Reputation) -> None:
         self._ctx = ctx
         self.reputation = reputation
-        self.runner = runner
+        # Checks are dressed like client sessions: same grants, keys and probabilities.
+        self.runner = StageRunner(ctx.signing_key, describe=self.describe_hop)
         self._listeners: list[Listener] = []
         self._keys: dict[str, bytes] = {}
         self.canaries = Canaries(self)
@@ -111,7 +112,7 @@ class Verifier:
     def from_context(cls, ctx: Any) -> Verifier:
         settings = ctx.settings
         schedule = Schedule(warmup=settings.verify_warmup, p_min=settings.verify_min_probability)
-        verifier = cls(ctx, Reputation(ctx.db, schedule), StageRunner(ctx.signing_key))
+        verifier = cls(ctx, Reputation(ctx.db, schedule))
         if ctx.planner is not None:
             ctx.planner.trust_cost = verifier.reputation.router_cost
         return verifier
@@ -320,7 +321,8 @@ class Verifier:
         comparison = mismatch.comparison
         p, c = comparison.primary, comparison.checker
         start, end = p.layers.start, p.layers.end
-        for arbiter in self._arbiters(claims.model, start, end, mismatch)[:MAX_ARBITERS_TRIED]:
+        arbiters = self._arbiters(claims.model, start, end, mismatch)
+        for arbiter in arbiters[:MAX_ARBITERS_TRIED]:
             try:
                 run = await self.runner.run(
                     arbiter.node_id,
@@ -330,6 +332,7 @@ class Verifier:
                     end,
                     [*comparison.prefix, comparison.input],
                     last_position_only=comparison.last_position_only,
+                    also_granted=[a.node_id for a in arbiters if a is not arbiter][:2],
                 )
             except (grpc.aio.AioRpcError, ConnectionError) as err:
                 log.warning("arbiter %s could not run: %s", arbiter.node_id, err)

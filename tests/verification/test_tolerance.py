@@ -20,7 +20,7 @@ from node_agent import failpoints
 from node_agent.runtime import StageModel, load_stage_model
 from protos import codec, output_check
 
-BATCH = 96
+BATCH = 64
 TOKENS = 8
 STAGES = ((0, 2), (2, 4))
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
