@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 import subprocess
 import sys
 import time
@@ -225,4 +226,5 @@ def test_a_lazy_node_is_caught_by_canaries_without_client_traffic(
         ).stdout
         assert "TRUST" in listing.splitlines()[0]
         [lazy_row] = [line for line in listing.splitlines() if lazy.node_id in line]
-        assert "banned" in lazy_row and "1 failed" in lazy_row
+        failed = re.search(r"(\d+) failed", lazy_row)
+        assert "banned" in lazy_row and failed and int(failed.group(1)) >= 1, lazy_row
