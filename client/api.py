@@ -129,6 +129,7 @@ class GenerationResult:
             "wall_s": round(self.wall_s, 4),
             "first_token_s": round(self.first_token_s, 4),
             "tokens_per_s": round(self.tokens_per_s, 3),
+            "verification": self.verification.to_json() if self.verification else None,
         }
 
 

@@ -76,6 +76,19 @@ class VerificationStats:
     # (primary, checker) pairs that were compared: two nodes of one operator never appear.
     pairs: list[tuple[str, str]] = field(default_factory=list)
 
+    def to_json(self) -> dict[str, object]:
+        risk = self.risk
+        return {
+            "calls": sum(self.calls.values()),
+            "checked": sum(self.checked.values()),
+            "mismatches": self.mismatches,
+            "verdicts": [verification_pb2.Verdict.Outcome.Name(v.outcome) for v in self.verdicts],
+            # The coordinator's figures: P(a node corrupting f of its outputs got through).
+            "detection_probability": risk.detection_probability if risk else None,
+            "undetected_probability": risk.undetected_probability if risk else None,
+            "assumed_corruption": risk.assumed_corruption if risk else None,
+        }
+
 
 class StageVerifier:
     """Checks every reply of one session; samples some for redundant execution."""
