@@ -26,7 +26,7 @@ import logging
 import random
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import grpc
 import numpy as np
@@ -40,6 +40,8 @@ if TYPE_CHECKING:
 log = logging.getLogger("tessera.verifier.canaries")
 
 POOL = 8  # canaries per (model, layer range)
+# Warn when an honest pair's error passes this share of its tolerance.
+CALIBRATION_WARNING = 0.2
 TOKENS = 8  # positions per canary
 
 
@@ -71,6 +73,7 @@ class Canaries:
         self._rng = random.Random()
         self._references: dict[str, _Reference] = {}
         self._pending: dict[str, list[_Answer]] = {}
+        self._calibration: dict[str, dict[str, Any]] = {}
         self.rounds = 0
 
     async def run_forever(self, interval_s: float) -> None:
@@ -175,6 +178,8 @@ class Canaries:
                 answer.output, answer.dtype, other.output, other.dtype
             )
             if error <= tolerance:
+                peer = (other.facts.device_kind, other.facts.compute_dtype)
+                self._calibrate(answer.facts, [peer], error, tolerance)
                 reference = self._establish(key, other, answer)
                 for earlier in pending:
                     if earlier is not other:
@@ -184,6 +189,32 @@ class Canaries:
                 del self._pending[key]
                 return
         pending.append(answer)
+
+    def _calibrate(
+        self, facts: NodeFacts, peers: list[tuple[str, str]], error: float, tolerance: float
+    ) -> None:
+        """Record the honest error of a passing pair, per (device kind, dtype) pair: the
+        data the tolerances are calibrated from. An honest error creeping towards its
+        tolerance is a false positive in the making, and is said loudly."""
+        mine = (facts.device_kind, facts.compute_dtype)
+        for peer in peers:
+            key = pair_key(mine, peer)
+            row = self._calibration.get(key, {"comparisons": 0, "max_error": 0.0})
+            row = {
+                "pair": key,
+                "comparisons": row["comparisons"] + 1,
+                "max_error": max(row["max_error"], error),
+                "tolerance": tolerance,
+                "updated_ms": int(time.time() * 1000),
+            }
+            self._calibration[key] = row
+            self._verifier._ctx.db["canary_calibration"].upsert(row, pk="pair")
+            if error > tolerance * CALIBRATION_WARNING:
+                log.warning(
+                    "honest canary error %.3g on %s is over %.0f%% of its tolerance %.3g: "
+                    "widen the tolerance for this pair before it flags honest nodes",
+                    error, key, 100 * CALIBRATION_WARNING, tolerance,
+                )  # fmt: skip
 
     def _establish(self, key: str, first: _Answer, second: _Answer) -> _Reference:
         agreed = [
@@ -216,6 +247,8 @@ class Canaries:
             key, facts.node_id, facts.device_kind, facts.compute_dtype, error, tolerance,
         )  # fmt: skip
         if error <= tolerance:
+            peers = [(kind, dtype) for _, kind, dtype in reference.agreed_by]
+            self._calibrate(facts, peers, error, tolerance)
             self._verifier.reputation.verified(facts.node_id, canary=True)
             return
         evidence = hashlib.sha256(answer.signature + key.encode()).hexdigest()
@@ -230,6 +263,11 @@ class Canaries:
             evidence,
             canary=True,
         )
+
+
+def pair_key(a: tuple[str, str], b: tuple[str, str]) -> str:
+    """'cpu/float32~cuda/float16': one row per unordered (device kind, dtype) pair."""
+    return "~".join(sorted(f"{kind}/{dtype}" for kind, dtype in (a, b)))
 
 
 def _echoes(array: np.ndarray, dtype: str, chunk: common_pb2.Tensor) -> bool:

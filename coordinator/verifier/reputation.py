@@ -88,6 +88,12 @@ def create_tables(db: sqlite_utils.Database) -> None:
         {"key": str, "dtype": str, "shape": str, "data": bytes, "agreed_by": str, "ts_ms": int},
         pk="key",
     )
+    # Honest errors seen per (device kind, dtype) pair by canaries: the calibration data.
+    db["canary_calibration"].create(
+        {"pair": str, "comparisons": int, "max_error": float, "tolerance": float,
+         "updated_ms": int},
+        pk="pair",
+    )  # fmt: skip
     db["session_verification"].create(
         {"session_id": str, "calls": int, "checked": int, "mismatches": int, "updated_ms": int},
         pk="session_id",

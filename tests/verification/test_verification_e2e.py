@@ -15,6 +15,7 @@ from __future__ import annotations
 import math
 import os
 import re
+import sqlite3
 import subprocess
 import sys
 import time
@@ -216,6 +217,14 @@ def test_a_lazy_node_is_caught_by_canaries_without_client_traffic(
             assert state_of_log(node) == "ok"
         log = swarm.coordinator.log_text()
         assert f"FRAUD PROVEN: node {lazy.node_id}" in log and "canary" in log
+        # The honest agreements were recorded as calibration data for their dtype pair.
+        db = sqlite3.connect(swarm.coordinator_dir / "coordinator.db")
+        rows = db.execute(
+            "SELECT pair, comparisons, max_error, tolerance FROM canary_calibration"
+        ).fetchall()
+        db.close()
+        assert rows and all(pair == "cpu/float32~cpu/float32" for pair, *_ in rows), rows
+        assert all(n >= 1 and error <= tolerance / 5 for _, n, error, tolerance in rows), rows
         # `tessera nodes` shows trust and state.
         listing = subprocess.run(
             [sys.executable, "-m", "client.cli", "nodes", "--all", "--coordinator", swarm.address],
