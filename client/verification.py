@@ -152,9 +152,10 @@ class StageVerifier:
             return output
         try:
             checked = await self._run_checker(checker, span, request, response, history)
-        except (grpc.aio.AioRpcError, NodeRejected, codec.TensorError) as err:
+        except Exception as err:  # a broken stream surfaces in several shapes
             # An unusable checker says nothing about the primary; don't ask it again.
             log.warning("checker %s could not check %s: %s", checker.node_id, hop.node_id, err)
+            self._close_stream(checker.node_id)
             self._unfit_checkers.add(checker.node_id)
             return output
         if checked.input_digest != response.input_digest:

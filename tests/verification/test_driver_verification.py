@@ -147,3 +147,22 @@ async def test_checkers_catch_up_on_skipped_positions_without_false_alarms(
     calls = sum(stats.calls.values())
     assert 0 < checked < calls, (checked, calls)
     await driver.close()
+
+
+async def test_a_checker_that_dies_mid_session_costs_only_its_checks(
+    start_node, keys, checkpoint
+) -> None:
+    primary, checker = await start_node([(0, 4)]), await start_node([(0, 4)])
+    accounts = {primary.node_id: "op-a", checker.node_id: "op-b"}
+    grant = keyed(
+        keys, session_grant(keys, [(0, 4, primary, [checker])]), [primary, checker], accounts, 1.0
+    )
+    driver = driver_for(grant)
+    tokens = await greedy(
+        driver, PROMPT, NEW_TOKENS, after_step={3: lambda: checker.server.stop(0)}
+    )
+    assert tokens == reference_greedy(checkpoint, PROMPT, NEW_TOKENS)
+    assert not driver.failovers, "a checker's failure is not the primary's"
+    stats = driver.verifier.stats
+    assert 0 < stats.checked[primary.node_id] < stats.calls[primary.node_id]
+    await driver.close()
