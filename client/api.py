@@ -39,6 +39,7 @@ from client.errors import (
 from client.records import FailoverEvent, HopRecord, StageTiming
 from client.sampling import Sampler, SamplingParams
 from client.tokenizer import TextTokenizer, load_tokenizer
+from client.verification import StageVerifier, VerificationStats
 from protos.tessera.v1 import (
     client_api_pb2,
     client_api_pb2_grpc,
@@ -46,6 +47,8 @@ from protos.tessera.v1 import (
     ledger_pb2,
     ledger_pb2_grpc,
     node_pb2,
+    verification_pb2,
+    verification_pb2_grpc,
 )
 
 DEFAULT_COORDINATOR = "127.0.0.1:7000"
@@ -86,6 +89,8 @@ class GenerationResult:
     # The close with the counter-signed receipts: `settle(result)` re-sends it when the
     # coordinator could not be reached at the end of the run (settling is idempotent).
     close_request: client_api_pb2.CloseSessionRequest | None = None
+    # Signature checks and sampled redundant execution (client/verification.py).
+    verification: VerificationStats | None = None
 
     @property
     def tokens_per_s(self) -> float:
@@ -136,6 +141,7 @@ class GenerationResult:
             "quote": self.quote,
             "charged": self.settlement.charged if self.settlement else 0,
             "refunded": self.settlement.refunded if self.settlement else 0,
+            "verification": self.verification.to_json() if self.verification else None,
         }
 
 
@@ -171,6 +177,7 @@ class AsyncClient:
         self._channel = open_channel(self.coordinator)
         self._stub = client_api_pb2_grpc.ClientApiStub(self._channel)
         self._ledger = ledger_pb2_grpc.LedgerStub(self._channel)
+        self._verification = verification_pb2_grpc.VerificationStub(self._channel)
         self._stage_channels = ChannelPool()
         self._models: dict[str, _ModelHandle] = {}
         self.last_run: GenerationResult | None = None
@@ -239,12 +246,14 @@ class AsyncClient:
         if self.key is not None:
             billing.sign_open(open_request, self.key)
         grant = await self._call("opening a session", self._stub.OpenSession, open_request)
+        verifier = StageVerifier(grant.session_id, self._stage_channels, self._report)
         driver = PipelineDriver(
             grant,
             model,
             rerouter=self._reroute,
             channels=self._stage_channels,
             config=self.driver_config,
+            verifier=verifier,
         )
         result = GenerationResult(
             model=model,
@@ -253,6 +262,7 @@ class AsyncClient:
             text="" if handle.tokenizer else None,
             initial_route=driver.route,
             quote=grant.quote.amount,
+            verification=verifier.stats,
         )
         self.last_run = result
         decoder = handle.tokenizer.stream(prompt_ids) if handle.tokenizer else None
@@ -292,6 +302,8 @@ class AsyncClient:
         finally:
             result.wall_s = time.monotonic() - began
             result.route = driver.route
+            if driver.verifier is not None:
+                await driver.verifier.finish()
             await driver.close()
             result.close_request = self._close_request(driver, grant)
             result.settlement = await self._end_session(result.close_request)
@@ -355,6 +367,12 @@ class AsyncClient:
         self, request: client_api_pb2.RerouteRequest
     ) -> client_api_pb2.RerouteResponse:
         return await self._stub.Reroute(request, timeout=self.timeout_s)
+
+    async def _report(
+        self, report: verification_pb2.VerificationReport
+    ) -> verification_pb2.ReportVerdict:
+        # A mismatch waits for the arbiter's replay: allow it more than a plain RPC.
+        return await self._verification.Report(report, timeout=max(self.timeout_s, 120.0))
 
     def _close_request(
         self, driver: PipelineDriver, grant: client_api_pb2.SessionGrant

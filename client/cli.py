@@ -235,11 +235,21 @@ def _nodes(args: argparse.Namespace) -> int:
             _bytes(n.capabilities.memory_usable_bytes),
             f"{n.capabilities.matmul_tflops:.2f}",
             _ago(now_ms - n.last_seen_unix_ms) if n.last_seen_unix_ms else "never",
+            _trust(n),
         ]
         for n in nodes
     ]
-    print(_table(["ID", "NAME", "STATE", "DEVICE", "MEMORY", "TFLOPS", "LAST SEEN"], rows))
+    header = ["ID", "NAME", "STATE", "DEVICE", "MEMORY", "TFLOPS", "LAST SEEN", "TRUST"]
+    print(_table(header, rows))
     return 0
+
+
+def _trust(node: node_pb2.NodeInfo) -> str:
+    """Trust, then verified results / failures: what the verifier thinks of the node."""
+    if not node.HasField("trust"):
+        return "-"
+    t = node.trust
+    return f"{t.trust:.2f} ({t.verified} ok, {t.failures} failed)"
 
 
 def _models(args: argparse.Namespace) -> int:

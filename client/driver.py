@@ -28,6 +28,7 @@ from client.channels import ChannelPool
 from client.errors import PipelineError, RequestRejected
 from client.records import FailoverEvent, HopRecord, Receipt, StageTiming
 from client.route_history import RouteHistory, Span, covers
+from client.verification import NodeRejected, StageVerifier
 from protos import codec
 from protos.tessera.v1 import client_api_pb2, common_pb2, stage_pb2, stage_pb2_grpc
 
@@ -108,8 +109,11 @@ class PipelineDriver:
         rerouter: Rerouter | None = None,
         channels: ChannelPool | None = None,
         config: DriverConfig | None = None,
+        verifier: StageVerifier | None = None,
     ) -> None:
         self.config = config or DriverConfig()
+        # Checks signatures and samples redundant execution (client/verification.py).
+        self.verifier = verifier
         self.session_id = grant.session_id
         self.model = model
         self.shape = ModelShape(grant.num_layers, grant.hidden_size, grant.vocab_size)
@@ -379,6 +383,15 @@ class PipelineDriver:
         output = self._check_output(
             slot, response, step, x.shape[0], tokens, start_pos, last_position_only
         )
+        if self.verifier is not None:
+            try:
+                output = await self.verifier.verify(
+                    self._capability, slot.hop, slot.alternates, request, response, output,
+                    self._history, replay=replay,
+                )  # fmt: skip
+            except NodeRejected as err:
+                slot.close_stream()
+                raise HopFailure(str(err)) from err
         if tokens == 1 and not replay:
             slot.decode_seconds.append(wall)
         self.timings.append(

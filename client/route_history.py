@@ -154,6 +154,17 @@ class RouteHistory:
         array, dtype = history.concatenated()
         return 0, array, dtype
 
+    def inputs(self, span: Span, start: int, end: int) -> list[tuple[int, np.ndarray, str]]:
+        """The chunks sent to ``span`` covering positions [start, end), as (start_pos, array,
+        dtype), cut to that range: what a verifying replica's cache lacks."""
+        out = []
+        for chunk in self._boundary(span).chunks:
+            low, high = max(start, chunk.start_pos), min(end, chunk.end_pos)
+            if low < high:
+                cut = chunk.array[:, low - chunk.start_pos : high - chunk.start_pos]
+                out.append((low, cut, chunk.dtype))
+        return out
+
     def replace(self, span: Span, chain: Sequence[Span]) -> None:
         """Swap ``span`` for a chain of hops covering exactly the same layers.
 

@@ -74,6 +74,16 @@ def _non_negative_int(text: str) -> int:
     return value
 
 
+def _probability(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not 0.0 <= value <= 1.0:
+        raise argparse.ArgumentTypeError(f"expected a probability in [0, 1], got {text!r}")
+    return value
+
+
 def _listen_address(text: str) -> str:
     from coordinator.addresses import split_host_port
 
@@ -166,6 +176,20 @@ def _add_serve_parser(subparsers: Any) -> None:
         help="the coordinator's cut of each settlement in basis points, 0..10000 "
         "(default: %(default)s)",
     )  # fmt: skip
+    serve_parser.add_argument(
+        "--verify-warmup", type=_positive_int, default=10, metavar="N",
+        help="a node's outputs are all checked until it has N consecutive verified results; "
+        "then the checking probability falls as N/results (default: %(default)s)",
+    )  # fmt: skip
+    serve_parser.add_argument(
+        "--verify-min-probability", type=_probability, default=0.05, metavar="P",
+        help="the checking probability never falls below P (default: %(default)s)",
+    )  # fmt: skip
+    serve_parser.add_argument(
+        "--canary-interval", type=float, default=60.0, metavar="S",
+        help="send every ready node a canary spot-check about every S seconds; 0 turns "
+        "canaries off (default: %(default)s)",
+    )  # fmt: skip
     serve_parser.set_defaults(func=_run_serve)
 
 
@@ -186,6 +210,9 @@ def _run_serve(args: argparse.Namespace) -> int:
         default_price_units=args.default_price,
         challenge_window_s=args.challenge_window,
         fee_bps=args.fee_bps,
+        verify_warmup=args.verify_warmup,
+        verify_min_probability=args.verify_min_probability,
+        canary_interval_s=args.canary_interval,
     )
     if settings.fee_bps > 10_000:
         raise CliError(f"--fee-bps is at most 10000 (all of it), got {settings.fee_bps}")

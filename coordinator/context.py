@@ -34,6 +34,7 @@ class CoordinatorContext:
     planner: Any = None
     ledger: Any = None
     jobs: Any = None
+    verifier: Any = None
 
     @property
     def public_key(self) -> bytes:

@@ -41,10 +41,15 @@ class SessionRpc:
             model_info=self._model_info,
             model_names=lambda: [m.name for m in store.models()] if store else [],
             billing=ctx.ledger.billing if ctx.ledger is not None else None,
+            hop_details=self._hop_details,
         )
         ctx.registry.add_listener(self._on_registry_event)
         if store is not None:
             store.add_listener(lambda event, name: self._refresh_models())
+
+    def _hop_details(self, hop: client_api_pb2.Hop) -> None:
+        if self._ctx.verifier is not None:
+            self._ctx.verifier.describe_hop(hop)
 
     def _model_info(self, name: str) -> client_api_pb2.ModelInfo | None:
         store = self._ctx.model_store

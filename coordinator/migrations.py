@@ -20,6 +20,7 @@ from coordinator.ledger.schema import MIGRATION_NAME as LEDGER_MIGRATION
 from coordinator.ledger.schema import create_ledger_tables
 from coordinator.model_store.schema import MIGRATION_NAME as MODEL_STORE_MIGRATION
 from coordinator.model_store.schema import create_model_store_tables
+from coordinator.verifier.reputation import create_tables as create_verifier_tables
 
 
 @dataclass(frozen=True)
@@ -79,6 +80,7 @@ MIGRATIONS: list[Migration] = [
     Migration(2, MODEL_STORE_MIGRATION, create_model_store_tables),
     Migration(3, LEDGER_MIGRATION, create_ledger_tables),
     Migration(4, JOBS_MIGRATION, create_jobs_tables),
+    Migration(5, "verifier: reputation, evidence, canaries", create_verifier_tables),
 ]
 
 

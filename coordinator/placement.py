@@ -138,6 +138,8 @@ class Placement:
         self._lock = asyncio.Lock()
         # Training state held on nodes, by holder (e.g. "job/stage"): (node_id, bytes).
         self._training: dict[str, tuple[str, int]] = {}
+        # Cost multiplier per node for the router; the verifier makes failing nodes dearer.
+        self.trust_cost: Callable[[str], float] = lambda node_id: 1.0
 
     # ---- inputs -------------------------------------------------------------------------
 
@@ -243,7 +245,8 @@ class Placement:
             if shard.model != model or state != node_pb2.SHARD_STATE_READY or node is None:
                 continue
             claimed = claimed_ms_per_gparam(node.capabilities) * params / 1e9
-            ms = self.measurements.layer_ms(node_id, params, claimed)
+            # The verifier makes failing nodes dearer for the router.
+            ms = self.measurements.layer_ms(node_id, params, claimed) * self.trust_cost(node_id)
             # The pipeline label only holds while the shard is the one the plan gave it.
             planned = model_plan.holders.get(node_id) if model_plan else None
             holders.append(

@@ -39,6 +39,7 @@ from coordinator.services import (
     ClientApiService,
     CoordinatorService,
     LedgerService,
+    VerificationService,
 )
 from coordinator.settings import Settings
 from protos import codec, identity
@@ -47,6 +48,7 @@ from protos.tessera.v1 import (
     client_api_pb2_grpc,
     coordinator_pb2_grpc,
     ledger_pb2_grpc,
+    verification_pb2_grpc,
 )
 
 log = logging.getLogger(__name__)
@@ -70,6 +72,7 @@ COMPONENTS: tuple[tuple[str, str], ...] = (
     ("ledger", "coordinator.ledger.service:build"),
     ("sessions", "coordinator.inference:build"),
     ("jobs", "coordinator.jobs.service:build"),
+    ("verifier", "coordinator.verifier:build"),
 )
 COORDINATOR_PRESENCE_TOPIC = "tessera/coordinator/presence"
 
@@ -145,6 +148,7 @@ def build_server(ctx: CoordinatorContext) -> grpc.aio.Server:
         component = getattr(ctx, name, None)
         if hasattr(component, "add_to_server"):
             component.add_to_server(server)
+    verification_pb2_grpc.add_VerificationServicer_to_server(VerificationService(ctx), server)
     return server
 
 

@@ -27,6 +27,7 @@ from protos.tessera.v1 import (
     coordinator_pb2,
     coordinator_pb2_grpc,
     ledger_pb2_grpc,
+    verification_pb2_grpc,
 )
 
 log = logging.getLogger(__name__)
@@ -35,6 +36,7 @@ _MISSING = {
     "model_store": "this coordinator has no model store configured yet",
     "sessions": "this coordinator cannot open inference sessions yet (no session manager)",
     "ledger": "this coordinator keeps no credit ledger",
+    "verifier": "this coordinator runs no verifier",
 }
 
 
@@ -165,7 +167,11 @@ class ClientApiService(client_api_pb2_grpc.ClientApiServicer):
             NodeState.OFFLINE, NodeState.BANNED
         }  # fmt: skip
         views = sorted(self.ctx.registry.nodes(states), key=lambda v: (v.name, v.node_id))
-        return client_api_pb2.ListNodesResponse(nodes=[v.to_proto() for v in views])
+        nodes = [v.to_proto() for v in views]
+        if self.ctx.verifier is not None:
+            for info in nodes:
+                info.trust.CopyFrom(self.ctx.verifier.trust(info.node_id))
+        return client_api_pb2.ListNodesResponse(nodes=nodes)
 
     async def ListModels(self, request: Any, context: Any) -> Any:
         store = await _component(self.ctx, "model_store", context)
@@ -233,3 +239,18 @@ class LedgerService(ledger_pb2_grpc.LedgerServicer):
         await require_admin(context, self.ctx.admin_token)
         ledger = await _component(self.ctx, "ledger", context)
         return await ledger.audit(request, context)
+
+
+class VerificationService(verification_pb2_grpc.VerificationServicer):
+    """Delegates to the verifier component (coordinator/verifier)."""
+
+    def __init__(self, ctx: CoordinatorContext) -> None:
+        self.ctx = ctx
+
+    async def Report(self, request: Any, context: Any) -> Any:  # noqa: N802
+        verifier = await _component(self.ctx, "verifier", context)
+        return await verifier.report(request, context)
+
+    async def GetSessionRisk(self, request: Any, context: Any) -> Any:  # noqa: N802
+        verifier = await _component(self.ctx, "verifier", context)
+        return await verifier.get_session_risk(request, context)

@@ -45,7 +45,11 @@ class Sessions:
         *,
         token_ttl_s: float = TOKEN_TTL_S,
         billing: Any = None,
+        hop_details: Callable[[client_api_pb2.Hop], None] | None = None,
     ) -> None:
+        # Fills in what a driver needs to verify a hop's node (key, account, dtype, check
+        # probability); the verifier provides it.
+        self._hop_details = hop_details
         self._key = signing_key
         self._public = identity.public_key_bytes(signing_key)
         self._placement = placement
@@ -87,7 +91,7 @@ class Sessions:
                 grpc.StatusCode.UNAVAILABLE, f"model {info.name!r} is unavailable: {e}"
             ) from None
         session_id = "s" + secrets.token_hex(12)
-        grants = [_hop(hop) for s in stages for hop in (s.primary, *s.alternates)]
+        grants = [self._hop(hop) for s in stages for hop in (s.primary, *s.alternates)]
         claims = self._claims(session_id, info.name, request.max_length, request.account, grants)
         quote = None
         if self._billing is not None:
@@ -104,8 +108,8 @@ class Sessions:
             stages=[
                 client_api_pb2.RouteStage(
                     layers=_range(s.start, s.end),
-                    primary=_hop(s.primary),
-                    alternates=[_hop(a) for a in s.alternates],
+                    primary=self._hop(s.primary),
+                    alternates=[self._hop(a) for a in s.alternates],
                 )
                 for s in stages
             ],
@@ -143,7 +147,7 @@ class Sessions:
             " -> ".join(f"{h.node_id}[{h.start},{h.end})" for h in hops),
         )
         grants = [g for g in claims.grants if g.node_id not in exclude]
-        new_grants = [_hop(h) for h in hops]
+        new_grants = [self._hop(h) for h in hops]
         claims = self._claims(
             claims.session_id,
             claims.model,
@@ -172,6 +176,12 @@ class Sessions:
         return response
 
     # ---- helpers ----------------------------------------------------------------------------
+
+    def _hop(self, hop: Hop) -> client_api_pb2.Hop:
+        message = _hop(hop)
+        if self._hop_details is not None:
+            self._hop_details(message)
+        return message
 
     def _known_model(self, name: str) -> client_api_pb2.ModelInfo:
         if not name or len(name) > _MAX_NAME:

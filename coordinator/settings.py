@@ -44,6 +44,14 @@ class Settings:
     challenge_window_s: float = 3600.0
     fee_bps: int = 0
     ledger_sweep_s: float = 1.0
+    # Verifier (docs/verification.md): every output of a node is checked until it has this
+    # many consecutive verified results, then with probability warmup/results, never less
+    # than the minimum. Canaries go to every ready node about once per interval (0: off).
+    verify_warmup: int = 10
+    verify_min_probability: float = 0.05
+    canary_interval_s: float = 60.0
+    # The corruption rate f the per-session bound 1 - (1 - p*f)^n is stated for.
+    assumed_corruption: float = 0.05
 
     @property
     def offline_after(self) -> float:

@@ -7,7 +7,9 @@ layers), and the tensor itself (dtype, shape, hidden size, token ids, NaN/inf, l
 positions). A bad request ends only its own stream, with a status code and a message a
 person can act on; other sessions never notice. Model work runs on the shard manager's
 single compute thread so the event loop stays responsive; requests of one session are
-serialised. Every output is signed (session, step, layers, sha256 of the output bytes).
+serialised. Every output is signed (session, step, layers, digest of the session's input
+prefix, sha256 of the output bytes): the prefix digest binds the output to the history
+that produced it, so a signed wrong output is evidence a verifier can replay.
 """
 
 from __future__ import annotations
@@ -25,12 +27,13 @@ import grpc
 import numpy as np
 import torch
 
+from node_agent import failpoints
 from node_agent.context import AgentContext
 from node_agent.data_plane import answer_ping
 from node_agent.receipts import UsageMeter
 from node_agent.runtime import CacheBudgetError, CacheFullError, StageKVCache
 from node_agent.shard_manager import LoadedShard, ShardManager, shard_manager_for
-from protos import codec, identity
+from protos import codec, identity, output_check
 from protos.tessera.v1 import client_api_pb2, common_pb2, stage_pb2, stage_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -135,6 +138,9 @@ class StageServicer(stage_pb2_grpc.StageServicer):
         self._session_locks: dict[str, asyncio.Lock] = {}
         self._expiry_task: asyncio.Task[None] | None = None
         self._usage = UsageMeter(ctx.private_key)
+        # Per session key: digest of the input prefix after each cached position.
+        self._input_chains: dict[str, list[bytes]] = {}
+        self._failpoints = failpoints.from_env()  # None unless TESSERA_FAILPOINTS is set
 
     # ---- RPCs -----------------------------------------------------------------------
 
@@ -226,11 +232,16 @@ class StageServicer(stage_pb2_grpc.StageServicer):
                 cache = self._cache_for(shard, session_key, request, claims, batch, tokens)
                 output, compute_ms = await self._compute(shard, start, end, array, cache, request)
                 cache_length = cache.length
+                input_digest = self._extend_chain(session_key, request.start_pos, array, request)
         finally:
             shard.leave()
+        if self._failpoints is not None:
+            output = await self._failpoints.apply(output, request.input)
         digest = hashlib.sha256(output.data).digest()
         signature = self._ctx.private_key.sign(
-            identity.output_payload(request.session_id, request.step, start, end, digest)
+            identity.output_payload(
+                request.session_id, request.step, start, end, digest, input_digest=input_digest
+            )
         )
         return stage_pb2.ForwardResponse(
             step=request.step,
@@ -239,7 +250,18 @@ class StageServicer(stage_pb2_grpc.StageServicer):
             cache_length=cache_length,
             signature=signature,
             usage=self._usage.record(request.session_id, start, end, request.step, batch * tokens),
+            input_digest=input_digest,
         )
+
+    def _extend_chain(
+        self, session_key: str, start_pos: int, array: np.ndarray, request: stage_pb2.ForwardRequest
+    ) -> bytes:
+        chain = self._input_chains.setdefault(session_key, [])
+        del chain[start_pos:]  # a rollback or replay rewrites the tail
+        chain.extend(
+            output_check.input_chain(chain[-1] if chain else None, array, request.input.dtype)
+        )
+        return chain[-1]
 
     def _open_capability(
         self, signed: client_api_pb2.SignedCapability
@@ -488,6 +510,8 @@ class StageServicer(stage_pb2_grpc.StageServicer):
             for key in shard.session_keys():
                 if key.rsplit("@", 1)[0] == session_id:
                     released = shard.release(key) or released
+        for key in [k for k in self._input_chains if k.rsplit("@", 1)[0] == session_id]:
+            del self._input_chains[key]
         return released
 
     def expire_idle(self) -> list[str]:
@@ -495,7 +519,10 @@ class StageServicer(stage_pb2_grpc.StageServicer):
         expired = self._shards.expire_idle()
         if expired:
             log.info("expired idle session caches: %s", ", ".join(expired))
-        live = {k.rsplit("@", 1)[0] for s in self._shards.shards() for k in s.session_keys()}
+        live_keys = {k for s in self._shards.shards() for k in s.session_keys()}
+        for key in [k for k in self._input_chains if k not in live_keys]:
+            del self._input_chains[key]
+        live = {k.rsplit("@", 1)[0] for k in live_keys}
         for session_id in list(self._session_locks):
             lock = self._session_locks[session_id]
             if session_id not in live and not lock.locked():

@@ -121,15 +121,26 @@ def open_capability(
 
 
 def output_payload(
-    session_id: str, step: int, layer_start: int, layer_end: int, output_sha256: bytes
+    session_id: str,
+    step: int,
+    layer_start: int,
+    layer_end: int,
+    output_sha256: bytes,
+    *,
+    input_digest: bytes = b"",
 ) -> bytes:
-    """What a stage node signs for each reply: (session, step, stage layers, sha256(output))."""
+    """What a stage node signs for each reply: (session, step, stage layers, digest of the
+    session's input prefix (protos.output_check.input_chain), sha256(output)).
+
+    The inference data plane always passes the 32-byte input digest; without one (training
+    micro-batches) the bytes are those of the original (session, step, layers, sha256)."""
     return b"".join(
         [
             _OUTPUT_DOMAIN,
             session_id.encode(),
             b"\n",
             f"{step}:{layer_start}:{layer_end}\n".encode(),
+            input_digest,
             output_sha256,
         ]
     )

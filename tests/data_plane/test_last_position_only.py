@@ -28,7 +28,7 @@ from data_plane.stage_harness import (
 
 from client.driver import DriverConfig, PipelineDriver
 from node_agent.stage_server import StageServicer
-from protos import codec, identity
+from protos import codec, identity, output_check
 from protos.tessera.v1 import common_pb2, stage_pb2, stage_pb2_grpc
 
 PROMPT = [1, 5, 9, 13, 20, 7]
@@ -112,7 +112,12 @@ async def test_the_last_stage_answers_the_last_position_signed(start_node, keys,
         assert logits.shape == (1, 1, VOCAB)
         np.testing.assert_allclose(logits[0, 0], reference[position], rtol=1e-5, atol=1e-5)
         digest = hashlib.sha256(response.output.data).digest()
-        payload = identity.output_payload("s-last", response.step, 0, NUM_LAYERS, digest)
+        prefix = output_check.prefix_digest(
+            [(np.array([PROMPT[: position + 1]], dtype=np.int64), "int64")]
+        )
+        payload = identity.output_payload(
+            "s-last", response.step, 0, NUM_LAYERS, digest, input_digest=prefix
+        )
         assert identity.verify(node.public_key, response.signature, payload)
     # The cache still holds every position, not just the one answered.
     assert (prefill.cache_length, decode.cache_length) == (len(PROMPT) - 1, len(PROMPT))

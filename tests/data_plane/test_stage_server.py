@@ -31,7 +31,7 @@ from data_plane.stage_harness import (
 )
 
 from node_agent.stage_server import StageLimits, _to_torch, _to_wire
-from protos import codec, identity
+from protos import codec, identity, output_check
 from protos.tessera.v1 import client_api_pb2, common_pb2, stage_pb2, stage_pb2_grpc
 
 PROMPT = [1, 5, 9, 13, 20]
@@ -130,10 +130,14 @@ async def test_prefill_and_decode_match_the_full_model_and_are_signed(
     assert response.cache_length == len(PROMPT)
     assert response.compute_ms > 0
     digest = hashlib.sha256(response.output.data).digest()
-    payload = identity.output_payload("s-happy", 1, 0, NUM_LAYERS, digest)
+    prefix = output_check.prefix_digest([(np.array([PROMPT], dtype=np.int64), "int64")])
+    assert response.input_digest == prefix, "the signature must commit to the input prefix"
+    payload = identity.output_payload("s-happy", 1, 0, NUM_LAYERS, digest, input_digest=prefix)
     assert identity.verify(node.public_key, response.signature, payload)
     assert not identity.verify(
-        node.public_key, response.signature, identity.output_payload("s-happy", 2, 0, 4, digest)
+        node.public_key,
+        response.signature,
+        identity.output_payload("s-happy", 2, 0, 4, digest, input_digest=prefix),
     )
 
     generated = []

@@ -50,3 +50,6 @@ def test_output_payload_binds_session_step_and_layers() -> None:
     assert base != identity.output_payload("s", 4, 0, 4, b"h" * 32)
     assert base != identity.output_payload("s", 3, 0, 5, b"h" * 32)
     assert base != identity.output_payload("t", 3, 0, 4, b"h" * 32)
+    chained = identity.output_payload("s", 3, 0, 4, b"h" * 32, input_digest=b"i" * 32)
+    assert chained != base
+    assert chained != identity.output_payload("s", 3, 0, 4, b"h" * 32, input_digest=b"j" * 32)

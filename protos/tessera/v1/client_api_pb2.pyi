@@ -66,16 +66,26 @@ class ModelDetail(_message.Message):
     def __init__(self, info: _Optional[_Union[ModelInfo, _Mapping]] = ..., config_json: _Optional[str] = ..., tokenizer_json: _Optional[bytes] = ...) -> None: ...
 
 class Hop(_message.Message):
-    __slots__ = ("node_id", "address", "layers", "relayed")
+    __slots__ = ("node_id", "address", "layers", "relayed", "public_key", "account", "device_kind", "compute_dtype", "check_probability")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     LAYERS_FIELD_NUMBER: _ClassVar[int]
     RELAYED_FIELD_NUMBER: _ClassVar[int]
+    PUBLIC_KEY_FIELD_NUMBER: _ClassVar[int]
+    ACCOUNT_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_KIND_FIELD_NUMBER: _ClassVar[int]
+    COMPUTE_DTYPE_FIELD_NUMBER: _ClassVar[int]
+    CHECK_PROBABILITY_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     address: str
     layers: _common_pb2.LayerRange
     relayed: bool
-    def __init__(self, node_id: _Optional[str] = ..., address: _Optional[str] = ..., layers: _Optional[_Union[_common_pb2.LayerRange, _Mapping]] = ..., relayed: _Optional[bool] = ...) -> None: ...
+    public_key: bytes
+    account: str
+    device_kind: str
+    compute_dtype: str
+    check_probability: float
+    def __init__(self, node_id: _Optional[str] = ..., address: _Optional[str] = ..., layers: _Optional[_Union[_common_pb2.LayerRange, _Mapping]] = ..., relayed: _Optional[bool] = ..., public_key: _Optional[bytes] = ..., account: _Optional[str] = ..., device_kind: _Optional[str] = ..., compute_dtype: _Optional[str] = ..., check_probability: _Optional[float] = ...) -> None: ...
 
 class RouteStage(_message.Message):
     __slots__ = ("layers", "primary", "alternates")

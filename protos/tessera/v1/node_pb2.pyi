@@ -112,7 +112,7 @@ class Telemetry(_message.Message):
     def __init__(self, memory_used_bytes: _Optional[int] = ..., utilization: _Optional[float] = ..., queue_length: _Optional[int] = ..., active_sessions: _Optional[int] = ..., kv_tokens_used: _Optional[int] = ..., kv_tokens_budget: _Optional[int] = ..., rtt_ms: _Optional[_Mapping[str, float]] = ...) -> None: ...
 
 class NodeInfo(_message.Message):
-    __slots__ = ("node_id", "name", "account", "state", "capabilities", "telemetry", "registered_unix_ms", "last_seen_unix_ms", "state_changed_unix_ms", "data_address", "shards")
+    __slots__ = ("node_id", "name", "account", "state", "capabilities", "telemetry", "registered_unix_ms", "last_seen_unix_ms", "state_changed_unix_ms", "data_address", "shards", "trust")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     NAME_FIELD_NUMBER: _ClassVar[int]
     ACCOUNT_FIELD_NUMBER: _ClassVar[int]
@@ -124,6 +124,7 @@ class NodeInfo(_message.Message):
     STATE_CHANGED_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
     DATA_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     SHARDS_FIELD_NUMBER: _ClassVar[int]
+    TRUST_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     name: str
     account: str
@@ -135,7 +136,26 @@ class NodeInfo(_message.Message):
     state_changed_unix_ms: int
     data_address: str
     shards: _containers.RepeatedCompositeFieldContainer[ShardStatus]
-    def __init__(self, node_id: _Optional[str] = ..., name: _Optional[str] = ..., account: _Optional[str] = ..., state: _Optional[_Union[NodeState, str]] = ..., capabilities: _Optional[_Union[Capabilities, _Mapping]] = ..., telemetry: _Optional[_Union[Telemetry, _Mapping]] = ..., registered_unix_ms: _Optional[int] = ..., last_seen_unix_ms: _Optional[int] = ..., state_changed_unix_ms: _Optional[int] = ..., data_address: _Optional[str] = ..., shards: _Optional[_Iterable[_Union[ShardStatus, _Mapping]]] = ...) -> None: ...
+    trust: NodeTrust
+    def __init__(self, node_id: _Optional[str] = ..., name: _Optional[str] = ..., account: _Optional[str] = ..., state: _Optional[_Union[NodeState, str]] = ..., capabilities: _Optional[_Union[Capabilities, _Mapping]] = ..., telemetry: _Optional[_Union[Telemetry, _Mapping]] = ..., registered_unix_ms: _Optional[int] = ..., last_seen_unix_ms: _Optional[int] = ..., state_changed_unix_ms: _Optional[int] = ..., data_address: _Optional[str] = ..., shards: _Optional[_Iterable[_Union[ShardStatus, _Mapping]]] = ..., trust: _Optional[_Union[NodeTrust, _Mapping]] = ...) -> None: ...
+
+class NodeTrust(_message.Message):
+    __slots__ = ("trust", "check_probability", "consecutive_verified", "verified", "failures", "canary_passed", "canary_failed")
+    TRUST_FIELD_NUMBER: _ClassVar[int]
+    CHECK_PROBABILITY_FIELD_NUMBER: _ClassVar[int]
+    CONSECUTIVE_VERIFIED_FIELD_NUMBER: _ClassVar[int]
+    VERIFIED_FIELD_NUMBER: _ClassVar[int]
+    FAILURES_FIELD_NUMBER: _ClassVar[int]
+    CANARY_PASSED_FIELD_NUMBER: _ClassVar[int]
+    CANARY_FAILED_FIELD_NUMBER: _ClassVar[int]
+    trust: float
+    check_probability: float
+    consecutive_verified: int
+    verified: int
+    failures: int
+    canary_passed: int
+    canary_failed: int
+    def __init__(self, trust: _Optional[float] = ..., check_probability: _Optional[float] = ..., consecutive_verified: _Optional[int] = ..., verified: _Optional[int] = ..., failures: _Optional[int] = ..., canary_passed: _Optional[int] = ..., canary_failed: _Optional[int] = ...) -> None: ...
 
 class ShardStatus(_message.Message):
     __slots__ = ("model", "layers", "state", "progress", "error", "bytes_fetched", "bytes_downloaded")

@@ -29,20 +29,22 @@ class ForwardRequest(_message.Message):
     def __init__(self, capability: _Optional[_Union[_client_api_pb2.SignedCapability, _Mapping]] = ..., session_id: _Optional[str] = ..., step: _Optional[int] = ..., model: _Optional[str] = ..., layers: _Optional[_Union[_common_pb2.LayerRange, _Mapping]] = ..., start_pos: _Optional[int] = ..., input: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., last_position_only: _Optional[bool] = ...) -> None: ...
 
 class ForwardResponse(_message.Message):
-    __slots__ = ("step", "output", "compute_ms", "cache_length", "signature", "usage")
+    __slots__ = ("step", "output", "compute_ms", "cache_length", "signature", "usage", "input_digest")
     STEP_FIELD_NUMBER: _ClassVar[int]
     OUTPUT_FIELD_NUMBER: _ClassVar[int]
     COMPUTE_MS_FIELD_NUMBER: _ClassVar[int]
     CACHE_LENGTH_FIELD_NUMBER: _ClassVar[int]
     SIGNATURE_FIELD_NUMBER: _ClassVar[int]
     USAGE_FIELD_NUMBER: _ClassVar[int]
+    INPUT_DIGEST_FIELD_NUMBER: _ClassVar[int]
     step: int
     output: _common_pb2.Tensor
     compute_ms: float
     cache_length: int
     signature: bytes
     usage: _ledger_pb2.SignedUsage
-    def __init__(self, step: _Optional[int] = ..., output: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., compute_ms: _Optional[float] = ..., cache_length: _Optional[int] = ..., signature: _Optional[bytes] = ..., usage: _Optional[_Union[_ledger_pb2.SignedUsage, _Mapping]] = ...) -> None: ...
+    input_digest: bytes
+    def __init__(self, step: _Optional[int] = ..., output: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., compute_ms: _Optional[float] = ..., cache_length: _Optional[int] = ..., signature: _Optional[bytes] = ..., usage: _Optional[_Union[_ledger_pb2.SignedUsage, _Mapping]] = ..., input_digest: _Optional[bytes] = ...) -> None: ...
 
 class EndSessionRequest(_message.Message):
     __slots__ = ("session_id", "capability")

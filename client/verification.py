@@ -1,0 +1,464 @@
+"""Driver-side verification: signed replies and sampled redundant execution.
+
+Every stage reply must carry the node's Ed25519 signature over (session, step, layers,
+input-prefix digest, sha256 of the output), checked with the key the coordinator put in
+the session's capability. A missing or wrong signature is a failure of that node, and the
+driver's fail-over takes it from there.
+
+For a fraction of calls (the node's ``check_probability``, set by the coordinator from its
+reputation) the same input also goes to an independent replica: another node of the
+stage, never one of the same operator account. The replica first catches up on the
+inputs its cache has not seen (it keeps the session's cache between checks, so that costs
+only the tokens since its last check), then runs the very call the primary answered. The
+two outputs are compared within the tolerance of the looser (device kind, dtype) of the
+pair (protos.output_check). Agreements are reported in batches; a mismatch is reported at
+once, with both signed outputs and the input prefix, and the coordinator's arbiter
+decides. A primary that loses is rejected, so the driver fails over and replays on
+another node: the client never keeps a wrong output, and greedy output equals an honest
+run.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+import random
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+
+import grpc
+import numpy as np
+
+from client.channels import ChannelPool
+from client.records import HopRecord
+from client.route_history import RouteHistory, Span
+from protos import codec, identity, output_check
+from protos.tessera.v1 import (
+    client_api_pb2,
+    common_pb2,
+    stage_pb2,
+    stage_pb2_grpc,
+    verification_pb2,
+)
+
+log = logging.getLogger(__name__)
+
+Reporter = Callable[
+    [verification_pb2.VerificationReport], Awaitable[verification_pb2.ReportVerdict]
+]
+Outcome = verification_pb2.Verdict.Outcome
+
+
+END_SESSION_TIMEOUT_S = 2.0
+
+
+@dataclass
+class _CheckerStream:
+    address: str
+    call: grpc.aio.StreamStreamCall
+    capability_sent: bytes = b""
+
+
+class NodeRejected(Exception):
+    """The node's reply cannot be used: bad signature, or it lost an arbitration."""
+
+
+@dataclass
+class VerificationStats:
+    """What this session's verification did, per node and in total."""
+
+    calls: dict[str, int] = field(default_factory=dict)
+    checked: dict[str, int] = field(default_factory=dict)
+    mismatches: int = 0
+    verdicts: list[verification_pb2.Verdict] = field(default_factory=list)
+    risk: verification_pb2.SessionRisk | None = None
+    # (primary, checker) pairs that were compared: two nodes of one operator never appear.
+    pairs: list[tuple[str, str]] = field(default_factory=list)
+
+    def to_json(self) -> dict[str, object]:
+        risk = self.risk
+        return {
+            "calls": sum(self.calls.values()),
+            "checked": sum(self.checked.values()),
+            "mismatches": self.mismatches,
+            "verdicts": [verification_pb2.Verdict.Outcome.Name(v.outcome) for v in self.verdicts],
+            # The coordinator's figures: P(a node corrupting f of its outputs got through).
+            "detection_probability": risk.detection_probability if risk else None,
+            "undetected_probability": risk.undetected_probability if risk else None,
+            "assumed_corruption": risk.assumed_corruption if risk else None,
+        }
+
+
+class StageVerifier:
+    """Checks every reply of one session; samples some for redundant execution."""
+
+    def __init__(
+        self,
+        session_id: str,
+        channels: ChannelPool,
+        reporter: Reporter | None = None,
+        *,
+        rng: random.Random | None = None,
+        report_every: int = 32,
+        timeout_s: float = 120.0,
+    ) -> None:
+        self.session_id = session_id
+        self._channels = channels
+        self._reporter = reporter
+        self._rng = rng or random.Random()
+        self._report_every = report_every
+        self._timeout_s = timeout_s
+        self._grants: dict[str, client_api_pb2.Hop] = {}
+        self._keyed = False
+        self._grants_from: bytes = b""
+        self._capability = client_api_pb2.SignedCapability()
+        # Positions of a checker's cache that match our history, per (node, span).
+        self._synced: dict[tuple[str, Span], int] = {}
+        self._unfit_checkers: set[str] = set()
+        self._streams: dict[str, _CheckerStream] = {}
+        self._pending: list[verification_pb2.Comparison] = []
+        self.stats = VerificationStats()
+
+    # ---- the hook the driver calls after every good reply ----------------------------
+
+    async def verify(
+        self,
+        capability: client_api_pb2.SignedCapability,
+        hop: HopRecord,
+        alternates: list[HopRecord],
+        request: stage_pb2.ForwardRequest,
+        response: stage_pb2.ForwardResponse,
+        output: np.ndarray,
+        history: RouteHistory,
+        *,
+        replay: bool = False,
+    ) -> np.ndarray:
+        """The output to use; raises NodeRejected when the primary must not be trusted."""
+        self._load_grants(capability)
+        if not self._keyed:
+            return output  # a coordinator without verification: nothing to check against
+        span = Span(request.layers.start, request.layers.end)
+        for key in [k for k in self._synced if k[1] == span]:
+            self._synced[key] = min(self._synced[key], request.start_pos)
+        grant = self._check_signature(hop.node_id, request, response)
+        if replay:
+            return output  # replays rebuild a cache after a fail-over; they are not sampled
+        self.stats.calls[hop.node_id] = self.stats.calls.get(hop.node_id, 0) + 1
+        if self._rng.random() >= grant.check_probability:
+            return output
+        checker = self._pick_checker(hop, alternates)
+        if checker is None:
+            return output
+        try:
+            checked = await self._run_checker(checker, span, request, response, history)
+        except Exception as err:  # a broken stream surfaces in several shapes
+            # An unusable checker says nothing about the primary; don't ask it again.
+            log.warning("checker %s could not check %s: %s", checker.node_id, hop.node_id, err)
+            self._close_stream(checker.node_id)
+            self._unfit_checkers.add(checker.node_id)
+            return output
+        if checked.input_digest != response.input_digest:
+            # The two caches saw different histories (e.g. a dtype-widened replay): their
+            # outputs are not comparable, and not evidence of anything.
+            log.info("checker %s holds another input history; not compared", checker.node_id)
+            return output
+        return await self._compare(hop, checker, request, response, checked, output, history)
+
+    async def finish(self) -> verification_pb2.SessionRisk | None:
+        """End the checkers' caches, send what is left to report; returns the
+        coordinator's risk figures."""
+        await self._end_checker_sessions()
+        if self._reporter is None or not self._keyed:
+            return None  # nothing was checked: a coordinator without a verifier
+        try:
+            verdict = await self._report()
+        except grpc.aio.AioRpcError as err:
+            log.warning("verification report failed: %s: %s", err.code().name, err.details())
+            return None
+        return verdict.risk
+
+    async def _end_checker_sessions(self) -> None:
+        streams, self._streams = self._streams, {}
+        request = stage_pb2.EndSessionRequest(
+            session_id=self.session_id, capability=self._capability
+        )
+
+        async def end(stream: _CheckerStream) -> None:
+            stream.call.cancel()
+            stub = stage_pb2_grpc.StageStub(self._channels.get(stream.address))
+            try:
+                await stub.EndSession(request, timeout=END_SESSION_TIMEOUT_S)
+            except grpc.aio.AioRpcError as err:  # best effort: idle caches expire anyway
+                log.debug("EndSession on checker: %s", err.code().name)
+
+        await asyncio.gather(*(end(s) for s in streams.values()))
+
+    # ---- signatures -----------------------------------------------------------------
+
+    def _load_grants(self, capability: client_api_pb2.SignedCapability) -> None:
+        if capability.signature == self._grants_from:
+            return
+        claims = client_api_pb2.CapabilityClaims()
+        claims.ParseFromString(capability.claims)
+        self._grants = {g.node_id: g for g in claims.grants}
+        self._keyed = any(g.public_key for g in claims.grants)
+        if not self._keyed:
+            log.warning("the coordinator sent no node keys: stage replies go unverified")
+        self._grants_from = capability.signature
+        self._capability = capability
+
+    def _check_signature(
+        self,
+        node_id: str,
+        request: stage_pb2.ForwardRequest,
+        response: stage_pb2.ForwardResponse,
+    ) -> client_api_pb2.Hop:
+        grant = self._grants.get(node_id)
+        if grant is None or not grant.public_key:
+            raise NodeRejected(f"the session's capability carries no key for node {node_id}")
+        payload = identity.output_payload(
+            request.session_id,
+            response.step,
+            request.layers.start,
+            request.layers.end,
+            hashlib.sha256(response.output.data).digest(),
+            input_digest=response.input_digest,
+        )
+        if not response.signature:
+            raise NodeRejected(f"node {node_id} sent an unsigned output")
+        if len(response.input_digest) != output_check.DIGEST_BYTES:
+            # Without it the signature would not commit to the input history.
+            raise NodeRejected(f"node {node_id} signed no digest of its input history")
+        if not identity.verify(grant.public_key, response.signature, payload):
+            raise NodeRejected(f"node {node_id} sent an output whose signature does not verify")
+        return grant
+
+    # ---- redundant execution --------------------------------------------------------
+
+    def _pick_checker(self, hop: HopRecord, alternates: list[HopRecord]) -> HopRecord | None:
+        """A random independent replica: another node and, where known, another operator."""
+        primary = self._grants.get(hop.node_id)
+        account = primary.account if primary is not None else ""
+        fit = [
+            h
+            for h in alternates
+            if h.node_id != hop.node_id
+            and h.node_id not in self._unfit_checkers
+            and h.node_id in self._grants
+            and independent(account, self._grants[h.node_id].account)
+        ]
+        return self._rng.choice(fit) if fit else None
+
+    async def _run_checker(
+        self,
+        checker: HopRecord,
+        span: Span,
+        request: stage_pb2.ForwardRequest,
+        response: stage_pb2.ForwardResponse,
+        history: RouteHistory,
+    ) -> stage_pb2.ForwardResponse:
+        key = (checker.node_id, span)
+        for attempt in range(2):
+            synced = 0 if attempt else self._synced.get(key, 0)
+            try:
+                async with asyncio.timeout(self._timeout_s):
+                    answer = await self._send(
+                        checker, self._catch_up(span, synced, request, history)
+                    )
+            except grpc.aio.AioRpcError as err:
+                self._close_stream(checker.node_id)
+                # Its cache expired since the last check: catch up from position 0 once.
+                if err.code() == grpc.StatusCode.FAILED_PRECONDITION and synced and not attempt:
+                    continue
+                raise
+            except (TimeoutError, NodeRejected):
+                self._close_stream(checker.node_id)
+                raise NodeRejected(f"checker {checker.node_id} did not answer") from None
+            self._synced[key] = request.start_pos + request.input.shape[1]
+            self._check_signature(checker.node_id, request, answer)
+            if list(answer.output.shape) != list(response.output.shape):
+                raise NodeRejected(
+                    f"checker answered shape {list(answer.output.shape)}, the primary "
+                    f"{list(response.output.shape)}"
+                )
+            return answer
+        raise AssertionError("unreachable")
+
+    async def _send(
+        self, checker: HopRecord, messages: list[stage_pb2.ForwardRequest]
+    ) -> stage_pb2.ForwardResponse:
+        """Write each message on the checker's stream (kept for the session, like the
+        driver's own) and read its answer; the last answer comes back."""
+        stream = self._streams.get(checker.node_id)
+        if stream is None:
+            stub = stage_pb2_grpc.StageStub(self._channels.get(checker.address))
+            stream = self._streams[checker.node_id] = _CheckerStream(
+                checker.address, stub.Forward()
+            )
+        answer: stage_pb2.ForwardResponse | None = None
+        for message in messages:
+            if stream.capability_sent != self._capability.signature:
+                message.capability.CopyFrom(self._capability)
+                stream.capability_sent = self._capability.signature
+            await stream.call.write(message)
+            read = await stream.call.read()
+            if read is grpc.aio.EOF:
+                raise NodeRejected(f"checker {checker.node_id} ended the stream")
+            answer = read
+        assert answer is not None
+        return answer
+
+    def _close_stream(self, node_id: str) -> None:
+        stream = self._streams.pop(node_id, None)
+        if stream is not None:
+            stream.call.cancel()
+
+    @staticmethod
+    def _catch_up(
+        span: Span, synced: int, request: stage_pb2.ForwardRequest, history: RouteHistory
+    ) -> list[stage_pb2.ForwardRequest]:
+        """The inputs the checker's cache lacks before this call, then the call itself."""
+        last_only = request.last_position_only
+        messages = [
+            stage_pb2.ForwardRequest(
+                session_id=request.session_id,
+                step=request.step,
+                model=request.model,
+                layers=request.layers,
+                start_pos=start,
+                input=codec.encode(array, dtype),
+                last_position_only=last_only,
+            )
+            for start, array, dtype in history.inputs(span, synced, request.start_pos)
+        ]
+        final = stage_pb2.ForwardRequest()
+        final.CopyFrom(request)
+        final.ClearField("capability")
+        return [*messages, final]
+
+    async def _compare(
+        self,
+        hop: HopRecord,
+        checker: HopRecord,
+        request: stage_pb2.ForwardRequest,
+        response: stage_pb2.ForwardResponse,
+        checked: stage_pb2.ForwardResponse,
+        output: np.ndarray,
+        history: RouteHistory,
+    ) -> np.ndarray:
+        stats = self.stats
+        stats.checked[hop.node_id] = stats.checked.get(hop.node_id, 0) + 1
+        stats.pairs.append((hop.node_id, checker.node_id))
+        a, b = self._grants[hop.node_id], self._grants[checker.node_id]
+        limit = output_check.pair_tolerance(
+            (a.device_kind, a.compute_dtype), (b.device_kind, b.compute_dtype)
+        )
+        error = output_check.relative_error(
+            codec.decode(response.output, finite=False),
+            response.output.dtype,
+            codec.decode(checked.output, finite=False),
+            checked.output.dtype,
+        )
+        comparison = verification_pb2.Comparison(
+            primary=_signed(hop.node_id, request, response, with_output=error > limit),
+            checker=_signed(checker.node_id, request, checked, with_output=error > limit),
+            agreed=error <= limit,
+        )
+        if error <= limit:
+            self._pending.append(comparison)
+            if len(self._pending) >= self._report_every and self._reporter is not None:
+                await self._report_quietly()
+            return output
+        stats.mismatches += 1
+        log.warning(
+            "mismatch on layers [%d, %d) at step %d: %s vs %s, relative error %.3g > %.3g",
+            request.layers.start, request.layers.end, request.step,
+            hop.node_id, checker.node_id, error, limit,
+        )  # fmt: skip
+        span = Span(request.layers.start, request.layers.end)
+        chunks = history.inputs(span, 0, request.start_pos)
+        prefix = [(array, dtype) for _, array, dtype in chunks]
+        input_array = codec.decode(request.input, finite=False)
+        if output_check.prefix_digest([*prefix, (input_array, request.input.dtype)]) != (
+            response.input_digest
+        ):
+            raise NodeRejected(f"node {hop.node_id} signed for an input history we never sent")
+        comparison.prefix.extend(codec.encode(array, dtype) for array, dtype in prefix)
+        comparison.input.CopyFrom(request.input)
+        comparison.last_position_only = request.last_position_only
+        self._pending.append(comparison)
+        outcome = await self._arbitrate()
+        if outcome == Outcome.CHECKER_WRONG:
+            self._unfit_checkers.add(checker.node_id)
+            return output
+        # The primary lost, or nobody could tell: use neither answer; fail over instead.
+        if outcome != Outcome.PRIMARY_WRONG:
+            self._unfit_checkers.add(checker.node_id)
+        raise NodeRejected(
+            f"node {hop.node_id} disagreed with checker {checker.node_id} (relative error "
+            f"{error:.3g} > {limit:.3g}); arbitration: {Outcome.Name(outcome)}"
+        )
+
+    async def _arbitrate(self) -> int:
+        if self._reporter is None:
+            return Outcome.UNRESOLVED
+        try:
+            verdict = await self._report()
+        except grpc.aio.AioRpcError as err:
+            log.warning("mismatch report failed: %s: %s", err.code().name, err.details())
+            return Outcome.UNRESOLVED
+        if not verdict.verdicts:
+            return Outcome.UNRESOLVED
+        self.stats.verdicts.extend(verdict.verdicts)
+        return verdict.verdicts[-1].outcome
+
+    async def _report_quietly(self) -> None:
+        try:
+            await self._report()
+        except grpc.aio.AioRpcError as err:
+            log.warning("verification report failed: %s: %s", err.code().name, err.details())
+
+    async def _report(self) -> verification_pb2.ReportVerdict:
+        assert self._reporter is not None
+        comparisons, self._pending = self._pending, []
+        report = verification_pb2.VerificationReport(
+            session_id=self.session_id,
+            capability=self._capability,
+            comparisons=comparisons,
+            calls=[
+                verification_pb2.NodeCalls(
+                    node_id=node, calls=calls, checked=self.stats.checked.get(node, 0)
+                )
+                for node, calls in sorted(self.stats.calls.items())
+            ],
+        )
+        verdict = await self._reporter(report)
+        if verdict.HasField("risk"):
+            self.stats.risk = verdict.risk
+        return verdict
+
+
+def independent(account_a: str, account_b: str) -> bool:
+    """Two nodes may check each other unless one operator account runs both."""
+    return not account_a or not account_b or account_a != account_b
+
+
+def _signed(
+    node_id: str,
+    request: stage_pb2.ForwardRequest,
+    response: stage_pb2.ForwardResponse,
+    *,
+    with_output: bool,
+) -> verification_pb2.SignedOutput:
+    signed = verification_pb2.SignedOutput(
+        node_id=node_id,
+        step=response.step,
+        layers=common_pb2.LayerRange(start=request.layers.start, end=request.layers.end),
+        input_digest=response.input_digest,
+        output_sha256=hashlib.sha256(response.output.data).digest(),
+        signature=response.signature,
+    )
+    if with_output:
+        signed.output.CopyFrom(response.output)
+    return signed

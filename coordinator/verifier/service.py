@@ -1,0 +1,464 @@
+"""The verifier component: reports in, verdicts and bans out, reputation in between.
+
+- ``report``: a driver's comparisons. Agreements raise both nodes' reputation; a mismatch
+  is arbitrated by a third replica of an independent operator, which the coordinator runs
+  itself over the data plane. The node whose signed output the arbiter contradicts is
+  proven wrong: its work is rejected, its record gets a failure, it is banned (node and
+  key, through the registry) and the evidence is stored.
+- ``describe_hop``: puts a node's key, account, compute dtype and current checking
+  probability into every hop a session grant or reroute hands out.
+- Canaries (coordinator/verifier/canaries.py) run on a timer.
+- Listeners (the ledger) hear ``WorkRejected`` and ``FraudProven``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+
+from coordinator.node_state import NodeState
+from coordinator.placement import compute_dtype
+from coordinator.registry import RegistryError
+from coordinator.verifier.canaries import Canaries
+from coordinator.verifier.evidence import (
+    Mismatch,
+    ReportError,
+    check_comparison,
+    check_limits,
+    check_mismatch,
+    evidence_id,
+    signature_key,
+)
+from coordinator.verifier.reputation import Reputation, Schedule
+from coordinator.verifier.stage_runner import StageRunner
+from protos import codec, identity, output_check
+from protos.tessera.v1 import client_api_pb2, node_pb2, verification_pb2
+
+log = logging.getLogger("tessera.verifier")
+Outcome = verification_pb2.Verdict.Outcome
+MAX_ARBITERS_TRIED = 3
+
+
+@dataclass(frozen=True)
+class WorkRejected:
+    """The node's output in this session was not used and must not be paid."""
+
+    node_id: str
+    session_id: str
+    reason: str
+
+
+@dataclass(frozen=True)
+class FraudProven:
+    """A signed output of the node was proven wrong; it is banned. Slash its escrow."""
+
+    node_id: str
+    account: str
+    evidence_id: str
+    reason: str
+
+
+VerifierEvent = WorkRejected | FraudProven
+Listener = Callable[[VerifierEvent], Any]
+
+
+@dataclass(frozen=True)
+class NodeFacts:
+    node_id: str
+    address: str
+    account: str
+    device_kind: str
+    compute_dtype: str
+
+
+def session_risk(
+    session_id: str, calls: int, checked: int, mismatches: int, assumed_corruption: float
+) -> verification_pb2.SessionRisk:
+    """The bound the design promises: 1 - (1 - p*f)^n, with p the fraction checked."""
+    p = checked / calls if calls else 0.0
+    escape = (1.0 - p * assumed_corruption) ** calls
+    return verification_pb2.SessionRisk(
+        session_id=session_id,
+        calls=calls,
+        checked=checked,
+        mismatches=mismatches,
+        check_fraction=p,
+        assumed_corruption=assumed_corruption,
+        detection_probability=1.0 - escape,
+        undetected_probability=escape,
+    )
+
+
+class Verifier:
+    def __init__(self, ctx: Any, reputation: Reputation) -> None:
+        self._ctx = ctx
+        self.reputation = reputation
+        # Checks are dressed like client sessions: same grants, keys and probabilities.
+        self.runner = StageRunner(ctx.signing_key, describe=self.describe_hop)
+        self._listeners: list[Listener] = []
+        self._keys: dict[str, bytes] = {}
+        self.canaries = Canaries(self)
+        self._canary_task: asyncio.Task[None] | None = None
+
+    @classmethod
+    def from_context(cls, ctx: Any) -> Verifier:
+        settings = ctx.settings
+        schedule = Schedule(warmup=settings.verify_warmup, p_min=settings.verify_min_probability)
+        verifier = cls(ctx, Reputation(ctx.db, schedule))
+        if ctx.planner is not None:
+            ctx.planner.trust_cost = verifier.reputation.router_cost
+        return verifier
+
+    # ---- lifecycle ------------------------------------------------------------------
+
+    async def start(self) -> None:
+        interval = self._ctx.settings.canary_interval_s
+        if interval > 0:
+            self._canary_task = asyncio.get_running_loop().create_task(
+                self.canaries.run_forever(interval)
+            )
+
+    async def stop(self) -> None:
+        if self._canary_task is not None:
+            self._canary_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._canary_task
+        await self.runner.close()
+
+    # ---- listeners (the ledger subscribes here) ------------------------------------
+
+    def add_listener(self, listener: Listener) -> Callable[[], None]:
+        self._listeners.append(listener)
+        return lambda: self._listeners.remove(listener)
+
+    def _notify(self, event: VerifierEvent) -> None:
+        for listener in list(self._listeners):
+            try:
+                listener(event)
+            except Exception:  # one bad subscriber must not stop a ban
+                log.exception("verifier listener failed on %s", type(event).__name__)
+
+    # ---- what other parts ask ------------------------------------------------------
+
+    def trust(self, node_id: str) -> node_pb2.NodeTrust:
+        return self.reputation.to_proto(node_id)
+
+    def describe_hop(self, hop: client_api_pb2.Hop) -> None:
+        facts = self.node_facts(hop.node_id)
+        hop.public_key = self.public_key(hop.node_id)
+        hop.check_probability = self.reputation.probability(hop.node_id)
+        if facts is not None:
+            hop.account = facts.account
+            hop.device_kind = facts.device_kind
+            hop.compute_dtype = facts.compute_dtype
+
+    def node_facts(self, node_id: str) -> NodeFacts | None:
+        view = self._ctx.registry.node(node_id)
+        if view is None:
+            return None
+        caps = view.capabilities
+        return NodeFacts(
+            node_id, view.data_address, view.account, caps.device_kind, compute_dtype(caps)
+        )
+
+    def public_key(self, node_id: str) -> bytes:
+        key = self._keys.get(node_id)
+        if key is None:
+            row = self._ctx.db.execute(
+                "SELECT public_key FROM nodes WHERE node_id = ?", [node_id]
+            ).fetchone()
+            key = bytes(row[0]) if row and row[0] else b""
+            if key:
+                self._keys[node_id] = key
+        return key
+
+    def routable(self, node_id: str) -> bool:
+        view = self._ctx.registry.node(node_id)
+        return view is not None and view.state in (NodeState.ONLINE, NodeState.SUSPECT)
+
+    # ---- RPCs ---------------------------------------------------------------------
+
+    async def report(
+        self, request: verification_pb2.VerificationReport, context: grpc.aio.ServicerContext
+    ) -> verification_pb2.ReportVerdict:
+        try:
+            return await self._report(request)
+        except ReportError as err:
+            log.info("refused a verification report: %s: %s", err.code.name, err.message)
+            await context.abort(err.code, err.message)
+            raise AssertionError("unreachable") from err
+
+    async def get_session_risk(
+        self, request: verification_pb2.SessionRiskRequest, context: grpc.aio.ServicerContext
+    ) -> verification_pb2.SessionRisk:
+        try:
+            self._claims(request.session_id, request.capability)
+        except ReportError as err:
+            await context.abort(err.code, err.message)
+        return self._risk(request.session_id)
+
+    # ---- reports ------------------------------------------------------------------
+
+    def _claims(
+        self, session_id: str, capability: client_api_pb2.SignedCapability
+    ) -> client_api_pb2.CapabilityClaims:
+        claims = identity.open_capability(self._ctx.public_key, capability)
+        if claims is None:
+            raise ReportError(
+                grpc.StatusCode.UNAUTHENTICATED,
+                "the capability was not signed by this coordinator; report with the "
+                "session's own capability",
+            )
+        if claims.session_id != session_id or not session_id:
+            raise ReportError(
+                grpc.StatusCode.PERMISSION_DENIED, "the capability belongs to another session"
+            )
+        if claims.expires_unix_ms < time.time() * 1000:
+            raise ReportError(grpc.StatusCode.UNAUTHENTICATED, "the session's capability expired")
+        return claims
+
+    async def _report(
+        self, request: verification_pb2.VerificationReport
+    ) -> verification_pb2.ReportVerdict:
+        claims = self._claims(request.session_id, request.capability)
+        check_limits(request)
+        checked: list[tuple[verification_pb2.Comparison, client_api_pb2.Hop, client_api_pb2.Hop]]
+        checked = [(c, *check_comparison(claims, c)) for c in request.comparisons]
+        mismatches = [check_mismatch(c, p, k) for c, p, k in checked if not c.agreed]
+        # The replay guard is a read-then-write, and no await happens in between: two
+        # reports can never both claim one signed output. One transaction for all of it.
+        with self._ctx.db.atomic():
+            self._claim_signatures(request)
+            for comparison, _, _ in checked:
+                if comparison.agreed:
+                    self.reputation.verified(comparison.primary.node_id)
+                    self.reputation.verified(comparison.checker.node_id)
+        # Arbitration runs a third node: reports of other sessions go on meanwhile.
+        verdicts = [await self._arbitrate(claims, m) for m in mismatches]
+        self._record_calls(request, len(mismatches))
+        risk = self._risk(request.session_id)
+        log.info(
+            "session %s: %d calls, %.1f%% checked, %d mismatches; P(detect a node corrupting "
+            "%.0f%% of outputs) = %.4f, undetected %.4f",
+            risk.session_id, risk.calls, 100 * risk.check_fraction, risk.mismatches,
+            100 * risk.assumed_corruption, risk.detection_probability,
+            risk.undetected_probability,
+        )  # fmt: skip
+        return verification_pb2.ReportVerdict(verdicts=verdicts, risk=risk)
+
+    def _claim_signatures(self, request: verification_pb2.VerificationReport) -> None:
+        keys: list[str] = []
+        for comparison in request.comparisons:
+            keys += [signature_key(comparison.primary.signature)]
+            keys += [signature_key(comparison.checker.signature)]
+        if len(set(keys)) != len(keys):
+            raise ReportError(
+                grpc.StatusCode.INVALID_ARGUMENT, "the report names one signed output twice"
+            )
+        db = self._ctx.db
+        for key in keys:
+            if db.execute(
+                "SELECT 1 FROM reported_outputs WHERE signature_sha256 = ?", [key]
+            ).fetchone():
+                raise ReportError(
+                    grpc.StatusCode.ALREADY_EXISTS,
+                    "this report repeats a signed output that was already reported; each "
+                    "output counts once",
+                )
+        now = int(time.time() * 1000)
+        db["reported_outputs"].insert_all(
+            [{"signature_sha256": k, "session_id": request.session_id, "ts_ms": now} for k in keys]
+        )
+
+    def _record_calls(self, request: verification_pb2.VerificationReport, mismatches: int) -> None:
+        table = self._ctx.db["session_verification"]
+        row = self._session_row(request.session_id)
+        calls = sum(c.calls for c in request.calls) if request.calls else row["calls"]
+        checked = sum(c.checked for c in request.calls) if request.calls else row["checked"]
+        table.upsert(
+            {
+                "session_id": request.session_id,
+                "calls": max(calls, row["calls"]),
+                "checked": max(checked, row["checked"]),
+                "mismatches": row["mismatches"] + mismatches,
+                "updated_ms": int(time.time() * 1000),
+            },
+            pk="session_id",
+        )
+
+    def _session_row(self, session_id: str) -> dict[str, int]:
+        row = self._ctx.db.execute(
+            "SELECT calls, checked, mismatches FROM session_verification WHERE session_id = ?",
+            [session_id],
+        ).fetchone()
+        if row is None:
+            return {"calls": 0, "checked": 0, "mismatches": 0}
+        return {"calls": row[0], "checked": row[1], "mismatches": row[2]}
+
+    def _risk(self, session_id: str) -> verification_pb2.SessionRisk:
+        row = self._session_row(session_id)
+        return session_risk(
+            session_id,
+            row["calls"],
+            row["checked"],
+            row["mismatches"],
+            self._ctx.settings.assumed_corruption,
+        )
+
+    # ---- arbitration --------------------------------------------------------------
+
+    async def _arbitrate(
+        self, claims: client_api_pb2.CapabilityClaims, mismatch: Mismatch
+    ) -> verification_pb2.Verdict:
+        comparison = mismatch.comparison
+        p, c = comparison.primary, comparison.checker
+        start, end = p.layers.start, p.layers.end
+        arbiters = self._arbiters(claims.model, start, end, mismatch)
+        for arbiter in arbiters[:MAX_ARBITERS_TRIED]:
+            try:
+                run = await self.runner.run(
+                    arbiter.node_id,
+                    arbiter.address,
+                    claims.model,
+                    start,
+                    end,
+                    [*comparison.prefix, comparison.input],
+                    last_position_only=comparison.last_position_only,
+                    also_granted=[a.node_id for a in arbiters if a is not arbiter][:2],
+                )
+            except (grpc.aio.AioRpcError, ConnectionError) as err:
+                log.warning("arbiter %s could not run: %s", arbiter.node_id, err)
+                continue
+            out = run.response.output
+            if run.response.input_digest != p.input_digest or list(out.shape) != list(
+                p.output.shape
+            ):
+                log.warning("arbiter %s answered for another input or shape", arbiter.node_id)
+                continue
+            answer = codec.decode(out, finite=False)
+            arbiter_class = (arbiter.device_kind, arbiter.compute_dtype)
+            agrees_p = output_check.relative_error(
+                answer, out.dtype, mismatch.primary_output, p.output.dtype
+            ) <= output_check.pair_tolerance(
+                arbiter_class, (mismatch.primary.device_kind, mismatch.primary.compute_dtype)
+            )
+            agrees_c = output_check.relative_error(
+                answer, out.dtype, mismatch.checker_output, c.output.dtype
+            ) <= output_check.pair_tolerance(
+                arbiter_class, (mismatch.checker.device_kind, mismatch.checker.compute_dtype)
+            )
+            if agrees_c != agrees_p:
+                loser, winner = (p, c) if agrees_c else (c, p)
+                loser_grant = mismatch.primary if agrees_c else mismatch.checker
+                self.reputation.verified(winner.node_id)
+                self.reputation.verified(arbiter.node_id)
+                evidence = self.convict(
+                    loser.node_id,
+                    loser_grant.account,
+                    claims.session_id,
+                    "arbitration",
+                    f"output of layers [{start}, {end}) at step {p.step} contradicted by "
+                    f"{winner.node_id} and arbiter {arbiter.node_id} (relative error "
+                    f"{mismatch.error:.3g} > {mismatch.tolerance:.3g})",
+                    comparison.SerializeToString(),
+                    evidence_id(comparison),
+                )
+                outcome = Outcome.PRIMARY_WRONG if agrees_c else Outcome.CHECKER_WRONG
+                return verification_pb2.Verdict(
+                    outcome=outcome,
+                    arbiter_node_id=arbiter.node_id,
+                    evidence_id=evidence,
+                    detail=f"{loser.node_id} was wrong",
+                )
+            detail = "the arbiter agreed with " + ("both" if agrees_p else "neither")
+            return self._unresolved(claims, mismatch, detail, arbiter.node_id)
+        return self._unresolved(claims, mismatch, "no independent arbiter could run it", "")
+
+    def _unresolved(
+        self,
+        claims: client_api_pb2.CapabilityClaims,
+        mismatch: Mismatch,
+        detail: str,
+        arbiter_id: str,
+    ) -> verification_pb2.Verdict:
+        p = mismatch.comparison.primary
+        # Nobody is proven wrong, so nobody is banned; but the client could not use the
+        # primary's output, and both nodes' records lose their streak.
+        self.reputation.failed(p.node_id)
+        self.reputation.failed(mismatch.comparison.checker.node_id)
+        self._notify(WorkRejected(p.node_id, claims.session_id, f"unresolved mismatch: {detail}"))
+        log.warning("mismatch %s vs %s unresolved: %s", p.node_id,
+                    mismatch.comparison.checker.node_id, detail)  # fmt: skip
+        return verification_pb2.Verdict(
+            outcome=Outcome.UNRESOLVED, arbiter_node_id=arbiter_id, detail=detail
+        )
+
+    def _arbiters(self, model: str, start: int, end: int, mismatch: Mismatch) -> list[NodeFacts]:
+        excluded = {mismatch.primary.node_id, mismatch.checker.node_id}
+        accounts = {a for a in (mismatch.primary.account, mismatch.checker.account) if a}
+        planner = self._ctx.planner
+        holders = planner.ready_holders(model) if planner is not None else []
+        found: list[NodeFacts] = []
+        for holder in holders:
+            if holder.node_id in excluded or not (holder.start <= start and end <= holder.end):
+                continue
+            facts = self.node_facts(holder.node_id)
+            if facts is None or not self.routable(holder.node_id) or facts.account in accounts:
+                continue
+            found.append(NodeFacts(facts.node_id, holder.address, facts.account,
+                                   facts.device_kind, facts.compute_dtype))  # fmt: skip
+        # The most trusted arbiter first.
+        found.sort(key=lambda f: (self.reputation.probability(f.node_id), f.node_id))
+        return found
+
+    # ---- verdicts -------------------------------------------------------------------
+
+    def convict(
+        self,
+        node_id: str,
+        account: str,
+        session_id: str,
+        kind: str,
+        reason: str,
+        payload: bytes,
+        evidence: str,
+        *,
+        canary: bool = False,
+    ) -> str:
+        """A signed output of ``node_id`` is proven wrong: record, ban, tell listeners."""
+        self._ctx.db["verification_evidence"].upsert(
+            {
+                "evidence_id": evidence,
+                "kind": kind,
+                "session_id": session_id,
+                "accused_node_id": node_id,
+                "outcome": "banned",
+                "detail": json.dumps({"reason": reason}),
+                "payload": payload,
+                "ts_ms": int(time.time() * 1000),
+            },
+            pk="evidence_id",
+        )
+        self.reputation.failed(node_id, canary=canary)
+        view = self._ctx.registry.node(node_id)
+        if view is not None and view.state is NodeState.BANNED:
+            # Already convicted (e.g. two canaries of one round): one ban, one slashing.
+            self._notify(WorkRejected(node_id, session_id, reason))
+            return evidence
+        log.error("FRAUD PROVEN: node %s (account %r): %s; banning it (evidence %s)",
+                  node_id, account, reason, evidence[:16])  # fmt: skip
+        try:
+            self._ctx.registry.ban(node_id, f"proven wrong output ({kind}): {reason}"[:200])
+        except RegistryError as err:
+            log.warning("could not ban %s: %s", node_id, err)
+        self._notify(WorkRejected(node_id, session_id, reason))
+        self._notify(FraudProven(node_id, account, evidence, reason))
+        return evidence

@@ -1,0 +1,168 @@
+"""The driver's side of verification, over real stage servers on loopback.
+
+No coordinator here (the stand-in key signs capabilities), so a mismatch cannot be
+arbitrated: the driver must then refuse the primary's output and fail over, which still
+keeps greedy output equal to the whole model's.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from data_plane.stage_harness import (
+    MODEL,
+    CoordinatorKeys,
+    StageNode,
+    reference_greedy,
+    session_grant,
+)
+from data_plane.test_driver import PROMPT, greedy
+
+from client.channels import ChannelPool
+from client.driver import PipelineDriver
+from client.verification import StageVerifier
+from node_agent import failpoints
+from node_agent.stage_server import StageServicer
+from protos import identity
+from protos.tessera.v1 import client_api_pb2
+
+NEW_TOKENS = 8
+
+
+def keyed(
+    keys: CoordinatorKeys,
+    grant: client_api_pb2.SessionGrant,
+    nodes: list[StageNode],
+    accounts: dict[str, str],
+    probability: float,
+) -> client_api_pb2.SessionGrant:
+    """The grant with what a real coordinator adds for verification, signed again."""
+    by_id = {n.node_id: n for n in nodes}
+    claims = client_api_pb2.CapabilityClaims.FromString(grant.capability.claims)
+    for hop in claims.grants:
+        hop.public_key = by_id[hop.node_id].public_key
+        hop.account = accounts.get(hop.node_id, "")
+        hop.device_kind, hop.compute_dtype = "cpu", "float32"
+        hop.check_probability = probability
+    grant.capability.CopyFrom(identity.sign_capability(keys.key, claims))
+    return grant
+
+
+def driver_for(grant: client_api_pb2.SessionGrant) -> PipelineDriver:
+    channels = ChannelPool()
+    verifier = StageVerifier(grant.session_id, channels, rng=random.Random(1))
+    return PipelineDriver(grant, MODEL, channels=channels, verifier=verifier)
+
+
+class UnsignedServicer(StageServicer):
+    """Answers correctly but without a signature."""
+
+    async def _forward_one(self, request, stream):
+        response = await super()._forward_one(request, stream)
+        response.signature = b""
+        return response
+
+
+async def test_an_unsigned_reply_is_a_failure_of_that_node(start_node, keys, checkpoint) -> None:
+    a = await start_node([(0, 2)])
+    b = await start_node([(2, 4)], servicer_class=UnsignedServicer)
+    b_alt = await start_node([(2, 4)])
+    grant = keyed(
+        keys, session_grant(keys, [(0, 2, a, []), (2, 4, b, [b_alt])]), [a, b, b_alt], {}, 0.0
+    )
+    driver = driver_for(grant)
+    tokens = await greedy(driver, PROMPT, NEW_TOKENS)
+    assert tokens == reference_greedy(checkpoint, PROMPT, NEW_TOKENS)
+    [event] = driver.failovers
+    assert event.failed_node_id == b.node_id and "unsigned" in event.reason
+    await driver.close()
+
+
+async def test_a_corrupting_primary_is_caught_and_its_output_never_used(
+    start_node, keys, checkpoint, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv(failpoints.ENV_VAR, "corrupt=0.3,seed=1")
+    cheater = await start_node([(0, 4)])
+    monkeypatch.delenv(failpoints.ENV_VAR)
+    honest = [await start_node([(0, 4)]) for _ in range(2)]
+    accounts = {cheater.node_id: "op-c", honest[0].node_id: "op-a", honest[1].node_id: "op-b"}
+    grant = keyed(
+        keys, session_grant(keys, [(0, 4, cheater, honest)]), [cheater, *honest], accounts, 1.0
+    )
+    driver = driver_for(grant)
+    tokens = await greedy(driver, PROMPT, NEW_TOKENS)
+    assert tokens == reference_greedy(checkpoint, PROMPT, NEW_TOKENS)
+    stats = driver.verifier.stats
+    assert stats.mismatches >= 1
+    assert any(f.failed_node_id == cheater.node_id for f in driver.failovers)
+    assert cheater.node_id not in {h.node_id for h in driver.route}
+    await driver.close()
+
+
+async def test_nodes_of_one_operator_never_check_each_other(start_node, keys) -> None:
+    primary, sibling, stranger = [await start_node([(0, 4)]) for _ in range(3)]
+    accounts = {primary.node_id: "op-x", sibling.node_id: "op-x", stranger.node_id: "op-y"}
+    grant = keyed(
+        keys,
+        session_grant(keys, [(0, 4, primary, [sibling, stranger])]),
+        [primary, sibling, stranger],
+        accounts,
+        1.0,
+    )
+    driver = driver_for(grant)
+    await greedy(driver, PROMPT, NEW_TOKENS)
+    pairs = driver.verifier.stats.pairs
+    assert pairs and set(pairs) == {(primary.node_id, stranger.node_id)}
+    await driver.close()
+
+    # With only a sibling to ask, nothing is checked at all.
+    alone = keyed(
+        keys, session_grant(keys, [(0, 4, primary, [sibling])]), [primary, sibling], accounts, 1.0
+    )
+    driver = driver_for(alone)
+    await greedy(driver, PROMPT, NEW_TOKENS)
+    assert driver.verifier.stats.pairs == [] and not driver.verifier.stats.checked
+    await driver.close()
+
+
+async def test_checkers_catch_up_on_skipped_positions_without_false_alarms(
+    start_node, keys, checkpoint
+) -> None:
+    # Half the calls are checked, at random: each checker's cache falls behind between
+    # its checks and must catch up from the driver's history (hidden states for the
+    # second stage) before it can answer the very call the primary answered.
+    first = [await start_node([(0, 2)]) for _ in range(3)]
+    second = [await start_node([(2, 4)]) for _ in range(3)]
+    nodes = [*first, *second]
+    accounts = {n.node_id: f"op-{i}" for i, n in enumerate(nodes)}
+    layout = [(0, 2, first[0], first[1:]), (2, 4, second[0], second[1:])]
+    grant = keyed(keys, session_grant(keys, layout), nodes, accounts, 0.5)
+    driver = driver_for(grant)
+    tokens = await greedy(driver, PROMPT, 12)
+    assert tokens == reference_greedy(checkpoint, PROMPT, 12)
+    stats = driver.verifier.stats
+    assert stats.mismatches == 0 and not driver.failovers
+    checked = sum(stats.checked.values())
+    calls = sum(stats.calls.values())
+    assert 0 < checked < calls, (checked, calls)
+    await driver.close()
+
+
+async def test_a_checker_that_dies_mid_session_costs_only_its_checks(
+    start_node, keys, checkpoint
+) -> None:
+    primary, checker = await start_node([(0, 4)]), await start_node([(0, 4)])
+    accounts = {primary.node_id: "op-a", checker.node_id: "op-b"}
+    grant = keyed(
+        keys, session_grant(keys, [(0, 4, primary, [checker])]), [primary, checker], accounts, 1.0
+    )
+    driver = driver_for(grant)
+    tokens = await greedy(
+        driver, PROMPT, NEW_TOKENS, after_step={3: lambda: checker.server.stop(0)}
+    )
+    assert tokens == reference_greedy(checkpoint, PROMPT, NEW_TOKENS)
+    assert not driver.failovers, "a checker's failure is not the primary's"
+    stats = driver.verifier.stats
+    assert 0 < stats.checked[primary.node_id] < stats.calls[primary.node_id]
+    await driver.close()
