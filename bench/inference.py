@@ -41,8 +41,9 @@ What is fair, and why:
     own. The round with the median ratio is reported, which keeps a busy neighbour on a
     shared machine from deciding the result.
   * Same work. fp32 on CPU, KV cache on, the same prompt and token count on both sides;
-    both compute the prompt's logits and sample from the last position's (the swarm's
-    last hop ships only that one: ForwardRequest.last_position_only).
+    all three compute logits for the last position only and sample from them (the LM
+    head skips the prompt's other positions: StageModel's last_position_only, which the
+    swarm's last hop gets from ForwardRequest.last_position_only).
 """
 
 from __future__ import annotations
@@ -195,7 +196,7 @@ def generate_local(model: StageModel, prompt_ids: list[int], tokens: int) -> Run
         x = torch.tensor([prompt_ids], dtype=torch.int64)
         position = 0
         for _ in range(tokens):
-            logits = model(x, cache, position)
+            logits = model(x, cache, position, last_position_only=True)
             position += x.shape[1]
             token = int(torch.argmax(logits[0, -1]))
             run.arrivals.append(time.monotonic() - began)
@@ -284,7 +285,7 @@ def _pipe_stage(
                 tx.send(message)
                 continue
             position, x = message
-            out = model(torch.from_numpy(x), cache, position)
+            out = model(torch.from_numpy(x), cache, position, last_position_only=True)
             tx.send((position, out.numpy()) if not model.is_last else out[0, -1].numpy())
     tx.send(None)
 
@@ -474,9 +475,13 @@ def run_with_kill(
         if index + 1 != kill_after:
             return
         # This session's own route: the router may pick other primaries than last time.
+        # The hop holding the model's middle layer: a hop may span two stages when one
+        # node serves both (the driver then runs them as one).
         assert client.last_run is not None
-        hops = client.last_run.initial_route
-        victim_id = hops[len(hops) // 2].node_id
+        middle = args.shape.layers // 2
+        victim_id = next(
+            h.node_id for h in client.last_run.initial_route if h.start <= middle < h.end
+        )
         swarm.node(victim_id).kill9()
         killed.append((victim_id, time.monotonic()))
 

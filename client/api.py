@@ -220,8 +220,11 @@ class AsyncClient:
             session_id=grant.session_id,
             prompt_token_ids=list(prompt_ids),
             text="" if handle.tokenizer else None,
+            route=driver.route,
             initial_route=driver.route,
         )
+        # The driver's own lists, which it appends to: nothing is copied per token.
+        result.timings, result.failovers = driver.timings, driver.failovers
         self.last_run = result
         decoder = handle.tokenizer.stream(prompt_ids) if handle.tokenizer else None
         began = time.monotonic()
@@ -238,9 +241,8 @@ class AsyncClient:
                 piece = decoder.push(token) if decoder else ""
                 if result.text is not None:
                     result.text += piece
-                result.timings = list(driver.timings)
-                result.failovers = list(driver.failovers)
-                result.route = driver.route
+                if seen_failovers != len(driver.failovers):
+                    result.route = driver.route
                 result.wall_s = time.monotonic() - began
                 yield GeneratedToken(
                     index=index,
