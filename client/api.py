@@ -72,6 +72,9 @@ class GenerationResult:
     text: str | None = None  # None when the model has no tokenizer
     route: list[HopRecord] = field(default_factory=list)  # the route at the end of the run
     initial_route: list[HopRecord] = field(default_factory=list)
+    # The session's stages as the coordinator granted them: consecutive stages on one
+    # node run as one hop of the route.
+    granted_stages: list[HopRecord] = field(default_factory=list)
     timings: list[StageTiming] = field(default_factory=list)
     failovers: list[FailoverEvent] = field(default_factory=list)
     finish_reason: str = ""  # "length" | "eos" | "error"
@@ -118,6 +121,7 @@ class GenerationResult:
             "finish_reason": self.finish_reason,
             "route": [h.to_json() for h in self.route],
             "initial_route": [h.to_json() for h in self.initial_route],
+            "granted_stages": [h.to_json() for h in self.granted_stages],
             "stages": self.stage_summary(),
             "timings": [t.to_json() for t in self.timings],
             "failovers": [f.to_json() for f in self.failovers],
@@ -222,6 +226,7 @@ class AsyncClient:
             text="" if handle.tokenizer else None,
             route=driver.route,
             initial_route=driver.route,
+            granted_stages=list(driver.stages),
         )
         # The driver's own lists, which it appends to: nothing is copied per token.
         result.timings, result.failovers = driver.timings, driver.failovers

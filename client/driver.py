@@ -127,6 +127,7 @@ class PipelineDriver:
         self._capability_version = 0
         self.max_tokens = _claims(grant.capability).max_tokens
         self._slots = [_slot_from_stage(stage, self.config.window) for stage in grant.stages]
+        self.stages = [slot.hop for slot in self._slots]  # as granted, before any merging
         if self.config.merge_same_node_hops:
             self._slots = _merge_same_node(self._slots, self.config.window)
         self._check_route()
