@@ -497,6 +497,9 @@ class StageServicer(stage_pb2_grpc.StageServicer):
         if expired:
             log.info("expired idle session caches: %s", ", ".join(expired))
         live = {k.rsplit("@", 1)[0] for s in self._shards.shards() for k in s.session_keys()}
+        held = {shard.key for shard in self._shards.shards()}
+        for view in [v for v in self._step_ms if v[0] not in held]:
+            del self._step_ms[view]  # a dropped shard's step times
         for session_id in list(self._session_locks):
             lock = self._session_locks[session_id]
             if session_id not in live and not lock.locked():

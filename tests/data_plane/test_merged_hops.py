@@ -24,7 +24,7 @@ from data_plane.test_driver import NEW_TOKENS, PROMPT, greedy
 from client.driver import DriverConfig, PipelineDriver
 from node_agent.stage_server import StageLimits
 from protos import codec, identity
-from protos.tessera.v1 import common_pb2, stage_pb2, stage_pb2_grpc
+from protos.tessera.v1 import common_pb2, coordinator_pb2, stage_pb2, stage_pb2_grpc
 
 
 async def test_consecutive_stages_on_one_node_run_as_one_signed_hop(
@@ -205,3 +205,18 @@ async def test_a_stage_slower_than_the_inline_limit_always_uses_the_compute_thre
     assert await greedy(driver, PROMPT, 4) == reference_greedy(checkpoint, PROMPT, 4)
     assert len(threads) == 4 and all(t.startswith("tessera-compute") for t in threads)
     await driver.close()
+
+
+async def test_step_times_of_a_dropped_shard_are_forgotten(start_node, keys, checkpoint) -> None:
+    node = await start_node([(0, NUM_LAYERS)])
+    driver = PipelineDriver(session_grant(keys, [(0, NUM_LAYERS, node, [])]), MODEL)
+    await greedy(driver, PROMPT, 2)
+    await driver.close()
+    assert node.servicer._step_ms, "the steps were timed"
+    await node.manager.drop(
+        coordinator_pb2.DropShard(
+            model=MODEL, layers=common_pb2.LayerRange(start=0, end=NUM_LAYERS)
+        )
+    )
+    node.servicer.expire_idle()
+    assert node.servicer._step_ms == {}
