@@ -15,6 +15,10 @@ In ONE run, on this machine, with the same weights, prompt and greedy decoding:
   kill    the swarm again, with the middle stage's primary node kill -9'd a third of the
           way in: the stall from the kill to the next token, in median token times.
 
+The route has three stages; when the router puts two consecutive stages on one node the
+client runs them as one hop (one round trip), so the swarm may make 2 hops per token.
+The pipes floor always runs the three stages as three processes.
+
 The greedy token ids of every run must be identical (exit status 1 if not). The LAST line
 is exactly `swarm/local tokens/s ratio: X`.
 
@@ -31,18 +35,24 @@ What is fair, and why:
     multi-threaded OpenMP pool fight over the same cores and the numbers turn to noise;
     OMP_WAIT_POLICY=PASSIVE (set for all of them) keeps idle pools from spinning when
     you ask for more threads.
-  * No overlap. The runs take turns (--rounds of local, pipes, swarm), never at the same
-    time; the other side's processes sit idle meanwhile.
+  * No overlap, same conditions. In each of --rounds rounds the three runs take turns
+    token by token (local token 1, pipes token 1, swarm token 1, local token 2, ...;
+    who goes first rotates), never at the same time: the others' processes sit idle
+    meanwhile. Each run's clock counts only its own steps. Taking turns per token, not
+    per generation, makes the sides see the same load on a machine that others share,
+    where the load drifts within seconds; ratios then compare like with like.
   * Warm-up. Each side first generates a few tokens untimed (torch kernels, gRPC
     channels and streams, the nodes' lazy per-span views).
   * Same definition of speed. tokens/s = (generated tokens - 1) / (time from the first
-    token to the last), the client's `GenerationResult.tokens_per_s`, computed the same
-    way for the local loop; the time to the first token (the prefill) is reported on its
-    own. The round with the median ratio is reported, which keeps a busy neighbour on a
+    token to the last, on the run's own clock), computed the same way for every run; the
+    time to the first token (the prefill, and for the swarm the session's opening) is
+    reported on its own. The swarm is timed around `client.generate` as a user sees it.
+    The round with the median ratio is reported, which keeps a busy neighbour on a
     shared machine from deciding the result.
   * Same work. fp32 on CPU, KV cache on, the same prompt and token count on both sides;
-    both compute the prompt's logits and sample from the last position's (the swarm's
-    last hop ships only that one: ForwardRequest.last_position_only).
+    all three compute logits for the last position only and sample from them (the LM
+    head skips the prompt's other positions: StageModel's last_position_only, which the
+    swarm's last hop gets from ForwardRequest.last_position_only).
 """
 
 from __future__ import annotations
@@ -56,7 +66,7 @@ import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from pathlib import Path
@@ -73,6 +83,7 @@ import torch  # noqa: E402
 from client.api import Client, GenerationResult  # noqa: E402
 from client.demo_checkpoint import DemoShape, write_demo_checkpoint  # noqa: E402
 from client.local_swarm import LocalSwarm  # noqa: E402
+from client.records import HopRecord  # noqa: E402
 from client.tokenizer import load_tokenizer  # noqa: E402
 from node_agent.runtime import StageModel, load_stage_model  # noqa: E402
 
@@ -80,6 +91,7 @@ MODEL = "bench-llama"
 PROMPT = "In a swarm of community GPUs, every stage keeps its own cache and "
 NODES = ("alpha", "bravo", "charlie")
 FULL_SHAPE = DemoShape(layers=12, hidden=1024, heads=16, kv_heads=8, intermediate=2816)
+SETTLE_S = 0.002
 QUICK_SHAPE = DemoShape(layers=6, hidden=768, heads=12, kv_heads=4, intermediate=2048)
 
 
@@ -183,25 +195,55 @@ def say(text: str = "") -> None:
     print(text, flush=True)
 
 
-# ---- the two ways to generate -------------------------------------------------------------
+# ---- the ways to generate -----------------------------------------------------------------
+#
+# Each is an iterator that computes one token per next(): the runs of a round take turns
+# token by token (see "No overlap" above), timed by `interleave`.
 
 
-def generate_local(model: StageModel, prompt_ids: list[int], tokens: int) -> Run:
+def local_steps(model: StageModel, prompt_ids: list[int], tokens: int) -> Iterator[int]:
     """Greedy decoding in a plain loop: prefill, then one token at a time."""
-    run = Run("local")
     cache = model.new_cache(len(prompt_ids) + tokens)
-    began = time.monotonic()
-    with torch.inference_mode():
-        x = torch.tensor([prompt_ids], dtype=torch.int64)
-        position = 0
-        for _ in range(tokens):
-            logits = model(x, cache, position)
-            position += x.shape[1]
-            token = int(torch.argmax(logits[0, -1]))
-            run.arrivals.append(time.monotonic() - began)
+    x = torch.tensor([prompt_ids], dtype=torch.int64)
+    position = 0
+    for _ in range(tokens):
+        with torch.inference_mode():
+            logits = model(x, cache, position, last_position_only=True)
+        position += x.shape[1]
+        token = int(torch.argmax(logits[0, -1]))
+        yield token
+        x = torch.tensor([[token]], dtype=torch.int64)
+
+
+def swarm_steps(client: Client, prompt_ids: list[int], tokens: int) -> Iterator[int]:
+    """Greedy decoding through the swarm with the client library, as a user would."""
+    stream = client.generate(MODEL, token_ids=prompt_ids, max_new_tokens=tokens, stop_at_eos=False)
+    for token in stream:
+        yield token.id
+
+
+def interleave(steps: dict[str, Iterator[int]], tokens: int) -> dict[str, Run]:
+    """Take one token from each run in turn; each run's clock counts only its own steps."""
+    runs = {label: Run(label) for label in steps}
+    order = list(steps)
+    for index in range(tokens):
+        # Rotate who goes first, so no run always follows the same neighbour.
+        shift = index % len(order)
+        for label in order[shift:] + order[:shift]:
+            # A pause, untimed: work a run leaves behind after its token (a node's send
+            # completing, a pipe process going back to sleep) must not land in the next
+            # run's time.
+            time.sleep(SETTLE_S)
+            run = runs[label]
+            began = time.monotonic()
+            token = next(steps[label])
+            elapsed = time.monotonic() - began
+            run.arrivals.append((run.arrivals[-1] if run.arrivals else 0.0) + elapsed)
             run.token_ids.append(token)
-            x = torch.tensor([[token]], dtype=torch.int64)
-    return run
+    for iterator in steps.values():
+        for _ in iterator:  # lets the swarm's generator end its session, untimed
+            pass
+    return runs
 
 
 def generate_swarm(
@@ -211,6 +253,7 @@ def generate_swarm(
     label: str = "swarm",
     on_token: Callable[[int], None] | None = None,
 ) -> Run:
+    """One swarm generation alone, timed from the call (the warm-up and the kill run)."""
     run = Run(label)
     began = time.monotonic()
     stream = client.generate(MODEL, token_ids=prompt_ids, max_new_tokens=tokens, stop_at_eos=False)
@@ -246,11 +289,9 @@ class PipePipeline:
         for process in self._processes:
             process.start()
 
-    def generate(self, prompt_ids: list[int], tokens: int) -> Run:
-        run = Run("pipes (floor)")
+    def steps(self, prompt_ids: list[int], tokens: int) -> Iterator[int]:
         self._send.send(("new", len(prompt_ids) + tokens))
         self._receive.recv()  # every stage has its cache (and its weights) now
-        began = time.monotonic()
         x = np.array([prompt_ids], dtype=np.int64)
         position = 0
         for _ in range(tokens):
@@ -258,10 +299,8 @@ class PipePipeline:
             logits = self._receive.recv()
             position += x.shape[1]
             token = int(np.argmax(logits))
-            run.arrivals.append(time.monotonic() - began)
-            run.token_ids.append(token)
+            yield token
             x = np.array([[token]], dtype=np.int64)
-        return run
 
     def close(self) -> None:
         self._send.send(None)
@@ -284,7 +323,7 @@ def _pipe_stage(
                 tx.send(message)
                 continue
             position, x = message
-            out = model(torch.from_numpy(x), cache, position)
+            out = model(torch.from_numpy(x), cache, position, last_position_only=True)
             tx.send((position, out.numpy()) if not model.is_last else out[0, -1].numpy())
     tx.send(None)
 
@@ -342,8 +381,23 @@ def main(argv: list[str] | None = None) -> int:
         return bench(args, args.workdir or Path(tmp))
 
 
+def load_note(at_start: float) -> str:
+    """The machine's load around the run: a shared machine's neighbours skew any ratio."""
+    cores = os.cpu_count() or 1
+    now = os.getloadavg()[0]
+    text = f"load average {at_start:.1f} at the start, {now:.1f} at the end, on {cores} cores"
+    if max(at_start, now) > cores:
+        text += (
+            ": busier than the cores can serve, so every run waited for CPU time and the "
+            "ratios are unreliable (waking processes get scheduled ahead of a busy one, "
+            "which favours the multi-process runs); rerun on a quieter machine"
+        )
+    return text
+
+
 def bench(args: argparse.Namespace, workdir: Path) -> int:
     t0 = time.monotonic()
+    load_at_start = os.getloadavg()[0]
     shape: DemoShape = args.shape
     for stale in ("coordinator", "nodes", "logs"):
         shutil.rmtree(workdir / stale, ignore_errors=True)
@@ -375,20 +429,32 @@ def bench(args: argparse.Namespace, workdir: Path) -> int:
             assert warm_run.result is not None
             route = warm_run.result.initial_route
             say("route: " + route_text(warm_run.result, names))
-            pipes = PipePipeline(checkpoint, [(h.start, h.end) for h in route], args.threads)
+            stages = [(h.start, h.end) for h in warm_run.result.granted_stages]
+            pipes = PipePipeline(checkpoint, stages, args.threads)
             try:
-                pipes.generate(prompt_ids, warm)
-                generate_local(local_model, prompt_ids, warm)
+                for _ in pipes.steps(prompt_ids, warm):
+                    pass
+                for _ in local_steps(local_model, prompt_ids, warm):
+                    pass
                 for r in range(args.rounds):
-                    local = generate_local(local_model, prompt_ids, args.tokens)
-                    floor = pipes.generate(prompt_ids, args.tokens)
-                    plain = generate_swarm(client, prompt_ids, args.tokens)
+                    runs = interleave(
+                        {
+                            "local": local_steps(local_model, prompt_ids, args.tokens),
+                            "pipes (floor)": pipes.steps(prompt_ids, args.tokens),
+                            "swarm": swarm_steps(client, prompt_ids, args.tokens),
+                        },
+                        args.tokens,
+                    )
+                    local, floor, plain = runs["local"], runs["pipes (floor)"], runs["swarm"]
+                    plain.result = client.last_run
                     rounds.append((local, floor, plain))
+                    assert plain.result is not None
                     say(
                         f"round {r + 1}: tokens/s local {local.tokens_per_s:6.2f}, pipes "
                         f"{floor.tokens_per_s:6.2f} ({floor.tokens_per_s / local.tokens_per_s:.2f}"
                         f"), swarm {plain.tokens_per_s:6.2f} "
-                        f"({plain.tokens_per_s / local.tokens_per_s:.2f})"
+                        f"({plain.tokens_per_s / local.tokens_per_s:.2f}) over "
+                        f"{len(plain.result.initial_route)} hops"
                     )
             finally:
                 pipes.close()
@@ -445,6 +511,7 @@ def bench(args: argparse.Namespace, workdir: Path) -> int:
         f"x the median token time ({median_ms:.1f} ms)"
     )
     say(f"greedy token ids identical in all {len(every)} timed runs: {'yes' if same else 'NO'}")
+    say(load_note(load_at_start))
     if not same:
         for run in (local, floor, plain, faulty):
             say(f"  {run.label:16s} {run.token_ids}")
@@ -454,9 +521,15 @@ def bench(args: argparse.Namespace, workdir: Path) -> int:
 
 
 def route_text(result: GenerationResult, names: dict[str, str]) -> str:
-    return "  ->  ".join(
-        f"{names.get(h.node_id, h.node_id)} [{h.start}, {h.end})" for h in result.initial_route
-    )
+    def path(hops: Sequence[HopRecord]) -> str:
+        return "  ->  ".join(
+            f"{names.get(h.node_id, h.node_id)} [{h.start}, {h.end})" for h in hops
+        )
+
+    hops = result.initial_route
+    if len(hops) == len(result.granted_stages):
+        return path(hops)
+    return f"{path(result.granted_stages)}  (run as {len(hops)} hops: {path(hops)})"
 
 
 def run_with_kill(
@@ -473,10 +546,10 @@ def run_with_kill(
     def kill(index: int) -> None:
         if index + 1 != kill_after:
             return
-        # This session's own route: the router may pick other primaries than last time.
+        # This session's own stages: the router may pick other primaries than last time.
         assert client.last_run is not None
-        hops = client.last_run.initial_route
-        victim_id = hops[len(hops) // 2].node_id
+        stages = client.last_run.granted_stages
+        victim_id = stages[len(stages) // 2].node_id
         swarm.node(victim_id).kill9()
         killed.append((victim_id, time.monotonic()))
 

@@ -79,6 +79,9 @@ class GenerationResult:
     text: str | None = None  # None when the model has no tokenizer
     route: list[HopRecord] = field(default_factory=list)  # the route at the end of the run
     initial_route: list[HopRecord] = field(default_factory=list)
+    # The session's stages as the coordinator granted them: consecutive stages on one
+    # node run as one hop of the route.
+    granted_stages: list[HopRecord] = field(default_factory=list)
     timings: list[StageTiming] = field(default_factory=list)
     failovers: list[FailoverEvent] = field(default_factory=list)
     finish_reason: str = ""  # "length" | "eos" | "error"
@@ -132,6 +135,7 @@ class GenerationResult:
             "finish_reason": self.finish_reason,
             "route": [h.to_json() for h in self.route],
             "initial_route": [h.to_json() for h in self.initial_route],
+            "granted_stages": [h.to_json() for h in self.granted_stages],
             "stages": self.stage_summary(),
             "timings": [t.to_json() for t in self.timings],
             "failovers": [f.to_json() for f in self.failovers],
@@ -260,10 +264,14 @@ class AsyncClient:
             session_id=grant.session_id,
             prompt_token_ids=list(prompt_ids),
             text="" if handle.tokenizer else None,
+            route=driver.route,
             initial_route=driver.route,
             quote=grant.quote.amount,
             verification=verifier.stats,
+            granted_stages=list(driver.stages),
         )
+        # The driver's own lists, which it appends to: nothing is copied per token.
+        result.timings, result.failovers = driver.timings, driver.failovers
         self.last_run = result
         decoder = handle.tokenizer.stream(prompt_ids) if handle.tokenizer else None
         began = time.monotonic()
@@ -280,9 +288,8 @@ class AsyncClient:
                 piece = decoder.push(token) if decoder else ""
                 if result.text is not None:
                     result.text += piece
-                result.timings = list(driver.timings)
-                result.failovers = list(driver.failovers)
-                result.route = driver.route
+                if seen_failovers != len(driver.failovers):
+                    result.route = driver.route
                 result.wall_s = time.monotonic() - began
                 yield GeneratedToken(
                     index=index,

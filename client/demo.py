@@ -112,7 +112,8 @@ def _demo(workdir: Path, tokens: int, kill_after: int) -> int:
                 f"\n4. generating again; the middle stage's node is killed after "
                 f"{kill_after} tokens"
             )
-            victim_id = reference.initial_route[len(reference.initial_route) // 2].node_id
+            stages = reference.granted_stages  # a hop may run two stages of one node
+            victim_id = stages[len(stages) // 2].node_id
             victim = swarm.node(victim_id)
             killed_at = 0.0
 

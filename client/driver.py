@@ -8,6 +8,10 @@ alternate of that stage, or asks the coordinator to ``Reroute`` the span, replay
 boundary's whole history from position 0 to rebuild the replacement's KV cache, and
 carries on. The replay's last positions are the current step's output, so a fail-over
 costs one replay and greedy output stays identical to a run without the failure.
+
+Consecutive stages whose primary is the same node run as one hop (one round trip instead
+of several; the node's capability grants it every one of them). When such a merged hop
+fails it is split back into its stages, each with its own alternates, before the replay.
 """
 
 from __future__ import annotations
@@ -45,6 +49,9 @@ CLIENT_FAULT_CODES = frozenset(
 )
 # The node is fine but lost this session's cache (idle expiry, restart): replay it there.
 REPLAY_SAME_NODE_CODES = frozenset({grpc.StatusCode.FAILED_PRECONDITION})
+# A merged hop refused as such (no one shard holds all its layers, or a node that checks
+# grants one by one): its stages still work there, one hop each.
+MERGE_REFUSED_CODES = frozenset({grpc.StatusCode.NOT_FOUND, grpc.StatusCode.PERMISSION_DENIED})
 
 Rerouter = Callable[[client_api_pb2.RerouteRequest], Awaitable[client_api_pb2.RerouteResponse]]
 
@@ -63,6 +70,8 @@ class DriverConfig:
     # Headroom below the 64 MiB message limit for the protobuf envelope.
     message_budget_bytes: int = codec.MAX_MESSAGE_BYTES * 3 // 4
     end_session_timeout_s: float = 2.0
+    # Run consecutive stages served by the same node as one hop.
+    merge_same_node_hops: bool = True
 
 
 @dataclass(frozen=True)
@@ -90,6 +99,8 @@ class _Slot:
     call: grpc.aio.StreamStreamCall | None = None
     capability_version_sent: int = -1
     decode_seconds: deque[float] = field(default_factory=lambda: deque(maxlen=32))
+    # The route's stages this slot runs as one hop (empty: the slot is one stage).
+    parts: tuple[_Slot, ...] = ()
 
     def close_stream(self) -> None:
         if self.call is not None:
@@ -121,6 +132,9 @@ class PipelineDriver:
         self._capability_version = 0
         self.max_tokens = _claims(grant.capability).max_tokens
         self._slots = [_slot_from_stage(stage, self.config.window) for stage in grant.stages]
+        self.stages = [slot.hop for slot in self._slots]  # as granted, before any merging
+        if self.config.merge_same_node_hops:
+            self._slots = _merge_same_node(self._slots, self.config.window)
         self._check_route()
         self._history = RouteHistory([slot.span for slot in self._slots])
         self._rerouter = rerouter
@@ -273,7 +287,12 @@ class PipelineDriver:
         span = slot.span
         failed_at = time.monotonic()
         try:
-            return await self._call(slot, start_pos, x, dtype, step, replay, last_only)
+            try:
+                return await self._call(slot, start_pos, x, dtype, step, replay, last_only)
+            except RequestRejected as err:
+                if not slot.parts or err.code not in MERGE_REFUSED_CODES:
+                    raise
+                raise HopFailure(f"{err.code.name}: {err.details}", err.code) from err
         except HopFailure as err:
             failure, failed = err, slot.hop
             log.warning("node %s failed on layers %s: %s", failed.node_id, span, failure)
@@ -469,7 +488,15 @@ class PipelineDriver:
         if failure.code in REPLAY_SAME_NODE_CODES and key not in self._replayed_this_step:
             self._replayed_this_step.add(key)
             return "replay", [failed.node_id]
+        if slot.parts:
+            return await self._split(index, failure)
         self._excluded.add(failed.node_id)
+        return await self._replace_node(index, failure)
+
+    async def _replace_node(self, index: int, failure: HopFailure) -> tuple[str, list[str]]:
+        """Move slot ``index`` to its next alternate that is not excluded, or reroute it."""
+        slot = self._slots[index]
+        slot.close_stream()
         slot.decode_seconds.clear()
         spare = [h for h in slot.alternates if h.node_id not in self._excluded]
         if spare:
@@ -477,6 +504,37 @@ class PipelineDriver:
             self._used.setdefault(slot.hop.node_id, slot.hop)
             return "alternate", [slot.hop.node_id]
         return "reroute", await self._reroute(index, failure)
+
+    async def _split(self, index: int, failure: HopFailure) -> tuple[str, list[str]]:
+        """Split the merged slot ``index`` back into its stages.
+
+        A refusal of the merged span keeps the node for each stage; any other failure
+        excludes it, and every stage moves to its own alternate (or is rerouted).
+        """
+        merged = self._slots[index]
+        parts = [
+            _Slot(
+                span=p.span,
+                hop=p.hop,
+                alternates=list(p.alternates),
+                decode_seconds=deque(maxlen=self.config.window),
+            )
+            for p in merged.parts
+        ]
+        self._slots[index : index + 1] = parts
+        self._history.replace(merged.span, [p.span for p in parts])
+        if failure.code in MERGE_REFUSED_CODES:
+            return "split", [merged.hop.node_id]
+        self._excluded.add(merged.hop.node_id)
+        how: set[str] = set()
+        replacements: list[str] = []
+        # From the last stage back: a reroute splices a chain in place of its stage, which
+        # leaves the indices of the stages before it alone.
+        for i in reversed(range(index, index + len(parts))):
+            via, nodes = await self._replace_node(i, failure)
+            how.add(via)
+            replacements[:0] = nodes
+        return "reroute" if "reroute" in how else "alternate", replacements
 
     async def _reroute(self, index: int, failure: HopFailure) -> list[str]:
         span = self._slots[index].span
@@ -616,6 +674,37 @@ def _hop_record(hop: client_api_pb2.Hop, span: Span | None = None) -> HopRecord:
         end=span.end if span else hop.layers.end,
         relayed=hop.relayed,
     )
+
+
+def _merge_same_node(slots: list[_Slot], window: int) -> list[_Slot]:
+    """Join runs of consecutive slots whose primary is the same node into one slot each."""
+    runs: list[list[_Slot]] = []
+    for slot in slots:
+        previous = runs[-1][-1].hop if runs else None
+        if previous is not None and (previous.node_id, previous.address) == (
+            slot.hop.node_id,
+            slot.hop.address,
+        ):
+            runs[-1].append(slot)
+        else:
+            runs.append([slot])
+    merged: list[_Slot] = []
+    for run in runs:
+        if len(run) == 1:
+            merged.append(run[0])
+            continue
+        span = Span(run[0].span.start, run[-1].span.end)
+        hop = run[0].hop
+        merged.append(
+            _Slot(
+                span=span,
+                hop=HopRecord(hop.node_id, hop.address, span.start, span.end, hop.relayed),
+                alternates=[],  # on failure the slot splits; its stages have alternates
+                decode_seconds=deque(maxlen=window),
+                parts=tuple(run),
+            )
+        )
+    return merged
 
 
 def _slot_from_stage(stage: client_api_pb2.RouteStage, window: int) -> _Slot:

@@ -307,10 +307,17 @@ class ShardManager:
     def expire_idle(self) -> list[str]:
         return [key for shard in self.shards() for key in shard.expire_idle()]
 
-    async def run(self, fn: Callable[[], object]) -> object:
-        """Run ``fn`` on the compute thread, counting it in the queue while it waits/runs."""
+    async def run(self, fn: Callable[[], object], *, inline_if_idle: bool = False) -> object:
+        """Run ``fn`` on the compute thread, counting it in the queue while it waits/runs.
+
+        With ``inline_if_idle`` a short ``fn`` runs on the calling (event loop) thread when
+        nothing waits for or runs on the compute thread: work stays serialised (the loop
+        cannot queue more while it computes) and two thread hand-offs are saved.
+        """
         self.queue_length += 1
         try:
+            if inline_if_idle and self.queue_length == 1:
+                return fn()
             return await asyncio.get_running_loop().run_in_executor(self.compute, fn)
         finally:
             self.queue_length -= 1

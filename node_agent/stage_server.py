@@ -6,10 +6,12 @@ touches the model: who may ask (capability), what they ask for (a READY shard, g
 layers), and the tensor itself (dtype, shape, hidden size, token ids, NaN/inf, lengths,
 positions). A bad request ends only its own stream, with a status code and a message a
 person can act on; other sessions never notice. Model work runs on the shard manager's
-single compute thread so the event loop stays responsive; requests of one session are
-serialised. Every output is signed (session, step, layers, digest of the session's input
-prefix, sha256 of the output bytes): the prefix digest binds the output to the history
-that produced it, so a signed wrong output is evidence a verifier can replay.
+single compute thread so the event loop stays responsive, except a decode step that finds
+that thread idle, which runs inline (cheaper than two thread hand-offs); requests of one
+session are serialised. Every output is signed (session, step, layers, digest of the
+session's input prefix, sha256 of the output bytes): the prefix digest binds the output to
+the history that produced it, so a signed wrong output is evidence a verifier can replay.
+A node granted consecutive stages of a session serves them as one hop too.
 """
 
 from __future__ import annotations
@@ -18,8 +20,9 @@ import asyncio
 import contextlib
 import hashlib
 import logging
+import math
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
 
@@ -32,7 +35,7 @@ from node_agent.context import AgentContext
 from node_agent.data_plane import answer_ping
 from node_agent.receipts import UsageMeter
 from node_agent.runtime import CacheBudgetError, CacheFullError, StageKVCache
-from node_agent.shard_manager import LoadedShard, ShardManager, shard_manager_for
+from node_agent.shard_manager import LoadedShard, ShardKey, ShardManager, shard_manager_for
 from protos import codec, identity, output_check
 from protos.tessera.v1 import client_api_pb2, common_pb2, stage_pb2, stage_pb2_grpc
 
@@ -46,6 +49,11 @@ class StageLimits:
     # Room for the protobuf envelope below the 64 MiB message limit.
     max_output_bytes: int = codec.MAX_MESSAGE_BYTES - (1 << 20)
     expiry_interval_s: float = 5.0
+    # A decode step (at most this many positions, batch x tokens) whose stage took at most
+    # inline_max_ms last time runs on the event loop when the compute thread is idle: the
+    # loop then stalls for no longer than that. 0 sends every step to the compute thread.
+    inline_max_tokens: int = 1
+    inline_max_ms: float = 100.0
 
 
 class StageError(Exception):
@@ -97,7 +105,7 @@ def check_grant(
     claims: client_api_pb2.CapabilityClaims, node_id: str, model: str, start: int, end: int
 ) -> None:
     """The capability must be for ``model`` and grant this node layers covering
-    [start, end), a non-empty range."""
+    [start, end), a non-empty range, possibly as several consecutive grants."""
     if model != claims.model:
         raise StageError(
             grpc.StatusCode.PERMISSION_DENIED,
@@ -114,7 +122,7 @@ def check_grant(
             grpc.StatusCode.PERMISSION_DENIED,
             f"this node ({node_id}) is not among the nodes the capability grants",
         )
-    if not any(g.start <= start and end <= g.end for g in mine):
+    if not _granted(mine, start, end):
         granted = ", ".join(f"[{g.start}, {g.end})" for g in mine)
         raise StageError(
             grpc.StatusCode.PERMISSION_DENIED,
@@ -141,6 +149,9 @@ class StageServicer(stage_pb2_grpc.StageServicer):
         # Per session key: digest of the input prefix after each cached position.
         self._input_chains: dict[str, list[bytes]] = {}
         self._failpoints = failpoints.from_env()  # None unless TESSERA_FAILPOINTS is set
+        # The last compute time of each stage (shard, start, end), in ms: whether its next
+        # decode step is short enough to run inline.
+        self._step_ms: dict[tuple[ShardKey, int, int], float] = {}
 
     # ---- RPCs -----------------------------------------------------------------------
 
@@ -477,14 +488,24 @@ class StageServicer(stage_pb2_grpc.StageServicer):
             began = time.perf_counter()
             x = _to_torch(array, wire_dtype)
             with torch.inference_mode():
-                out = stage.forward(x, cache, start_pos)
-            if last_position_only:
-                out = out[:, -1:]
+                out = stage.forward(x, cache, start_pos, last_position_only=last_position_only)
             tensor = _to_wire(out, logits=stage.is_last)
             return tensor, (time.perf_counter() - began) * 1000.0
 
+        # Handing a decode step to the compute thread and back costs two thread wake-ups,
+        # a real share of a hop's overhead. When that thread is idle and the stage's last
+        # step was quick, the step runs right here instead; prefill chunks, replays and slow
+        # stages still go to the thread so the event loop never stalls for long.
+        view = (shard.key, start, end)
+        limits = self.limits
+        inline = (
+            array.shape[0] * array.shape[1] <= limits.inline_max_tokens
+            and self._step_ms.get(view, math.inf) <= limits.inline_max_ms
+        )
         try:
-            return await self._shards.run(run)  # type: ignore[return-value]
+            tensor, compute_ms = await self._shards.run(run, inline_if_idle=inline)  # type: ignore[misc]
+            self._step_ms[view] = compute_ms
+            return tensor, compute_ms
         except CacheFullError as err:
             raise StageError(grpc.StatusCode.RESOURCE_EXHAUSTED, str(err)) from err
         except ValueError as err:
@@ -523,6 +544,9 @@ class StageServicer(stage_pb2_grpc.StageServicer):
         for key in [k for k in self._input_chains if k not in live_keys]:
             del self._input_chains[key]
         live = {k.rsplit("@", 1)[0] for k in live_keys}
+        held = {shard.key for shard in self._shards.shards()}
+        for view in [v for v in self._step_ms if v[0] not in held]:
+            del self._step_ms[view]  # a dropped shard's step times
         for session_id in list(self._session_locks):
             lock = self._session_locks[session_id]
             if session_id not in live and not lock.locked():
@@ -547,6 +571,21 @@ class StageServicer(stage_pb2_grpc.StageServicer):
             self._expiry_task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._expiry_task
+
+
+def _granted(grants: Sequence[common_pb2.LayerRange], start: int, end: int) -> bool:
+    """True when ``grants`` together cover [start, end) without a gap.
+
+    A session may grant one node consecutive stages, e.g. [0, 4) and [4, 8); the client
+    then runs them as one hop [0, 8) instead of two round trips to the same node.
+    """
+    covered = start
+    for grant in sorted(grants, key=lambda g: g.start):
+        if grant.start <= covered < grant.end:
+            covered = grant.end
+            if covered >= end:
+                return True
+    return False
 
 
 def _to_torch(array: np.ndarray, wire_dtype: str) -> torch.Tensor:

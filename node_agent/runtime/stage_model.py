@@ -107,13 +107,21 @@ class StageModel(nn.Module):
         )
 
     def forward(
-        self, x: torch.Tensor, cache: StageKVCache | None = None, start_pos: int = 0
+        self,
+        x: torch.Tensor,
+        cache: StageKVCache | None = None,
+        start_pos: int = 0,
+        *,
+        last_position_only: bool = False,
     ) -> torch.Tensor:
         """Run the stage on a chunk at absolute positions [start_pos, start_pos + T).
 
         With a cache the chunk attends to the cached positions [0, start_pos) as well and
         its K/V are stored; ``start_pos`` below ``cache.length`` replays (overwrites) from
-        there. Without a cache the chunk only attends to itself.
+        there. Without a cache the chunk only attends to itself. ``last_position_only``
+        makes the last stage return logits ``[B, 1, vocab]`` for the chunk's last position:
+        sampling needs no more, and a prompt's other positions would cost a vocab-wide
+        matmul each (other stages ignore it: the next stage needs every position).
         """
         hidden = self._input_hidden(x)
         batch, seq = hidden.shape[:2]
@@ -144,6 +152,8 @@ class StageModel(nn.Module):
             cache.commit(start_pos + seq)
         if not self.is_last:
             return hidden
+        if last_position_only:
+            hidden = hidden[:, -1:]
         hidden = self.model.norm(hidden)
         head = self.lm_head.weight if self.lm_head is not None else self.model.embed_tokens.weight
         return F.linear(hidden, head).float()
