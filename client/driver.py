@@ -433,6 +433,7 @@ class PipelineDriver:
                 end=slot.span.end,
                 output_sha256=hashlib.sha256(response.output.data).digest(),
                 signature=response.signature,
+                input_digest=response.input_digest,
             )
         )
         return output, response.output.dtype

@@ -72,3 +72,4 @@ class Receipt:
     end: int
     output_sha256: bytes
     signature: bytes
+    input_digest: bytes = b""  # the session's input-prefix digest the signature covers

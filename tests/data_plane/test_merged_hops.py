@@ -52,7 +52,12 @@ async def test_consecutive_stages_on_one_node_run_as_one_signed_hop(
     public = identity.public_key_bytes(a.ctx.private_key)
     for receipt in (r for r in driver.receipts if r.node_id == a.node_id):
         payload = identity.output_payload(
-            driver.session_id, receipt.step, 0, 3, receipt.output_sha256
+            driver.session_id,
+            receipt.step,
+            0,
+            3,
+            receipt.output_sha256,
+            input_digest=receipt.input_digest,
         )
         assert identity.verify(public, receipt.signature, payload)
     await driver.close()
