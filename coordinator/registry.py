@@ -140,7 +140,12 @@ class NodeView:
 class AttachSession:
     """One open Attach stream. Writes are serialized: acks and commands share the stream."""
 
-    def __init__(self, node: _LiveNode, context: grpc.aio.ServicerContext) -> None:
+    def __init__(
+        self,
+        node: _LiveNode,
+        context: grpc.aio.ServicerContext,
+        acks_on_state_change_only: bool = False,
+    ) -> None:
         self.node = node
         self.context = context
         self.task = asyncio.current_task()
@@ -149,6 +154,8 @@ class AttachSession:
         # What the node last heard from us about its state, and heartbeats since then.
         self.acked_state = node.state
         self.unacked = 0
+        # The node watches the stream with keepalive pings and asked for no routine acks.
+        self.acks_on_state_change_only = acks_on_state_change_only
         self._write_lock = asyncio.Lock()
 
     async def send(self, message: coordinator_pb2.CoordinatorMessage) -> None:
@@ -563,7 +570,7 @@ class Registry:
                 grpc.StatusCode.UNAUTHENTICATED,
                 "the attach ticket does not match this node's latest registration; register again",
             )
-        session = AttachSession(node, context)
+        session = AttachSession(node, context, hello.acks_on_state_change_only)
         # A new stream starts from what the node reports on it: a restarted agent may hold
         # nothing, and a reconnecting one re-sends the status of every shard it has.
         node.shards.clear()
@@ -596,6 +603,7 @@ class Registry:
                 node_id=node.node_id,
                 state=node.state.to_proto(),
                 heartbeat_interval_ms=int(self.settings.heartbeat_interval_s * 1000),
+                acks_on_state_change_only=session.acks_on_state_change_only,
             )
         )
 
@@ -612,10 +620,11 @@ class Registry:
     ) -> coordinator_pb2.CoordinatorMessage | None:
         """The hot path: memory only, no I/O. Returns the ack to send, if one is due.
 
-        An ack goes out for every `heartbeat_ack_every`-th heartbeat, and always when the
-        node's state changed since the last thing it heard from us (a drain, suspect ->
-        online). Each ack is a gRPC write, and writes are half the coordinator's cost per
-        heartbeat.
+        An ack always goes out when the node's state changed since the last thing it heard
+        from us (a drain, suspect -> online). Otherwise a node that asked for
+        acks_on_state_change_only gets none (it watches the stream with keepalive pings),
+        and an older one gets every `heartbeat_ack_every`-th. Each ack is a gRPC write, a
+        large share of the coordinator's cost per heartbeat.
         """
         node = session.node
         self._touch(node)
@@ -630,12 +639,12 @@ class Registry:
                 self._notify(TelemetryReported(node.node_id, heartbeat.telemetry))
         if node.state is NodeState.SUSPECT:
             self._set_state(node, NodeState.ONLINE, "heartbeats resumed")
-        session.unacked += 1
-        if (
-            session.unacked < self.settings.heartbeat_ack_every
-            and node.state is session.acked_state
-        ):
-            return None
+        if node.state is session.acked_state:
+            if session.acks_on_state_change_only:
+                return None
+            session.unacked += 1
+            if session.unacked < self.settings.heartbeat_ack_every:
+                return None
         session.unacked = 0
         session.acked_state = node.state
         return coordinator_pb2.CoordinatorMessage(

@@ -343,3 +343,37 @@ async def test_ack_every_second_heartbeat_but_every_state_change(start_harness) 
     await beat(5)
     ack = await node.call.read()
     assert (ack.heartbeat_ack.seq, ack.heartbeat_ack.state) == (5, node_pb2.NODE_STATE_DRAINING)
+
+
+async def test_a_node_that_asks_is_acked_only_on_state_changes(harness: Harness) -> None:
+    node = await harness.registered_node()
+    call = harness.coordinator_stub.Attach()
+    await call.write(
+        coordinator_pb2.NodeMessage(
+            hello=coordinator_pb2.AttachHello(
+                node_id=node.node_id, attach_ticket=node.ticket, acks_on_state_change_only=True
+            )
+        )
+    )
+    welcome = await call.read()
+    assert welcome.welcome.acks_on_state_change_only  # the node may rely on it
+
+    before = harness.registry.heartbeats
+    for seq in range(1, 6):
+        await call.write(coordinator_pb2.NodeMessage(heartbeat=coordinator_pb2.Heartbeat(seq=seq)))
+    await wait_until(lambda: harness.registry.heartbeats == before + 5, what="5 heartbeats")
+    assert harness.registry.node(node.node_id).state is NodeState.ONLINE
+
+    # None of them was acked: the next message is the ack of the state change.
+    await call.write(coordinator_pb2.NodeMessage(drain=coordinator_pb2.DrainRequest()))
+    await call.write(coordinator_pb2.NodeMessage(heartbeat=coordinator_pb2.Heartbeat(seq=6)))
+    ack = await call.read()
+    assert (ack.heartbeat_ack.seq, ack.heartbeat_ack.state) == (6, node_pb2.NODE_STATE_DRAINING)
+
+
+async def test_older_nodes_are_told_acks_continue(harness: Harness) -> None:
+    node = await harness.registered_node()
+    call = harness.coordinator_stub.Attach()
+    await call.write(hello(node.node_id, node.ticket))
+    welcome = await call.read()
+    assert not welcome.welcome.acks_on_state_change_only
