@@ -40,6 +40,7 @@ CHANNEL_OPTIONS = [
 # says nothing: HTTP/2 keepalive pings, answered by the coordinator's gRPC core without
 # waking its Python code, tell a live coordinator from a dead or hung one. A ping every
 # 10 s, unanswered for 5 s, finds a lost coordinator as fast as 3 silent 5-s intervals did.
+# (The coordinator's own pings, which this channel answers, show it alive as well.)
 _KEEPALIVE_S = 10.0
 _CHALLENGE_TIMEOUT_S = 10.0
 # Register may dial our data address back before it answers, so it gets longer.
@@ -311,7 +312,7 @@ class NodeAgent:
                 hello=coordinator_pb2.AttachHello(
                     node_id=self.ctx.node_id,
                     attach_ticket=registration.attach_ticket,
-                    acks_on_state_change_only=True,
+                    keepalive_pings=True,
                 )
             )
         )
@@ -324,9 +325,10 @@ class NodeAgent:
             interval_s = self._heartbeat_interval(first.welcome, registration)
             self._set_coordinator_state(first.welcome.state)
             log.info(
-                "attached to coordinator %s; heartbeat every %.1fs",
+                "attached to coordinator %s; heartbeat every %.1fs%s",
                 self.config.coordinator,
                 interval_s,
+                ", keepalive pings in between" if first.welcome.acks_on_state_change_only else "",
             )
             self.backoff.reset()
             self._outgoing = outgoing
@@ -447,7 +449,11 @@ class NodeAgent:
     ) -> float:
         if self.config.heartbeat_s is not None:
             return self.config.heartbeat_s
-        ms = welcome.heartbeat_interval_ms or registration.heartbeat_interval_ms
+        ms = (
+            welcome.telemetry_interval_ms
+            or welcome.heartbeat_interval_ms
+            or registration.heartbeat_interval_ms
+        )
         return ms / 1000 if ms else _DEFAULT_HEARTBEAT_S
 
     def _set_coordinator_state(self, state: int) -> None:

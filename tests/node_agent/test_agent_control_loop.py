@@ -10,6 +10,7 @@ import grpc
 import pytest
 from support.procs import start_coordinator
 
+from coordinator.settings import Settings
 from node_agent.agent import AgentConfig, ExitCode, NodeAgent
 from node_agent.backoff import Backoff
 from node_agent.data_plane import NoModelStageServicer
@@ -255,14 +256,16 @@ OLD_SILENCE_FLOOR_S = 5.0
 async def test_a_silent_healthy_stream_stays_attached_and_a_hung_coordinator_is_left(
     agent_ctx, tmp_path: Path, wait_until
 ) -> None:
-    """The real coordinator acks only state changes to an agent that asks (hello
-    acks_on_state_change_only), so a healthy stream can stay silent for good: the agent
-    watches it with HTTP/2 keepalive pings instead."""
+    """The real coordinator acks only state changes to an agent with keepalive pings (hello
+    keepalive_pings), so a healthy stream can stay silent for good: the agent watches it
+    with HTTP/2 keepalive pings instead."""
 
     def attached() -> bool:
         return agent.coordinator_state == node_pb2.NODE_STATE_ONLINE
 
-    with start_coordinator(tmp_path, heartbeat_interval=0.2) as coord:
+    interval_s = 0.2
+    beat_every_s = interval_s * Settings(tmp_path, tmp_path).telemetry_every_intervals
+    with start_coordinator(tmp_path, heartbeat_interval=interval_s) as coord:
         agent = make_agent(agent_ctx, coord, keepalive_s=0.5)
         task = asyncio.create_task(agent.run())
         try:
@@ -271,7 +274,7 @@ async def test_a_silent_healthy_stream_stays_attached_and_a_hung_coordinator_is_
             seq_before = agent._heartbeat_seq
             await asyncio.sleep(OLD_SILENCE_FLOOR_S + 1)
             assert attached() and agent.backoff.attempt == 0
-            assert agent._heartbeat_seq - seq_before > OLD_SILENCE_FLOOR_S / 0.2
+            assert agent._heartbeat_seq - seq_before >= OLD_SILENCE_FLOOR_S / beat_every_s
 
             # A hung coordinator (stopped, its socket still open) answers no ping: the
             # agent drops the stream within 1.5 keepalive periods and starts reconnecting.
