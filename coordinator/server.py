@@ -57,19 +57,28 @@ MIN_PING_ANSWER_MS = 5_000
 
 
 def server_options(settings: Settings) -> list[tuple[str, int]]:
-    """SERVER_OPTIONS plus keepalive: every connection quiet for a heartbeat interval gets
-    an HTTP/2 ping, and one that leaves it unanswered for the rest of `offline_after` is
-    closed, which ends its Attach stream, so the node is offline at once. For agents that
-    send heartbeats only every few intervals, these pings are the liveness in between,
-    answered by gRPC's core on both sides without waking Python."""
+    """SERVER_OPTIONS plus keepalive: every connection gets an HTTP/2 ping as rarely as
+    finding a dead peer within `offline_after` allows (every 10 s, answered within 5 s, at
+    the defaults), and one left unanswered is closed, which ends its Attach stream, so the
+    node is offline at once. For agents that send heartbeats only every few intervals,
+    these pings are the liveness in between, answered by gRPC's core on both sides without
+    waking Python. Each ping still costs the coordinator a few syscalls and thread
+    wake-ups, hence as rare as possible, and no bandwidth-probing (BDP) pings at all."""
     interval_ms = int(settings.heartbeat_interval_s * 1000)
-    answer_ms = max(int(settings.offline_after * 1000) - interval_ms, MIN_PING_ANSWER_MS)
+    offline_ms = int(settings.offline_after * 1000)
+    ping_every_ms = max(offline_ms - MIN_PING_ANSWER_MS, interval_ms)
+    answer_ms = max(offline_ms - ping_every_ms, MIN_PING_ANSWER_MS)
     return SERVER_OPTIONS + [
-        ("grpc.keepalive_time_ms", interval_ms),
+        ("grpc.keepalive_time_ms", ping_every_ms),
         ("grpc.keepalive_timeout_ms", answer_ms),
         ("grpc.http2.ping_timeout_ms", answer_ms),  # what gRPC 1.85 times keepalive out by
         ("grpc.http2.max_pings_without_data", 0),  # we send no data to quiet nodes
+        # gRPC pings every connection that sends us data to size its receive window: one
+        # ping per heartbeat. A fixed 4 MiB window instead keeps uploads (AddModel) fast.
+        ("grpc.http2.bdp_probe", 0),
+        ("grpc.http2.lookahead_bytes", 4 << 20),
     ]
+
 
 GC_GEN0_THRESHOLD = 20_000
 COMPONENTS: tuple[tuple[str, str], ...] = (
