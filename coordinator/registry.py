@@ -10,13 +10,13 @@ State machine (every change is a node_events row, a presence event and a listene
     (registered) -> offline --attach--> online <--heartbeat-- suspect
     online --silent 1.5 intervals--> suspect
     online/suspect/draining --silent `offline_after`, or stream gone--> offline
+    online/suspect --drain (node or admin)--> draining
+    any --ban--> banned (final; registering again is refused)
 
 Agents with keepalive pings (AttachHello.keepalive_pings) heartbeat only every
 `telemetry_every_intervals` intervals, and their silences are judged in those units; our
 pings, answered by gRPC's core, show them alive in between, and one left unanswered closes
 the connection, so the stream is gone and the node offline at once.
-    online/suspect --drain (node or admin)--> draining
-    any --ban--> banned (final; registering again is refused)
 
 Other parts use: nodes(), node(), send_command(), add_listener(), check_ticket(), ban().
 """

@@ -21,7 +21,7 @@ class Settings:
     # 3 silent intervals as a lost coordinator, so N may be 1 or 2.
     heartbeat_ack_every: int = 1
     # Agents with keepalive pings (AttachHello.keepalive_pings) send telemetry every this
-    # many heartbeat intervals; our pings, one per quiet interval, prove them alive between.
+    # many heartbeat intervals; our HTTP/2 pings prove them alive in between.
     telemetry_every_intervals: int = 3
     challenge_ttl_s: float = 60.0
     # Outstanding challenges are bounded so a GetChallenge flood cannot exhaust memory.
