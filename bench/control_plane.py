@@ -2,7 +2,7 @@
 
 Starts a real `tessera-coordinator serve` subprocess, then simulates N nodes in this one
 process over real gRPC: each registers (real Ed25519 challenge/response), attaches, and
-sends a heartbeat every interval, with the nodes' schedules spread evenly over the interval.
+heartbeats, with the nodes' schedules spread evenly over the interval.
 The coordinator's CPU time is read from the OS (psutil, /proc), never estimated.
 
 The simulated nodes speak what `tessera-node` speaks (AttachHello.keepalive_pings): their
