@@ -13,6 +13,11 @@ State machine (every change is a node_events row, a presence event and a listene
     online/suspect --drain (node or admin)--> draining
     any --ban--> banned (final; registering again is refused)
 
+Agents with keepalive pings (AttachHello.keepalive_pings) heartbeat only every
+`telemetry_every_intervals` intervals, and their silences are judged in those units; our
+pings, answered by gRPC's core, show them alive in between, and one left unanswered closes
+the connection, so the stream is gone and the node offline at once.
+
 Other parts use: nodes(), node(), send_command(), add_listener(), check_ticket(), ban().
 """
 
@@ -140,7 +145,13 @@ class NodeView:
 class AttachSession:
     """One open Attach stream. Writes are serialized: acks and commands share the stream."""
 
-    def __init__(self, node: _LiveNode, context: grpc.aio.ServicerContext) -> None:
+    def __init__(
+        self,
+        node: _LiveNode,
+        context: grpc.aio.ServicerContext,
+        settings: Settings,
+        keepalive_pings: bool = False,
+    ) -> None:
         self.node = node
         self.context = context
         self.task = asyncio.current_task()
@@ -149,6 +160,17 @@ class AttachSession:
         # What the node last heard from us about its state, and heartbeats since then.
         self.acked_state = node.state
         self.unacked = 0
+        # The node's connection carries keepalive pings: no routine acks, and heartbeats
+        # (telemetry) only every few intervals, so its silences are judged by that pace.
+        self.keepalive_pings = keepalive_pings
+        if keepalive_pings:
+            self.heartbeat_interval_s = settings.telemetry_interval_s
+            self.suspect_after = settings.suspect_after * settings.telemetry_every_intervals
+            self.offline_after = settings.offline_after * settings.telemetry_every_intervals
+        else:
+            self.heartbeat_interval_s = settings.heartbeat_interval_s
+            self.suspect_after = settings.suspect_after
+            self.offline_after = settings.offline_after
         self._write_lock = asyncio.Lock()
 
     async def send(self, message: coordinator_pb2.CoordinatorMessage) -> None:
@@ -322,23 +344,27 @@ class Registry:
                 log.exception("could not write node state to the database; will retry")
 
     async def _watchdog_loop(self) -> None:
-        suspect_after = self.settings.suspect_after
-        offline_after = self.settings.offline_after
-        tick = min(max(min(suspect_after, offline_after) / 4, 0.02), 1.0)
+        """Judges the silence between heartbeats, each session by its own pace.
+
+        A node whose connection went dead is not found here: its stream breaks (TCP, or
+        our keepalive pings going unanswered) and close_attach marks it offline at once.
+        This finds nodes whose connection lives on but whose agent stopped heartbeating.
+        """
+        settings = self.settings
+        tick = min(max(min(settings.suspect_after, settings.offline_after) / 4, 0.02), 1.0)
         while True:
             await asyncio.sleep(tick)
             now = time.monotonic()
-            recent = now - suspect_after
             for session in list(self._attached.values()):
                 node = session.node
-                if node.last_seen_mono > recent:
-                    continue  # the common case, kept cheap: this loop visits every node
                 silent = now - node.last_seen_mono
-                if silent >= offline_after:
+                if silent < session.suspect_after:
+                    continue  # the common case, kept cheap: this loop visits every node
+                if silent >= session.offline_after:
                     reason = f"no heartbeat for {silent:.1f} s"
                     self._set_state(node, NodeState.OFFLINE, reason)
                     session.end(grpc.StatusCode.UNAVAILABLE, reason + "; attach again")
-                elif silent >= suspect_after and node.state is NodeState.ONLINE:
+                elif node.state is NodeState.ONLINE:
                     self._set_state(node, NodeState.SUSPECT, f"no heartbeat for {silent:.1f} s")
 
     # -- queries for other parts ----------------------------------------------------------------
@@ -563,7 +589,7 @@ class Registry:
                 grpc.StatusCode.UNAUTHENTICATED,
                 "the attach ticket does not match this node's latest registration; register again",
             )
-        session = AttachSession(node, context)
+        session = AttachSession(node, context, self.settings, hello.keepalive_pings)
         # A new stream starts from what the node reports on it: a restarted agent may hold
         # nothing, and a reconnecting one re-sends the status of every shard it has.
         node.shards.clear()
@@ -596,6 +622,10 @@ class Registry:
                 node_id=node.node_id,
                 state=node.state.to_proto(),
                 heartbeat_interval_ms=int(self.settings.heartbeat_interval_s * 1000),
+                acks_on_state_change_only=session.keepalive_pings,
+                telemetry_interval_ms=(
+                    int(session.heartbeat_interval_s * 1000) if session.keepalive_pings else 0
+                ),
             )
         )
 
@@ -612,10 +642,10 @@ class Registry:
     ) -> coordinator_pb2.CoordinatorMessage | None:
         """The hot path: memory only, no I/O. Returns the ack to send, if one is due.
 
-        An ack goes out for every `heartbeat_ack_every`-th heartbeat, and always when the
-        node's state changed since the last thing it heard from us (a drain, suspect ->
-        online). Each ack is a gRPC write, and writes are half the coordinator's cost per
-        heartbeat.
+        An ack always goes out when the node's state changed since the last thing it heard
+        from us (a drain, suspect -> online). Otherwise a node with keepalive pings gets
+        none (its pings watch the stream), and an older one every `heartbeat_ack_every`-th.
+        Each ack is a gRPC write, a large share of the coordinator's cost per heartbeat.
         """
         node = session.node
         self._touch(node)
@@ -630,12 +660,12 @@ class Registry:
                 self._notify(TelemetryReported(node.node_id, heartbeat.telemetry))
         if node.state is NodeState.SUSPECT:
             self._set_state(node, NodeState.ONLINE, "heartbeats resumed")
-        session.unacked += 1
-        if (
-            session.unacked < self.settings.heartbeat_ack_every
-            and node.state is session.acked_state
-        ):
-            return None
+        if node.state is session.acked_state:
+            if session.keepalive_pings:
+                return None
+            session.unacked += 1
+            if session.unacked < self.settings.heartbeat_ack_every:
+                return None
         session.unacked = 0
         session.acked_state = node.state
         return coordinator_pb2.CoordinatorMessage(

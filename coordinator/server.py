@@ -58,13 +58,39 @@ SERVER_OPTIONS = [
     ("grpc.max_send_message_length", codec.MAX_MESSAGE_BYTES),
     # Two coordinators on one port would split the nodes between two registries: refuse.
     ("grpc.so_reuseport", 0),
-    # Find dead peers on idle Attach streams, and let agents ping us to keep NATs open.
-    ("grpc.keepalive_time_ms", 30_000),
-    ("grpc.keepalive_timeout_ms", 10_000),
+    # Let agents ping us, to watch us and to keep NATs open (server_options pings them).
     ("grpc.keepalive_permit_without_calls", 1),
     ("grpc.http2.min_recv_ping_interval_without_data_ms", 5_000),
     ("grpc.http2.max_ping_strikes", 0),
 ]
+# A ping answer may take this long at least, however short the heartbeat interval: a busy
+# machine must not lose every connection to one slow answer.
+MIN_PING_ANSWER_MS = 5_000
+
+
+def server_options(settings: Settings) -> list[tuple[str, int]]:
+    """SERVER_OPTIONS plus keepalive: every connection gets an HTTP/2 ping as rarely as
+    finding a dead peer within `offline_after` allows (every 10 s, answered within 5 s, at
+    the defaults), and one left unanswered is closed, which ends its Attach stream, so the
+    node is offline at once. For agents that send heartbeats only every few intervals,
+    these pings are the liveness in between, answered by gRPC's core on both sides without
+    waking Python. Each ping still costs the coordinator a few syscalls and thread
+    wake-ups, hence as rare as possible, and no bandwidth-probing (BDP) pings at all."""
+    interval_ms = int(settings.heartbeat_interval_s * 1000)
+    offline_ms = int(settings.offline_after * 1000)
+    ping_every_ms = max(offline_ms - MIN_PING_ANSWER_MS, interval_ms)
+    answer_ms = max(offline_ms - ping_every_ms, MIN_PING_ANSWER_MS)
+    return SERVER_OPTIONS + [
+        ("grpc.keepalive_time_ms", ping_every_ms),
+        ("grpc.keepalive_timeout_ms", answer_ms),
+        ("grpc.http2.ping_timeout_ms", answer_ms),  # what gRPC 1.85 times keepalive out by
+        ("grpc.http2.max_pings_without_data", 0),  # we send no data to quiet nodes
+        # gRPC pings every connection that sends us data to size its receive window: one
+        # ping per heartbeat. A fixed 4 MiB window instead keeps uploads (AddModel) fast.
+        ("grpc.http2.bdp_probe", 0),
+        ("grpc.http2.lookahead_bytes", 4 << 20),
+    ]
+
 
 GC_GEN0_THRESHOLD = 20_000
 COMPONENTS: tuple[tuple[str, str], ...] = (
@@ -139,7 +165,7 @@ def build_context(settings: Settings, bus: EventBus | None = None) -> Coordinato
 
 
 def build_server(ctx: CoordinatorContext) -> grpc.aio.Server:
-    server = grpc.aio.server(options=SERVER_OPTIONS)
+    server = grpc.aio.server(options=server_options(ctx.settings))
     coordinator_pb2_grpc.add_CoordinatorServicer_to_server(CoordinatorService(ctx), server)
     client_api_pb2_grpc.add_ClientApiServicer_to_server(ClientApiService(ctx), server)
     admin_pb2_grpc.add_AdminServicer_to_server(AdminService(ctx), server)

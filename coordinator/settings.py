@@ -20,6 +20,9 @@ class Settings:
     # Acknowledge every Nth heartbeat (and every state change at once). Node agents treat
     # 3 silent intervals as a lost coordinator, so N may be 1 or 2.
     heartbeat_ack_every: int = 1
+    # Agents with keepalive pings (AttachHello.keepalive_pings) send telemetry every this
+    # many heartbeat intervals; our HTTP/2 pings prove them alive in between.
+    telemetry_every_intervals: int = 3
     challenge_ttl_s: float = 60.0
     # Outstanding challenges are bounded so a GetChallenge flood cannot exhaust memory.
     max_pending_challenges: int = 100_000
@@ -58,6 +61,10 @@ class Settings:
         if self.offline_after_s is not None:
             return self.offline_after_s
         return 3 * self.heartbeat_interval_s
+
+    @property
+    def telemetry_interval_s(self) -> float:
+        return self.telemetry_every_intervals * self.heartbeat_interval_s
 
     @property
     def suspect_after(self) -> float:

@@ -36,6 +36,12 @@ CHANNEL_OPTIONS = [
     ("grpc.max_receive_message_length", codec.MAX_MESSAGE_BYTES),
     ("grpc.max_send_message_length", codec.MAX_MESSAGE_BYTES),
 ]
+# A coordinator that acks only state changes leaves the stream silent for good, so silence
+# says nothing: HTTP/2 keepalive pings, answered by the coordinator's gRPC core without
+# waking its Python code, tell a live coordinator from a dead or hung one. A ping every
+# 10 s, unanswered for 5 s, finds a lost coordinator as fast as 3 silent 5-s intervals did.
+# (The coordinator's own pings, which this channel answers, show it alive as well.)
+_KEEPALIVE_S = 10.0
 _CHALLENGE_TIMEOUT_S = 10.0
 # Register may dial our data address back before it answers, so it gets longer.
 _REGISTER_TIMEOUT_S = 30.0
@@ -85,6 +91,7 @@ class AgentConfig:
     drain_timeout_s: float = 120.0  # the longest a SIGTERM waits for running sessions
     tflops: float = 0.0
     max_memory_bytes: int = 0  # the owner's cap (--max-memory-gb), 0 = none
+    keepalive_s: float = _KEEPALIVE_S  # ping the coordinator this often; half of it to answer
 
 
 @dataclass
@@ -156,7 +163,9 @@ class NodeAgent:
         )
         if self.mqtt is not None:
             self.mqtt.start()
-        channel = grpc.aio.insecure_channel(self.config.coordinator, options=CHANNEL_OPTIONS)
+        channel = grpc.aio.insecure_channel(
+            self.config.coordinator, options=CHANNEL_OPTIONS + keepalive_options(self.config)
+        )
         try:
             return await self._control_loop(coordinator_pb2_grpc.CoordinatorStub(channel))
         finally:
@@ -303,7 +312,9 @@ class NodeAgent:
         outgoing.put_nowait(
             coordinator_pb2.NodeMessage(
                 hello=coordinator_pb2.AttachHello(
-                    node_id=self.ctx.node_id, attach_ticket=registration.attach_ticket
+                    node_id=self.ctx.node_id,
+                    attach_ticket=registration.attach_ticket,
+                    keepalive_pings=True,
                 )
             )
         )
@@ -316,14 +327,18 @@ class NodeAgent:
             interval_s = self._heartbeat_interval(first.welcome, registration)
             self._set_coordinator_state(first.welcome.state)
             log.info(
-                "attached to coordinator %s; heartbeat every %.1fs",
+                "attached to coordinator %s; heartbeat every %.1fs%s",
                 self.config.coordinator,
                 interval_s,
+                ", keepalive pings in between" if first.welcome.acks_on_state_change_only else "",
             )
             self.backoff.reset()
             self._outgoing = outgoing
             self._replay_shard_reports()
-            silence_limit_s = max(3 * interval_s, registration.offline_after_ms / 1000, 5.0)
+            silence_limit_s: float | None = None  # keepalive pings watch the stream
+            if not first.welcome.acks_on_state_change_only:
+                # An older coordinator acks every heartbeat: its silence means trouble.
+                silence_limit_s = max(3 * interval_s, registration.offline_after_ms / 1000, 5.0)
             await self._attached(call, outgoing, interval_s, silence_limit_s)
         finally:
             self._outgoing = None
@@ -338,7 +353,7 @@ class NodeAgent:
         call: grpc.aio.StreamStreamCall,
         outgoing: asyncio.Queue[coordinator_pb2.NodeMessage | None],
         interval_s: float,
-        silence_limit_s: float,
+        silence_limit_s: float | None,
     ) -> None:
         last_heard = [time.monotonic()]
         reader = asyncio.create_task(self._read_loop(call, last_heard), name="attach-reader")
@@ -406,14 +421,14 @@ class NodeAgent:
         self,
         outgoing: asyncio.Queue[coordinator_pb2.NodeMessage | None],
         interval_s: float,
-        silence_limit_s: float,
+        silence_limit_s: float | None,
         last_heard: list[float],
     ) -> None:
         while True:
             self._send_heartbeat(outgoing)
             await asyncio.sleep(interval_s)
             silent_for = time.monotonic() - last_heard[0]
-            if silent_for > silence_limit_s:
+            if silence_limit_s is not None and silent_for > silence_limit_s:
                 raise StreamLost(f"no word from the coordinator for {silent_for:.1f}s")
 
     def _send_heartbeat(self, outgoing: asyncio.Queue[coordinator_pb2.NodeMessage | None]) -> None:
@@ -436,7 +451,11 @@ class NodeAgent:
     ) -> float:
         if self.config.heartbeat_s is not None:
             return self.config.heartbeat_s
-        ms = welcome.heartbeat_interval_ms or registration.heartbeat_interval_ms
+        ms = (
+            welcome.telemetry_interval_ms
+            or welcome.heartbeat_interval_ms
+            or registration.heartbeat_interval_ms
+        )
         return ms / 1000 if ms else _DEFAULT_HEARTBEAT_S
 
     def _set_coordinator_state(self, state: int) -> None:
@@ -595,6 +614,23 @@ class NodeAgent:
                 announced = True
             with contextlib.suppress(TimeoutError, asyncio.TimeoutError):
                 await asyncio.wait_for(self._force_event.wait(), _IDLE_POLL_S)
+
+
+def keepalive_options(config: AgentConfig) -> list[tuple[str, int]]:
+    """gRPC channel options that ping the coordinator every `config.keepalive_s` and drop
+    the connection (so the Attach stream fails and the agent reconnects) when a ping goes
+    unanswered for half of that."""
+    answer_ms = int(config.keepalive_s * 500)
+    return [
+        ("grpc.keepalive_time_ms", int(config.keepalive_s * 1000)),
+        ("grpc.keepalive_timeout_ms", answer_ms),
+        # gRPC core (1.85) times pings out after this one, 1 minute by default, not after
+        # keepalive_timeout_ms: without it a hung coordinator went unnoticed.
+        ("grpc.http2.ping_timeout_ms", answer_ms),
+        ("grpc.keepalive_permit_without_calls", 1),
+        # Pings keep going while the node sends nothing (e.g. between reconnects).
+        ("grpc.http2.max_pings_without_data", 0),
+    ]
 
 
 async def _until_none(

@@ -343,3 +343,65 @@ async def test_ack_every_second_heartbeat_but_every_state_change(start_harness) 
     await beat(5)
     ack = await node.call.read()
     assert (ack.heartbeat_ack.seq, ack.heartbeat_ack.state) == (5, node_pb2.NODE_STATE_DRAINING)
+
+
+def keepalive_hello(node) -> coordinator_pb2.NodeMessage:
+    return coordinator_pb2.NodeMessage(
+        hello=coordinator_pb2.AttachHello(
+            node_id=node.node_id, attach_ticket=node.ticket, keepalive_pings=True
+        )
+    )
+
+
+async def test_a_node_with_keepalive_pings_is_acked_only_on_state_changes(
+    harness: Harness,
+) -> None:
+    node = await harness.registered_node()
+    call = harness.coordinator_stub.Attach()
+    await call.write(keepalive_hello(node))
+    welcome = (await call.read()).welcome
+    assert welcome.acks_on_state_change_only  # the node may rely on it
+    settings = harness.registry.settings
+    assert welcome.telemetry_interval_ms == int(settings.telemetry_interval_s * 1000)
+    assert welcome.telemetry_interval_ms > welcome.heartbeat_interval_ms
+
+    before = harness.registry.heartbeats
+    for seq in range(1, 6):
+        await call.write(coordinator_pb2.NodeMessage(heartbeat=coordinator_pb2.Heartbeat(seq=seq)))
+    await wait_until(lambda: harness.registry.heartbeats == before + 5, what="5 heartbeats")
+    assert harness.registry.node(node.node_id).state is NodeState.ONLINE
+
+    # None of them was acked: the next message is the ack of the state change.
+    await call.write(coordinator_pb2.NodeMessage(drain=coordinator_pb2.DrainRequest()))
+    await call.write(coordinator_pb2.NodeMessage(heartbeat=coordinator_pb2.Heartbeat(seq=6)))
+    ack = await call.read()
+    assert (ack.heartbeat_ack.seq, ack.heartbeat_ack.state) == (6, node_pb2.NODE_STATE_DRAINING)
+
+
+async def test_older_nodes_keep_acks_and_the_heartbeat_interval(harness: Harness) -> None:
+    node = await harness.registered_node()
+    call = harness.coordinator_stub.Attach()
+    await call.write(hello(node.node_id, node.ticket))
+    welcome = (await call.read()).welcome
+    assert not welcome.acks_on_state_change_only and welcome.telemetry_interval_ms == 0
+
+
+async def test_a_keepalive_node_is_judged_by_its_own_heartbeat_pace(start_harness) -> None:
+    harness: Harness = await start_harness(
+        heartbeat_interval_s=0.1, offline_after_s=0.4, telemetry_every_intervals=10
+    )
+    legacy = await harness.registered_node("legacy", attach=True)
+    node = await harness.registered_node("pinged")
+    call = harness.coordinator_stub.Attach()
+    await call.write(keepalive_hello(node))
+    await call.read()
+    state = harness.state
+
+    # An older node is suspect after 0.15 s of silence and offline after 0.4 s; this one
+    # heartbeats every 1 s, so it is suspect after 1.5 s and offline after 4 s.
+    await wait_until(lambda: state(legacy.node_id) is NodeState.OFFLINE, what="legacy offline")
+    assert state(node.node_id) is NodeState.ONLINE
+    await wait_until(lambda: state(node.node_id) is NodeState.SUSPECT, what="suspect")
+    await wait_until(lambda: state(node.node_id) is NodeState.OFFLINE, what="offline")
+    error = await stream_error(call)
+    assert error.code() == grpc.StatusCode.UNAVAILABLE and "no heartbeat" in error.details()

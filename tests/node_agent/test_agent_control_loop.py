@@ -1,10 +1,16 @@
-"""The control loop against a scripted coordinator: commands, reconnects, drains, refusals."""
+"""The control loop against a scripted coordinator: commands, reconnects, drains, refusals.
+Last, keepalive: against the real coordinator, which sends no routine acks."""
 
 import asyncio
+import os
+import signal
+from pathlib import Path
 
 import grpc
 import pytest
+from support.procs import start_coordinator
 
+from coordinator.settings import Settings
 from node_agent.agent import AgentConfig, ExitCode, NodeAgent
 from node_agent.backoff import Backoff
 from node_agent.data_plane import NoModelStageServicer
@@ -239,3 +245,44 @@ async def test_an_unreachable_coordinator_is_retried_until_shutdown(agent_ctx, w
     task = asyncio.create_task(agent.run())
     await wait_until(lambda: agent.backoff.attempt >= 3, what="three failed attempts")
     assert await stop(agent, task) == ExitCode.OK
+
+
+# An agent of a coordinator that acked every heartbeat gave up after this much silence
+# (the floor of its silence limit); staying attached longer proves the pings took over.
+OLD_SILENCE_FLOOR_S = 5.0
+
+
+@pytest.mark.slow
+async def test_a_silent_healthy_stream_stays_attached_and_a_hung_coordinator_is_left(
+    agent_ctx, tmp_path: Path, wait_until
+) -> None:
+    """The real coordinator acks only state changes to an agent with keepalive pings (hello
+    keepalive_pings), so a healthy stream can stay silent for good: the agent watches it
+    with HTTP/2 keepalive pings instead."""
+
+    def attached() -> bool:
+        return agent.coordinator_state == node_pb2.NODE_STATE_ONLINE
+
+    interval_s = 0.2
+    beat_every_s = interval_s * Settings(tmp_path, tmp_path).telemetry_every_intervals
+    with start_coordinator(tmp_path, heartbeat_interval=interval_s) as coord:
+        agent = make_agent(agent_ctx, coord, keepalive_s=2.0)
+        task = asyncio.create_task(agent.run())
+        try:
+            await wait_until(attached, timeout=15, what="attached")
+            # Heartbeats flow, the coordinator answers none of them, and the agent stays.
+            seq_before = agent._heartbeat_seq
+            await asyncio.sleep(OLD_SILENCE_FLOOR_S + 1)
+            assert attached() and agent.backoff.attempt == 0
+            assert agent._heartbeat_seq - seq_before >= OLD_SILENCE_FLOOR_S / beat_every_s
+
+            # A hung coordinator (stopped, its socket still open) answers no ping: the
+            # agent drops the stream within 1.5 keepalive periods and starts reconnecting.
+            os.kill(coord.process.pid, signal.SIGSTOP)
+            try:
+                await wait_until(lambda: agent.backoff.attempt >= 1, timeout=10, what="reconnect")
+            finally:
+                os.kill(coord.process.pid, signal.SIGCONT)
+            await wait_until(attached, timeout=30, what="attached again")
+        finally:
+            assert await stop(agent, task) == ExitCode.OK

@@ -2,6 +2,7 @@
 
 import asyncio
 import json
+import os
 import re
 import signal
 from pathlib import Path
@@ -12,6 +13,8 @@ import pytest
 from support.mosquitto import mosquitto, mosquitto_broker  # noqa: F401
 from support.procs import start_coordinator, start_node
 
+from coordinator.server import running_coordinator
+from coordinator.settings import Settings
 from node_agent.mqtt_presence import parse_broker_url, presence_topic, telemetry_topic
 from protos import codec
 from protos.tessera.v1 import (
@@ -121,6 +124,28 @@ async def test_an_admin_drain_makes_the_node_leave_cleanly(tmp_path: Path) -> No
             assert node.process.wait(timeout=30) == 0
             assert "asks this node to drain (maintenance)" in node.process.log_text()
             await wait_for_state(coord.address, node.node_id, node_pb2.NODE_STATE_OFFLINE)
+
+
+async def test_a_hung_node_is_offline_once_it_leaves_a_ping_unanswered(tmp_path: Path) -> None:
+    # Heartbeats 20 s apart: within the test only the coordinator's keepalive pings (every
+    # quiet 0.5 s, answered within 5 s) can find the node hung.
+    settings = Settings(
+        db_path=tmp_path / "c.db", data_dir=tmp_path / "c", heartbeat_interval_s=0.5,
+        offline_after_s=1.5, telemetry_every_intervals=40,
+    )  # fmt: skip
+    async with running_coordinator(settings) as coordinator:
+        address = coordinator.address
+        # In a thread: start_node waits for the node to register, with this loop serving.
+        node = await asyncio.to_thread(start_node, address, tmp_path / "n1", "n1", NODE_ARGS,
+                                       env=FAST)  # fmt: skip
+        with node:
+            await wait_for_state(address, node.node_id, node_pb2.NODE_STATE_ONLINE)
+            assert "keepalive pings in between" in node.process.log_text()
+            os.kill(node.process.pid, signal.SIGSTOP)  # alive to TCP, deaf to pings
+            try:
+                await wait_for_state(address, node.node_id, node_pb2.NODE_STATE_OFFLINE, 12)
+            finally:
+                os.kill(node.process.pid, signal.SIGCONT)
 
 
 @pytest.mark.mqtt

@@ -26,7 +26,7 @@ from protos.tessera.v1 import common_pb2 as tessera_dot_v1_dot_common__pb2
 from protos.tessera.v1 import node_pb2 as tessera_dot_v1_dot_node__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1ctessera/v1/coordinator.proto\x12\ntessera.v1\x1a\x17tessera/v1/common.proto\x1a\x15tessera/v1/node.proto\"&\n\x10\x43hallengeRequest\x12\x12\n\npublic_key\x18\x01 \x01(\x0c\"3\n\tChallenge\x12\r\n\x05nonce\x18\x01 \x01(\x0c\x12\x17\n\x0f\x65xpires_unix_ms\x18\x02 \x01(\x03\"\xac\x01\n\x0fRegisterRequest\x12\x12\n\npublic_key\x18\x01 \x01(\x0c\x12\r\n\x05nonce\x18\x02 \x01(\x0c\x12\x11\n\tsignature\x18\x03 \x01(\x0c\x12\x0c\n\x04name\x18\x04 \x01(\t\x12\x0f\n\x07\x61\x63\x63ount\x18\x05 \x01(\t\x12.\n\x0c\x63\x61pabilities\x18\x06 \x01(\x0b\x32\x18.tessera.v1.Capabilities\x12\x14\n\x0c\x64\x61ta_address\x18\x07 \x01(\t\"\xb8\x01\n\x10RegisterResponse\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x1e\n\x16\x63oordinator_public_key\x18\x02 \x01(\x0c\x12\x15\n\rattach_ticket\x18\x03 \x01(\x0c\x12\x1d\n\x15heartbeat_interval_ms\x18\x04 \x01(\r\x12\x18\n\x10offline_after_ms\x18\x05 \x01(\r\x12\x10\n\x08mqtt_url\x18\x06 \x01(\t\x12\x11\n\treachable\x18\x07 \x01(\x08\"\xc7\x01\n\x0bNodeMessage\x12(\n\x05hello\x18\x01 \x01(\x0b\x32\x17.tessera.v1.AttachHelloH\x00\x12*\n\theartbeat\x18\x02 \x01(\x0b\x32\x15.tessera.v1.HeartbeatH\x00\x12)\n\x05\x64rain\x18\x03 \x01(\x0b\x32\x18.tessera.v1.DrainRequestH\x00\x12/\n\x0cshard_status\x18\x04 \x01(\x0b\x32\x17.tessera.v1.ShardStatusH\x00\x42\x06\n\x04kind\"5\n\x0b\x41ttachHello\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x15\n\rattach_ticket\x18\x02 \x01(\x0c\"X\n\tHeartbeat\x12\x0b\n\x03seq\x18\x01 \x01(\x04\x12\x14\n\x0csent_unix_ms\x18\x02 \x01(\x03\x12(\n\ttelemetry\x18\x03 \x01(\x0b\x32\x15.tessera.v1.Telemetry\"\x1e\n\x0c\x44rainRequest\x12\x0e\n\x06reason\x18\x01 \x01(\t\"\x9f\x01\n\x12\x43oordinatorMessage\x12&\n\x07welcome\x18\x01 \x01(\x0b\x32\x13.tessera.v1.WelcomeH\x00\x12\x31\n\rheartbeat_ack\x18\x02 \x01(\x0b\x32\x18.tessera.v1.HeartbeatAckH\x00\x12&\n\x07\x63ommand\x18\x03 \x01(\x0b\x32\x13.tessera.v1.CommandH\x00\x42\x06\n\x04kind\"_\n\x07Welcome\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12$\n\x05state\x18\x02 \x01(\x0e\x32\x15.tessera.v1.NodeState\x12\x1d\n\x15heartbeat_interval_ms\x18\x03 \x01(\r\"A\n\x0cHeartbeatAck\x12\x0b\n\x03seq\x18\x01 \x01(\x04\x12$\n\x05state\x18\x02 \x01(\x0e\x32\x15.tessera.v1.NodeState\"\x87\x01\n\x07\x43ommand\x12\"\n\x05\x64rain\x18\x01 \x01(\x0b\x32\x11.tessera.v1.DrainH\x00\x12)\n\x06\x61ssign\x18\x02 \x01(\x0b\x32\x17.tessera.v1.AssignShardH\x00\x12%\n\x04\x64rop\x18\x03 \x01(\x0b\x32\x15.tessera.v1.DropShardH\x00\x42\x06\n\x04kind\",\n\x05\x44rain\x12\x0e\n\x06reason\x18\x01 \x01(\t\x12\x13\n\x0b\x64\x65\x61\x64line_ms\x18\x02 \x01(\r\"\x81\x01\n\x0b\x41ssignShard\x12\r\n\x05model\x18\x01 \x01(\t\x12&\n\x06layers\x18\x02 \x01(\x0b\x32\x16.tessera.v1.LayerRange\x12\r\n\x05\x64type\x18\x03 \x01(\t\x12\x18\n\x10kv_tokens_budget\x18\x04 \x01(\x04\x12\x12\n\nnum_layers\x18\x05 \x01(\r\"B\n\tDropShard\x12\r\n\x05model\x18\x01 \x01(\t\x12&\n\x06layers\x18\x02 \x01(\x0b\x32\x16.tessera.v1.LayerRange\"k\n\x08Manifest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x13\n\x0b\x63onfig_json\x18\x02 \x01(\t\x12(\n\x07tensors\x18\x03 \x03(\x0b\x32\x17.tessera.v1.TensorEntry\x12\x12\n\nnum_layers\x18\x04 \x01(\r\"Y\n\x0bTensorEntry\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0e\n\x06sha256\x18\x02 \x01(\t\x12\r\n\x05\x64type\x18\x03 \x01(\t\x12\r\n\x05shape\x18\x04 \x03(\x03\x12\x0e\n\x06nbytes\x18\x05 \x01(\x04\"-\n\x0c\x46\x65tchRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0e\n\x06sha256\x18\x02 \x03(\t\"P\n\x0bTensorChunk\x12\x0e\n\x06sha256\x18\x01 \x01(\t\x12\x0e\n\x06offset\x18\x02 \x01(\x04\x12\x13\n\x0btotal_bytes\x18\x03 \x01(\x04\x12\x0c\n\x04\x64\x61ta\x18\x04 \x01(\x0c\x32\xe0\x02\n\x0b\x43oordinator\x12\x43\n\x0cGetChallenge\x12\x1c.tessera.v1.ChallengeRequest\x1a\x15.tessera.v1.Challenge\x12\x45\n\x08Register\x12\x1b.tessera.v1.RegisterRequest\x1a\x1c.tessera.v1.RegisterResponse\x12\x45\n\x06\x41ttach\x12\x17.tessera.v1.NodeMessage\x1a\x1e.tessera.v1.CoordinatorMessage(\x01\x30\x01\x12\x39\n\x0bGetManifest\x12\x14.tessera.v1.ModelRef\x1a\x14.tessera.v1.Manifest\x12\x43\n\x0c\x46\x65tchTensors\x12\x18.tessera.v1.FetchRequest\x1a\x17.tessera.v1.TensorChunk0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1ctessera/v1/coordinator.proto\x12\ntessera.v1\x1a\x17tessera/v1/common.proto\x1a\x15tessera/v1/node.proto\"&\n\x10\x43hallengeRequest\x12\x12\n\npublic_key\x18\x01 \x01(\x0c\"3\n\tChallenge\x12\r\n\x05nonce\x18\x01 \x01(\x0c\x12\x17\n\x0f\x65xpires_unix_ms\x18\x02 \x01(\x03\"\xac\x01\n\x0fRegisterRequest\x12\x12\n\npublic_key\x18\x01 \x01(\x0c\x12\r\n\x05nonce\x18\x02 \x01(\x0c\x12\x11\n\tsignature\x18\x03 \x01(\x0c\x12\x0c\n\x04name\x18\x04 \x01(\t\x12\x0f\n\x07\x61\x63\x63ount\x18\x05 \x01(\t\x12.\n\x0c\x63\x61pabilities\x18\x06 \x01(\x0b\x32\x18.tessera.v1.Capabilities\x12\x14\n\x0c\x64\x61ta_address\x18\x07 \x01(\t\"\xb8\x01\n\x10RegisterResponse\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x1e\n\x16\x63oordinator_public_key\x18\x02 \x01(\x0c\x12\x15\n\rattach_ticket\x18\x03 \x01(\x0c\x12\x1d\n\x15heartbeat_interval_ms\x18\x04 \x01(\r\x12\x18\n\x10offline_after_ms\x18\x05 \x01(\r\x12\x10\n\x08mqtt_url\x18\x06 \x01(\t\x12\x11\n\treachable\x18\x07 \x01(\x08\"\xc7\x01\n\x0bNodeMessage\x12(\n\x05hello\x18\x01 \x01(\x0b\x32\x17.tessera.v1.AttachHelloH\x00\x12*\n\theartbeat\x18\x02 \x01(\x0b\x32\x15.tessera.v1.HeartbeatH\x00\x12)\n\x05\x64rain\x18\x03 \x01(\x0b\x32\x18.tessera.v1.DrainRequestH\x00\x12/\n\x0cshard_status\x18\x04 \x01(\x0b\x32\x17.tessera.v1.ShardStatusH\x00\x42\x06\n\x04kind\"N\n\x0b\x41ttachHello\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x15\n\rattach_ticket\x18\x02 \x01(\x0c\x12\x17\n\x0fkeepalive_pings\x18\x03 \x01(\x08\"X\n\tHeartbeat\x12\x0b\n\x03seq\x18\x01 \x01(\x04\x12\x14\n\x0csent_unix_ms\x18\x02 \x01(\x03\x12(\n\ttelemetry\x18\x03 \x01(\x0b\x32\x15.tessera.v1.Telemetry\"\x1e\n\x0c\x44rainRequest\x12\x0e\n\x06reason\x18\x01 \x01(\t\"\x9f\x01\n\x12\x43oordinatorMessage\x12&\n\x07welcome\x18\x01 \x01(\x0b\x32\x13.tessera.v1.WelcomeH\x00\x12\x31\n\rheartbeat_ack\x18\x02 \x01(\x0b\x32\x18.tessera.v1.HeartbeatAckH\x00\x12&\n\x07\x63ommand\x18\x03 \x01(\x0b\x32\x13.tessera.v1.CommandH\x00\x42\x06\n\x04kind\"\xa1\x01\n\x07Welcome\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12$\n\x05state\x18\x02 \x01(\x0e\x32\x15.tessera.v1.NodeState\x12\x1d\n\x15heartbeat_interval_ms\x18\x03 \x01(\r\x12!\n\x19\x61\x63ks_on_state_change_only\x18\x04 \x01(\x08\x12\x1d\n\x15telemetry_interval_ms\x18\x05 \x01(\r\"A\n\x0cHeartbeatAck\x12\x0b\n\x03seq\x18\x01 \x01(\x04\x12$\n\x05state\x18\x02 \x01(\x0e\x32\x15.tessera.v1.NodeState\"\x87\x01\n\x07\x43ommand\x12\"\n\x05\x64rain\x18\x01 \x01(\x0b\x32\x11.tessera.v1.DrainH\x00\x12)\n\x06\x61ssign\x18\x02 \x01(\x0b\x32\x17.tessera.v1.AssignShardH\x00\x12%\n\x04\x64rop\x18\x03 \x01(\x0b\x32\x15.tessera.v1.DropShardH\x00\x42\x06\n\x04kind\",\n\x05\x44rain\x12\x0e\n\x06reason\x18\x01 \x01(\t\x12\x13\n\x0b\x64\x65\x61\x64line_ms\x18\x02 \x01(\r\"\x81\x01\n\x0b\x41ssignShard\x12\r\n\x05model\x18\x01 \x01(\t\x12&\n\x06layers\x18\x02 \x01(\x0b\x32\x16.tessera.v1.LayerRange\x12\r\n\x05\x64type\x18\x03 \x01(\t\x12\x18\n\x10kv_tokens_budget\x18\x04 \x01(\x04\x12\x12\n\nnum_layers\x18\x05 \x01(\r\"B\n\tDropShard\x12\r\n\x05model\x18\x01 \x01(\t\x12&\n\x06layers\x18\x02 \x01(\x0b\x32\x16.tessera.v1.LayerRange\"k\n\x08Manifest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x13\n\x0b\x63onfig_json\x18\x02 \x01(\t\x12(\n\x07tensors\x18\x03 \x03(\x0b\x32\x17.tessera.v1.TensorEntry\x12\x12\n\nnum_layers\x18\x04 \x01(\r\"Y\n\x0bTensorEntry\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0e\n\x06sha256\x18\x02 \x01(\t\x12\r\n\x05\x64type\x18\x03 \x01(\t\x12\r\n\x05shape\x18\x04 \x03(\x03\x12\x0e\n\x06nbytes\x18\x05 \x01(\x04\"-\n\x0c\x46\x65tchRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0e\n\x06sha256\x18\x02 \x03(\t\"P\n\x0bTensorChunk\x12\x0e\n\x06sha256\x18\x01 \x01(\t\x12\x0e\n\x06offset\x18\x02 \x01(\x04\x12\x13\n\x0btotal_bytes\x18\x03 \x01(\x04\x12\x0c\n\x04\x64\x61ta\x18\x04 \x01(\x0c\x32\xe0\x02\n\x0b\x43oordinator\x12\x43\n\x0cGetChallenge\x12\x1c.tessera.v1.ChallengeRequest\x1a\x15.tessera.v1.Challenge\x12\x45\n\x08Register\x12\x1b.tessera.v1.RegisterRequest\x1a\x1c.tessera.v1.RegisterResponse\x12\x45\n\x06\x41ttach\x12\x17.tessera.v1.NodeMessage\x1a\x1e.tessera.v1.CoordinatorMessage(\x01\x30\x01\x12\x39\n\x0bGetManifest\x12\x14.tessera.v1.ModelRef\x1a\x14.tessera.v1.Manifest\x12\x43\n\x0c\x46\x65tchTensors\x12\x18.tessera.v1.FetchRequest\x1a\x17.tessera.v1.TensorChunk0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -44,33 +44,33 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_NODEMESSAGE']._serialized_start=548
   _globals['_NODEMESSAGE']._serialized_end=747
   _globals['_ATTACHHELLO']._serialized_start=749
-  _globals['_ATTACHHELLO']._serialized_end=802
-  _globals['_HEARTBEAT']._serialized_start=804
-  _globals['_HEARTBEAT']._serialized_end=892
-  _globals['_DRAINREQUEST']._serialized_start=894
-  _globals['_DRAINREQUEST']._serialized_end=924
-  _globals['_COORDINATORMESSAGE']._serialized_start=927
-  _globals['_COORDINATORMESSAGE']._serialized_end=1086
-  _globals['_WELCOME']._serialized_start=1088
-  _globals['_WELCOME']._serialized_end=1183
-  _globals['_HEARTBEATACK']._serialized_start=1185
-  _globals['_HEARTBEATACK']._serialized_end=1250
-  _globals['_COMMAND']._serialized_start=1253
-  _globals['_COMMAND']._serialized_end=1388
-  _globals['_DRAIN']._serialized_start=1390
-  _globals['_DRAIN']._serialized_end=1434
-  _globals['_ASSIGNSHARD']._serialized_start=1437
-  _globals['_ASSIGNSHARD']._serialized_end=1566
-  _globals['_DROPSHARD']._serialized_start=1568
-  _globals['_DROPSHARD']._serialized_end=1634
-  _globals['_MANIFEST']._serialized_start=1636
-  _globals['_MANIFEST']._serialized_end=1743
-  _globals['_TENSORENTRY']._serialized_start=1745
-  _globals['_TENSORENTRY']._serialized_end=1834
-  _globals['_FETCHREQUEST']._serialized_start=1836
-  _globals['_FETCHREQUEST']._serialized_end=1881
-  _globals['_TENSORCHUNK']._serialized_start=1883
-  _globals['_TENSORCHUNK']._serialized_end=1963
-  _globals['_COORDINATOR']._serialized_start=1966
-  _globals['_COORDINATOR']._serialized_end=2318
+  _globals['_ATTACHHELLO']._serialized_end=827
+  _globals['_HEARTBEAT']._serialized_start=829
+  _globals['_HEARTBEAT']._serialized_end=917
+  _globals['_DRAINREQUEST']._serialized_start=919
+  _globals['_DRAINREQUEST']._serialized_end=949
+  _globals['_COORDINATORMESSAGE']._serialized_start=952
+  _globals['_COORDINATORMESSAGE']._serialized_end=1111
+  _globals['_WELCOME']._serialized_start=1114
+  _globals['_WELCOME']._serialized_end=1275
+  _globals['_HEARTBEATACK']._serialized_start=1277
+  _globals['_HEARTBEATACK']._serialized_end=1342
+  _globals['_COMMAND']._serialized_start=1345
+  _globals['_COMMAND']._serialized_end=1480
+  _globals['_DRAIN']._serialized_start=1482
+  _globals['_DRAIN']._serialized_end=1526
+  _globals['_ASSIGNSHARD']._serialized_start=1529
+  _globals['_ASSIGNSHARD']._serialized_end=1658
+  _globals['_DROPSHARD']._serialized_start=1660
+  _globals['_DROPSHARD']._serialized_end=1726
+  _globals['_MANIFEST']._serialized_start=1728
+  _globals['_MANIFEST']._serialized_end=1835
+  _globals['_TENSORENTRY']._serialized_start=1837
+  _globals['_TENSORENTRY']._serialized_end=1926
+  _globals['_FETCHREQUEST']._serialized_start=1928
+  _globals['_FETCHREQUEST']._serialized_end=1973
+  _globals['_TENSORCHUNK']._serialized_start=1975
+  _globals['_TENSORCHUNK']._serialized_end=2055
+  _globals['_COORDINATOR']._serialized_start=2058
+  _globals['_COORDINATOR']._serialized_end=2410
 # @@protoc_insertion_point(module_scope)

@@ -71,12 +71,14 @@ class NodeMessage(_message.Message):
     def __init__(self, hello: _Optional[_Union[AttachHello, _Mapping]] = ..., heartbeat: _Optional[_Union[Heartbeat, _Mapping]] = ..., drain: _Optional[_Union[DrainRequest, _Mapping]] = ..., shard_status: _Optional[_Union[_node_pb2.ShardStatus, _Mapping]] = ...) -> None: ...
 
 class AttachHello(_message.Message):
-    __slots__ = ("node_id", "attach_ticket")
+    __slots__ = ("node_id", "attach_ticket", "keepalive_pings")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     ATTACH_TICKET_FIELD_NUMBER: _ClassVar[int]
+    KEEPALIVE_PINGS_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     attach_ticket: bytes
-    def __init__(self, node_id: _Optional[str] = ..., attach_ticket: _Optional[bytes] = ...) -> None: ...
+    keepalive_pings: bool
+    def __init__(self, node_id: _Optional[str] = ..., attach_ticket: _Optional[bytes] = ..., keepalive_pings: _Optional[bool] = ...) -> None: ...
 
 class Heartbeat(_message.Message):
     __slots__ = ("seq", "sent_unix_ms", "telemetry")
@@ -105,14 +107,18 @@ class CoordinatorMessage(_message.Message):
     def __init__(self, welcome: _Optional[_Union[Welcome, _Mapping]] = ..., heartbeat_ack: _Optional[_Union[HeartbeatAck, _Mapping]] = ..., command: _Optional[_Union[Command, _Mapping]] = ...) -> None: ...
 
 class Welcome(_message.Message):
-    __slots__ = ("node_id", "state", "heartbeat_interval_ms")
+    __slots__ = ("node_id", "state", "heartbeat_interval_ms", "acks_on_state_change_only", "telemetry_interval_ms")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
     HEARTBEAT_INTERVAL_MS_FIELD_NUMBER: _ClassVar[int]
+    ACKS_ON_STATE_CHANGE_ONLY_FIELD_NUMBER: _ClassVar[int]
+    TELEMETRY_INTERVAL_MS_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     state: _node_pb2.NodeState
     heartbeat_interval_ms: int
-    def __init__(self, node_id: _Optional[str] = ..., state: _Optional[_Union[_node_pb2.NodeState, str]] = ..., heartbeat_interval_ms: _Optional[int] = ...) -> None: ...
+    acks_on_state_change_only: bool
+    telemetry_interval_ms: int
+    def __init__(self, node_id: _Optional[str] = ..., state: _Optional[_Union[_node_pb2.NodeState, str]] = ..., heartbeat_interval_ms: _Optional[int] = ..., acks_on_state_change_only: _Optional[bool] = ..., telemetry_interval_ms: _Optional[int] = ...) -> None: ...
 
 class HeartbeatAck(_message.Message):
     __slots__ = ("seq", "state")
