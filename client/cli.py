@@ -1,4 +1,4 @@
-"""`tessera`: the user's command line (nodes, models, generate, demo)."""
+"""`tessera`: the user's command line (nodes, models, generate, train, jobs, demo)."""
 
 from __future__ import annotations
 
@@ -14,6 +14,8 @@ from google.protobuf import json_format
 
 from client.api import COORDINATOR_ENV, Client, default_coordinator
 from client.errors import TesseraError
+from client.jobs_cli import add_training_commands as _add_training_commands
+from client.jobs_cli import jobs_command, train_command
 from protos.tessera.v1 import client_api_pb2, node_pb2
 
 log = logging.getLogger("tessera")
@@ -24,6 +26,10 @@ examples:
   tessera models
   tessera generate --model llama-tiny --prompt "Once upon a time" --max-new-tokens 32
   tessera generate --model llama-tiny --token-ids 1,15,27 --max-new-tokens 8 --json
+  tessera train --model llama-tiny --data tokens.npy --steps 200 --batch-size 8 \
+      --seq-len 64 --lr 3e-4 --checkpoint-every 20 --output-model llama-tiny-ft
+  tessera train --resume j0123456789abcdef
+  tessera jobs
   tessera demo
 
 The coordinator defaults to ${COORDINATOR_ENV}, else {default_coordinator()}.
@@ -97,6 +103,8 @@ def build_parser() -> argparse.ArgumentParser:
         "instead of streaming text",
     )
 
+    _add_training_commands(commands)
+
     commands.add_parser(
         "demo",
         help="run a local swarm on this machine and watch a fail-over",
@@ -134,6 +142,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _nodes(args)
         if args.command == "models":
             return _models(args)
+        if args.command == "train":
+            return train_command(args, parser)
+        if args.command == "jobs":
+            return jobs_command(args)
         return _generate(args, parser)
     except TesseraError as err:
         print(f"tessera: {err}", file=sys.stderr)
