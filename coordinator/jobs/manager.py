@@ -10,6 +10,7 @@ checkpoints are kept per range; re-planning changes only which node runs a range
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import math
@@ -80,6 +81,10 @@ class TrainingPlacement(Protocol):
     def free_bytes(self, node_id: str) -> int: ...
     def reserve_training(self, holder: str, node_id: str, nbytes: int) -> None: ...
     def release_training(self, holder: str) -> None: ...
+    def node_ids(self) -> list[str]: ...
+    async def assign_extra(
+        self, node_id: str, model: str, start: int, end: int, reserve: int = 0
+    ) -> Any: ...
 
 
 class JobManager:
@@ -107,6 +112,8 @@ class JobManager:
         # does not count its own reservation against itself.
         self._reserved: dict[tuple[str, str], int] = {}
         self._failed: dict[tuple[str, str], float] = {}  # (job, node) -> monotonic time
+        self._assigning: dict[tuple[str, int, int], str] = {}  # (job, start, end) -> node
+        self._tasks: set[asyncio.Task[None]] = set()
 
     # ---- submit and read ----------------------------------------------------------------
 
@@ -558,10 +565,15 @@ class JobManager:
                 return StageRecord(start, end, holder.node_id, holder.address)
             short.append(f"{holder.node_id} has {free}")
         if not candidates:
+            loading = self._assign_replacement(job, start, end, need, exclude)
             raise StoreError(
                 grpc.StatusCode.UNAVAILABLE,
-                f"no other node has layers [{start}, {end}) of {job.model} loaded and ready; "
-                "resume the job when more nodes have joined",
+                f"node {loading} is loading layers [{start}, {end}) of {job.model} to take "
+                "over the stage; retry shortly"
+                if loading
+                else f"no other node has layers [{start}, {end}) of {job.model} loaded and "
+                "ready, and none has the memory to load them; resume the job when more nodes "
+                "have joined",
             )
         raise StoreError(
             grpc.StatusCode.RESOURCE_EXHAUSTED,
@@ -569,6 +581,48 @@ class JobManager:
             f"needs ({'; '.join(short)}); use --mode lora, a smaller --batch-size or --seq-len, "
             "or nodes with more memory",
         )
+
+    def _assign_replacement(
+        self, job: JobRecord, start: int, end: int, need: int, exclude: set[str]
+    ) -> str:
+        """Ask placement to load [start, end) on the roomiest node outside the job; returns
+        that node's id ("" if none). The driver retries until the shard is READY."""
+        placement = self._placement()
+        key = (job.id, start, end)
+        pending = self._assigning.get(key)
+        if pending and pending not in exclude and placement and pending in placement.node_ids():
+            return pending
+        if placement is None:
+            return ""
+        spare = sorted(
+            (n for n in placement.node_ids() if n not in exclude),
+            key=lambda n: -placement.free_bytes(n),
+        )
+        if not spare:
+            return ""
+        node_id = spare[0]
+        self._assigning[key] = node_id
+
+        async def assign() -> None:
+            shard = await placement.assign_extra(node_id, job.model, start, end, reserve=need)
+            if shard is None:
+                self._assigning.pop(key, None)
+                log.warning(
+                    "job %s: node %s cannot load layers [%d, %d)", job.id, node_id, start, end
+                )
+            else:
+                log.info(
+                    "job %s: node %s loads layers [%d, %d) to take over a stage",
+                    job.id,
+                    node_id,
+                    start,
+                    end,
+                )
+
+        task = asyncio.get_running_loop().create_task(assign())
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return node_id
 
     def _recently_failed(self, job_id: str) -> set[str]:
         horizon = time.monotonic() - FAILED_NODE_COOLDOWN_S

@@ -176,13 +176,29 @@ async def test_stage_failure_replans_onto_another_ready_holder(jc: JobsCoordinat
     info = await jc.stub.GetJob(jobs_pb2.JobRef(job_id=job.job_id))
     assert info.replans == 1 and info.stages[1].node_id == new.node_id
 
-    # Nobody else holds layer 1 once the replacement fails too: UNAVAILABLE, job intact.
+    # Nobody else holds layer 1 once the replacement fails too: UNAVAILABLE (job intact)
+    # while placement has a spare node load the layers; a retry then gets that node.
     again = jobs_pb2.StageFailureRequest(
         job_id=job.job_id, capability=replanned.capability, stage=1, node_id=new.node_id
     )
-    assert await _code(jc.stub.ReportStageFailure(again)) == grpc.StatusCode.UNAVAILABLE
+    with pytest.raises(grpc.aio.AioRpcError) as caught:
+        await jc.stub.ReportStageFailure(again)
+    assert caught.value.code() == grpc.StatusCode.UNAVAILABLE
+    assert "loading layers [1, 2)" in caught.value.details()
     info = await jc.stub.GetJob(jobs_pb2.JobRef(job_id=job.job_id))
     assert info.stages[1].node_id == new.node_id and info.state == jobs_pb2.JOB_STATE_RUNNING
+    busy = {failed.node_id, new.node_id, session.hops[0].node_id, session.hops[2].node_id}
+    for _ in range(200):
+        try:
+            third = await jc.stub.ReportStageFailure(again)
+            break
+        except grpc.aio.AioRpcError as err:
+            assert err.code() == grpc.StatusCode.UNAVAILABLE, err.details()
+            await asyncio.sleep(0.05)
+    spare = third.hops[1].node_id
+    assert spare not in busy
+    start, end = jc.node(spare).shards[MODEL]
+    assert start <= 1 and end >= 2  # it loaded a shard covering the stage's layers
 
 
 async def test_a_node_without_memory_for_the_training_state_gets_no_stage(start_jobs) -> None:
