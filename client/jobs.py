@@ -193,13 +193,19 @@ class JobRunner:
             channels=self.channels,
         )
         try:
-            step = await self._restore(driver, session, "resume" if session.restore_step else "")
+            failure: StageFailed | None = None
+            step = -1
             while True:
                 try:
+                    if failure is not None:  # a stage died (also while restoring): recover
+                        step, failure = await self._recover(driver, failure), None
+                    elif step < 0:
+                        kind = "resume" if session.restore_step else ""
+                        step = await self._restore(driver, session, kind)
                     step = await self._train(driver, sampler, step, job)
                     break
-                except StageFailed as failure:
-                    step = await self._recover(driver, failure)
+                except StageFailed as failed:
+                    failure = failed
             info = await self._finish(jobs_pb2.JOB_STATE_DONE)
             self.on_event(JobEvent("done", job.job_id, info.step, info.steps, info.last_loss))
             return info

@@ -11,7 +11,6 @@ checkpoints are kept per range; re-planning changes only which node runs a range
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import math
 import secrets
@@ -749,7 +748,3 @@ def _range(start: int, end: int) -> common_pb2.LayerRange:
 
 def _now_ms() -> int:
     return int(time.time() * 1000)
-
-
-def event_json(payload: dict[str, Any]) -> str:
-    return json.dumps(payload, separators=(",", ":"), sort_keys=True)
