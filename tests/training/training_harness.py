@@ -5,10 +5,11 @@ Each ``TrainingNode`` is a real node data plane: ``node_agent.data_plane.start_s
 random checkpoint through the runtime, capabilities signed with an Ed25519 key standing in
 for the coordinator's.
 
-``StandInTrainingStore`` stands in for the coordinator's ``TrainingStore`` (the train-jobs
-branch builds the real one): a real grpc.aio servicer that authenticates nodes by their
-node id and attach ticket, stores the streamed bytes, checks their size and sha256, and
-records a step as consistent once every expected stage of the job uploaded it.
+``StandInTrainingStore`` stands in for the coordinator's ``TrainingStore`` where a test
+needs no jobs, placement or registry (test_coordinator_store.py uses the real one): a real
+grpc.aio servicer that authenticates nodes by their node id and attach ticket, stores the
+streamed bytes, checks their size and sha256, and records a step as consistent once every
+expected stage of the job uploaded it.
 """
 
 from __future__ import annotations
