@@ -9,6 +9,7 @@ import grpc
 import numpy as np
 import pytest
 from jobs.jobs_harness import MODEL, NUM_LAYERS, JobsCoordinator, hyper, submit_request
+from support.coordinator_harness import wait_until
 
 from coordinator.jobs.memory import training_state_bytes
 from coordinator.model_store.layout import ModelLayout
@@ -205,11 +206,13 @@ async def test_a_node_without_memory_for_the_training_state_gets_no_stage(start_
     # Three roomy nodes for layers 0 and 2 and one tight one for layer 1: the tiny model's
     # shard fits, but not a training state for a batch of 16 x 64 tokens.
     jc = await start_jobs(nodes=0, replicas=1)
-    roomy = [await jc.add_node(f"big{i}") for i in range(2)]
+    for i in range(2):
+        await jc.add_node(f"big{i}")
     tight = await jc.add_node("tight", memory_usable_bytes=3_000_000)
     await jc.ready(replicas=1)
-    holders = {n.node_id for n in [*roomy, tight] if MODEL in n.shards}
-    assert tight.node_id in holders, "the tight node should hold an inference shard"
+    # Placement settles as the nodes join one by one; wait until the tight node has a shard.
+    await wait_until(lambda: MODEL in tight.shards, 10.0, "the tight node to hold a shard")
+    await jc.ready(replicas=1)
     dataset = await jc.upload(np.arange(5000, dtype=np.int32) % 60)
     job = await jc.submit(dataset.id, batch_size=16, seq_len=64, hyper=hyper(micro_batches=4))
     with pytest.raises(grpc.aio.AioRpcError) as caught:
