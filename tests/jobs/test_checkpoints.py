@@ -13,10 +13,20 @@ import grpc
 import numpy as np
 import pytest
 import torch
-from jobs.jobs_harness import MODEL, NUM_LAYERS, JobsCoordinator, hyper, layers
+from jobs.jobs_harness import (
+    MODEL,
+    NUM_LAYERS,
+    JobsCoordinator,
+    aiter_of,
+    hyper,
+    layers,
+    model_messages,
+)
 from safetensors.numpy import load_file
+from support.coordinator_harness import harness_settings
 
 from coordinator.model_store import open_checkpoint
+from coordinator.server import running_coordinator
 from node_agent.runtime.stage_loader import load_stage_model
 from node_agent.runtime.training import StageTrainer, state_to_bytes
 from protos.tessera.v1 import jobs_pb2, training_pb2
@@ -259,3 +269,44 @@ async def test_output_model_holds_the_trained_weights(
     base_config = json.loads(open_checkpoint(tiny_model).config_json)
     assert json.loads(store.model(f"tiny-{mode}").config_json) == base_config
     assert store.catalog.tokenizer_json(f"tiny-{mode}") == store.catalog.tokenizer_json(MODEL)
+
+
+async def test_jobs_datasets_and_checkpoints_survive_a_coordinator_restart(
+    tmp_path: Path, tiny_model: Path
+) -> None:
+    settings = harness_settings(tmp_path / "restart", min_stages=NUM_LAYERS, replicas=1)
+    async with running_coordinator(settings) as coordinator:
+        async with grpc.aio.insecure_channel(coordinator.address) as channel:
+            jc = JobsCoordinator(coordinator, channel)
+            await coordinator.ctx.model_store.import_model(
+                aiter_of(model_messages(tiny_model, MODEL))
+            )
+            for index in range(NUM_LAYERS):
+                await jc.add_node(f"n{index}")
+            await jc.ready(replicas=1)
+            session = await _running_job(jc)
+            await _advance(jc, session, 2)
+            for hop in session.hops:
+                chunks = _chunks(session.job_id, 2, hop.layers.start, hop.layers.end, b"s" * 99)
+                await upload(jc, chunks, jc.node(hop.node_id).metadata)
+            for node in jc.nodes:
+                await node.leave()
+
+    async with running_coordinator(settings) as coordinator:
+        async with grpc.aio.insecure_channel(coordinator.address) as channel:
+            jc = JobsCoordinator(coordinator, channel)
+            info = await jc.stub.GetJob(jobs_pb2.JobRef(job_id=session.job_id))
+            assert info.state == jobs_pb2.JOB_STATE_RUNNING and info.step == 2
+            assert info.checkpoint_step == 2 and [p.step for p in info.losses] == [0, 1]
+            chunks = [c async for c in jc.stub.DownloadDataset(
+                jobs_pb2.DatasetRef(id=info.dataset_id))]  # fmt: skip
+            assert chunks[0].header.shards
+            # The training state stays counted against the stages' nodes.
+            placement = coordinator.ctx.planner
+            assert all(placement.training_bytes(h.node_id) > 0 for h in session.hops)
+            # The driver's session outlives the restart: its next report is accepted.
+            await jc.stub.ReportStep(
+                jobs_pb2.ReportStepRequest(
+                    job_id=session.job_id, capability=session.capability, step=2, loss=0.5
+                )
+            )
