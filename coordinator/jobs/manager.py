@@ -500,16 +500,33 @@ class JobManager:
                 f"model {job.model!r} is not served yet: no node has finished loading it "
                 "(try again shortly)",
             )
+        # The planner's stage cuts first, one node per stage: the router may merge stages
+        # that one node holds, which would make the job's pipeline shallower by chance.
+        cuts = list(zip(boundaries, boundaries[1:], strict=False))
         try:
-            route_stages = route(boundaries, holders)
+            return self._pick_all(job, facts, hyper, cuts, assign=False)
+        except StoreError:
+            pass
+        try:
+            spans = [(stage.start, stage.end) for stage in route(boundaries, holders)]
         except NoRouteError as err:
             raise StoreError(
                 grpc.StatusCode.UNAVAILABLE, f"model {job.model!r} is unavailable: {err}"
             ) from None
+        return self._pick_all(job, facts, hyper, spans, assign=True)
+
+    def _pick_all(
+        self,
+        job: JobRecord,
+        facts: ModelFacts,
+        hyper: training_pb2.TrainingHyper,
+        spans: list[tuple[int, int]],
+        assign: bool,
+    ) -> list[StageRecord]:
         chosen: list[StageRecord] = []
-        for stage in route_stages:
+        for start, end in spans:
             taken = {s.node_id for s in chosen}
-            chosen.append(self._pick_node(job, facts, hyper, stage.start, stage.end, taken))
+            chosen.append(self._pick_node(job, facts, hyper, start, end, taken, assign=assign))
         return chosen
 
     def _keep_or_replace(
@@ -547,8 +564,10 @@ class JobManager:
         start: int,
         end: int,
         exclude: set[str],
+        assign: bool = True,
     ) -> StageRecord:
-        """The cheapest ready holder of [start, end) with memory for the training state."""
+        """The cheapest ready holder of [start, end) with memory for the training state;
+        with `assign`, placement has a spare node load the layers when there is none."""
         placement = self._placement()
         need = self._state_bytes(job, facts, hyper, start, end)
         candidates = [
@@ -564,7 +583,7 @@ class JobManager:
                 return StageRecord(start, end, holder.node_id, holder.address)
             short.append(f"{holder.node_id} has {free}")
         if not candidates:
-            loading = self._assign_replacement(job, start, end, need, exclude)
+            loading = self._assign_replacement(job, start, end, need, exclude) if assign else ""
             raise StoreError(
                 grpc.StatusCode.UNAVAILABLE,
                 f"node {loading} is loading layers [{start}, {end}) of {job.model} to take "
