@@ -109,13 +109,7 @@ def run_training_demo(
         output_model=TRAINED,
         seed=3,
     )
-    info = client.job(job.job_id)
-    route = " -> ".join(
-        f"{_name(swarm, s.node_id)} [layers {s.layers.start}-{s.layers.end - 1}]"
-        for s in info.stages
-    )
     say(f"   job {job.job_id}: {steps} steps of 16 sequences, 4 micro-batches in flight")
-    say(f"   stages: {route}")
     first_loss = last_loss = 0.0
     killed = False
     replans = redone = 0
@@ -124,6 +118,12 @@ def run_training_demo(
             last_loss = event.loss
             if event.step == 1:
                 first_loss = event.loss
+                stages = client.job(job.job_id).stages
+                route = " -> ".join(
+                    f"{_name(swarm, s.node_id)} [layers {s.layers.start}-{s.layers.end - 1}]"
+                    for s in stages
+                )
+                say(f"   stages: {route}")
             if event.step % 5 == 0 or event.step == 1:
                 say(
                     f"   step {event.step:3d}  loss {event.loss:7.4f}  "
