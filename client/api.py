@@ -16,11 +16,13 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import queue
 import threading
 import time
-from collections.abc import AsyncIterator, Coroutine, Iterator, Sequence
+from collections.abc import AsyncIterator, Callable, Coroutine, Iterator, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, TypeVar
 
 import grpc
@@ -29,6 +31,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from client import billing
 from client.channels import ChannelPool, open_channel
+from client.datasets import TokenDataset, load_dataset
 from client.driver import DriverConfig, PipelineDriver
 from client.errors import (
     CoordinatorError,
@@ -36,6 +39,7 @@ from client.errors import (
     ModelNotFound,
     TesseraError,
 )
+from client.jobs import JobEvent, JobRunner, JobsApi, TrainingJob, TrainSpec
 from client.records import FailoverEvent, HopRecord, StageTiming
 from client.sampling import Sampler, SamplingParams
 from client.tokenizer import TextTokenizer, load_tokenizer
@@ -44,6 +48,7 @@ from protos.tessera.v1 import (
     client_api_pb2,
     client_api_pb2_grpc,
     common_pb2,
+    jobs_pb2,
     ledger_pb2,
     ledger_pb2_grpc,
     node_pb2,
@@ -185,6 +190,7 @@ class AsyncClient:
         self._stage_channels = ChannelPool()
         self._models: dict[str, _ModelHandle] = {}
         self.last_run: GenerationResult | None = None
+        self.jobs_api = JobsApi(self._channel, self._call)
 
     async def __aenter__(self) -> AsyncClient:
         return self
@@ -321,6 +327,41 @@ class AsyncClient:
             pass
         assert self.last_run is not None
         return self.last_run
+
+    # ---- training (client/jobs.py) ---------------------------------------------------
+
+    async def submit_training(
+        self, model: str, data: str | Path | TokenDataset, spec: TrainSpec
+    ) -> tuple[jobs_pb2.JobInfo, TokenDataset]:
+        """Upload the dataset (once: the coordinator keeps it) and submit the job."""
+        handle = await self._model(model)
+        if isinstance(data, TokenDataset):
+            dataset = data
+        else:
+            dataset = load_dataset(Path(data), handle.tokenizer)
+        info = await self.jobs_api.upload_dataset(dataset)
+        return await self.jobs_api.submit(model, info.id, spec), dataset
+
+    async def run_job(
+        self,
+        job_id: str,
+        *,
+        dataset: TokenDataset | None = None,
+        on_event: Callable[[JobEvent], None] | None = None,
+        after_step: Callable[[int], Any] | None = None,
+    ) -> jobs_pb2.JobInfo:
+        """Drive the job to the end from its last consistent checkpoint (also --resume)."""
+        runner = JobRunner(self.jobs_api, job_id, self._stage_channels, dataset=dataset,
+                           after_step=after_step)  # fmt: skip
+        if on_event is not None:
+            runner.on_event = on_event
+        return await runner.run()
+
+    async def jobs(self, limit: int = 100) -> list[jobs_pb2.JobInfo]:
+        return await self.jobs_api.jobs(limit)
+
+    async def job(self, job_id: str) -> jobs_pb2.JobInfo:
+        return await self.jobs_api.job(job_id)
 
     # ---- internals ------------------------------------------------------------------
 
@@ -567,3 +608,44 @@ class Client:
             pass
         assert self.last_run is not None
         return self.last_run
+
+    # ---- training ---------------------------------------------------------------------
+
+    def train(
+        self,
+        model: str,
+        data: str | Path | TokenDataset,
+        *,
+        steps: int,
+        batch_size: int,
+        seq_len: int,
+        lr: float,
+        **options: Any,
+    ) -> TrainingJob:
+        """Submit a training job and run it in the background; returns a watchable handle.
+
+        `data` is a .npy of token ids or a text file (see client/datasets.py); `options` are
+        the other TrainSpec fields (micro_batches, checkpoint_every, mode, lora_rank,
+        lora_alpha, weight_decay, max_grad_norm, seed, output_model, account).
+        """
+        spec = TrainSpec(steps=steps, batch_size=batch_size, seq_len=seq_len, lr=lr, **options)
+        info, dataset = self._loop.run(self._async.submit_training(model, data, spec))
+        return self._start_runner(info.job_id, dataset)
+
+    def resume(self, job_id: str) -> TrainingJob:
+        """Continue a job whose runner went away, from its last consistent checkpoint."""
+        return self._start_runner(job_id, None)
+
+    def jobs(self, limit: int = 100) -> list[jobs_pb2.JobInfo]:
+        return self._loop.run(self._async.jobs(limit))
+
+    def job(self, job_id: str) -> jobs_pb2.JobInfo:
+        return self._loop.run(self._async.job(job_id))
+
+    def _start_runner(self, job_id: str, dataset: TokenDataset | None) -> TrainingJob:
+        events: queue.Queue[JobEvent | None] = queue.Queue()
+        future = asyncio.run_coroutine_threadsafe(
+            self._async.run_job(job_id, dataset=dataset, on_event=events.put), self._loop.loop
+        )
+        future.add_done_callback(lambda _: events.put(None))
+        return TrainingJob(job_id, future, events)

@@ -1,4 +1,4 @@
-"""`tessera`: the user's command line (nodes, models, generate, demo)."""
+"""`tessera`: the user's command line (nodes, models, generate, train, jobs, demo)."""
 
 from __future__ import annotations
 
@@ -16,6 +16,8 @@ from google.protobuf import json_format
 from client import billing
 from client.api import COORDINATOR_ENV, Client, default_coordinator
 from client.errors import TesseraError
+from client.jobs_cli import add_training_commands as _add_training_commands
+from client.jobs_cli import jobs_command, train_command
 from protos.tessera.v1 import client_api_pb2, node_pb2
 
 log = logging.getLogger("tessera")
@@ -29,6 +31,10 @@ examples:
   tessera balance            # creates your client key on first use, prints your account
   tessera generate --model llama-tiny --prompt "Hi" --max-new-tokens 8 --max-price 5000 \
       --prefer cheap
+  tessera train --model llama-tiny --data tokens.npy --steps 200 --batch-size 8 \
+      --seq-len 64 --lr 3e-4 --checkpoint-every 20 --output-model llama-tiny-ft
+  tessera train --resume j0123456789abcdef
+  tessera jobs
   tessera demo
 
 The coordinator defaults to ${COORDINATOR_ENV}, else {default_coordinator()}.
@@ -129,6 +135,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_coordinator(balance)
     _add_key(balance)
     balance.add_argument("--json", action="store_true", help="print JSON for scripts")
+    _add_training_commands(commands)
 
     commands.add_parser(
         "demo",
@@ -180,6 +187,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _models(args)
         if args.command == "balance":
             return _balance(args)
+        if args.command == "train":
+            return train_command(args, parser)
+        if args.command == "jobs":
+            return jobs_command(args)
         return _generate(args, parser)
     except TesseraError as err:
         print(f"tessera: {err}", file=sys.stderr)

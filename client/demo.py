@@ -5,7 +5,10 @@
 3. generate through the three-stage pipeline and print the route;
 4. generate again and `kill -9` the node serving the middle stage after a few tokens:
    the driver fails over to a replica, replays the history, and the output is identical;
-5. print tokens/s, the stall, and which node served what.
+5. print tokens/s, the stall, and which node served what;
+6. train a small model from random weights on a counting task through a three-stage
+   pipeline, kill -9 a stage node mid-training (the job re-plans the stage and rolls back
+   to the last consistent checkpoint), then serve the trained model and measure it.
 
 Every process started here is stopped on exit, Ctrl-C included.
 """
@@ -24,11 +27,13 @@ from typing import Any
 
 from client.api import Client, GenerationResult
 from client.demo_checkpoint import write_demo_checkpoint
+from client.demo_training import run_training_demo
 from client.local_swarm import LocalSwarm
 
 MODEL = "demo-llama"
 PROMPT = "The swarm says: "
 NODES = ("alpha", "bravo", "charlie")
+SPARE_NODE = "delta"
 
 
 def add_parser(subparsers: Any) -> None:
@@ -47,6 +52,12 @@ def add_parser(subparsers: Any) -> None:
     )
     parser.add_argument(
         "--workdir", type=Path, help="keep logs and state here (default: a temporary folder)"
+    )
+    parser.add_argument(
+        "--no-training", action="store_true", help="only the inference part (skip step 6)"
+    )
+    parser.add_argument(
+        "--train-steps", type=int, default=40, help="optimizer steps to train (default 40)"
     )
     parser.set_defaults(func=run)
 
@@ -73,13 +84,13 @@ def run(args: argparse.Namespace) -> int:
     with tempfile.TemporaryDirectory(prefix="tessera-demo-") as tmp:
         workdir = args.workdir or Path(tmp)
         try:
-            return _demo(workdir, args.tokens, args.kill_after)
+            return _demo(workdir, args.tokens, args.kill_after, args)
         except KeyboardInterrupt:
             _say("\ninterrupted: stopping every process the demo started")
             return 130
 
 
-def _demo(workdir: Path, tokens: int, kill_after: int) -> int:
+def _demo(workdir: Path, tokens: int, kill_after: int, args: argparse.Namespace) -> int:
     t0 = time.monotonic()
     checkpoint = write_demo_checkpoint(workdir / "checkpoint")
     _say(f"1. wrote a small Llama-style checkpoint to {checkpoint}")
@@ -144,6 +155,10 @@ def _demo(workdir: Path, tokens: int, kill_after: int) -> int:
 
             _say("\n5. summary")
             _summary(reference, faulty, names)
+
+            if not args.no_training:
+                _say("\n6. training a model from random weights through the swarm")
+                _train(swarm, client, workdir, victim.name, args.train_steps)
         if not same:
             _say(
                 "the outputs differ: this is a bug, please report it with the logs in "
@@ -154,16 +169,40 @@ def _demo(workdir: Path, tokens: int, kill_after: int) -> int:
     return 0
 
 
-def _wait_available(client: Client, timeout_s: float = 180.0) -> None:
-    """Wait until every layer has two ready replicas, so each stage has an alternate."""
+def _wait_available(
+    client: Client, model: str = MODEL, replicas: int = 2, timeout_s: float = 180.0
+) -> None:
+    """Wait until every layer has `replicas` ready replicas (2: each stage has an alternate)."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        info = {m.name: m for m in client.models()}.get(MODEL)
-        if info is not None and info.available and min(info.ready_replicas) >= 2:
+        info = {m.name: m for m in client.models()}.get(model)
+        if info is not None and info.available and min(info.ready_replicas) >= replicas:
             return
         time.sleep(0.3)
     raise RuntimeError(
-        f"model {MODEL} did not get two ready replicas of every layer in {timeout_s:.0f}s"
+        f"model {model} did not get {replicas} ready replica(s) of every layer in {timeout_s:.0f}s"
+    )
+
+
+def _train(swarm: LocalSwarm, client: Client, workdir: Path, killed: str, steps: int) -> None:
+    # The node killed in step 4 comes back, and a fourth joins: a stage that dies during
+    # training then has somewhere to go.
+    nodes = [swarm.start_node(killed), swarm.start_node(SPARE_NODE)]
+    swarm.wait_registered(nodes)
+    _say(f"   restarted {killed} and started {SPARE_NODE}: four nodes for three stages")
+    result = run_training_demo(
+        swarm,
+        client,
+        workdir,
+        _say,
+        steps=steps,
+        kill_at=min(25, steps - 5),
+        wait_served=lambda c, model: _wait_available(c, model, replicas=1),
+    )
+    _say(
+        f"   accuracy {result.accuracy_before:.0%} -> {result.accuracy_after:.0%}; "
+        f"{result.replans} re-plan(s), {result.steps_redone} step(s) redone; "
+        f"{result.seconds:.0f}s for this part"
     )
 
 

@@ -206,6 +206,40 @@ class Placement:
     def release_training(self, holder: str) -> None:
         self._training.pop(holder, None)
 
+    def node_ids(self) -> list[str]:
+        return list(self._nodes)
+
+    async def assign_extra(
+        self, node_id: str, model: str, start: int, end: int, reserve: int = 0
+    ) -> Shard | None:
+        """Have `node_id` load a shard covering [start, end) that the plan gave nobody else
+        it could go to (a training stage's replacement). It grows the node's current shard
+        when the two touch, goes into the plan so later re-plans keep it, and is refused
+        (None) unless the node has the memory for it plus `reserve` bytes."""
+        node, spec = self._nodes.get(node_id), self._models.get(model)
+        async with self._lock:
+            model_plan = self._plans.get(model)
+            if node is None or spec is None or model_plan is None:
+                return None
+            current = self._assigned.get((node_id, model))
+            if current is not None and current.start <= end and start <= current.end:
+                shard = Shard(model, min(current.start, start), max(current.end, end))
+            else:
+                shard = Shard(model, start, end)
+            node_bytes = node_spec(node, self.kv_tokens)
+            grow = shard_bytes(spec, node_bytes, shard.start, shard.end) - (
+                shard_bytes(spec, node_bytes, current.start, current.end) if current else 0
+            )
+            if self.free_bytes(node_id) < grow + reserve:
+                return None
+            if not await self._assign(node_id, shard, spec):
+                return None
+            self._assigned[(node_id, model)] = shard
+            if current is not None and current != shard:
+                self._superseded[(node_id, model)] = current
+            model_plan.holders[node_id] = shard
+        return shard
+
     # ---- outputs ------------------------------------------------------------------------
 
     def training_bytes(self, node_id: str) -> int:

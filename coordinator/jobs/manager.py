@@ -10,7 +10,7 @@ checkpoints are kept per range; re-planning changes only which node runs a range
 
 from __future__ import annotations
 
-import json
+import asyncio
 import logging
 import math
 import secrets
@@ -80,6 +80,10 @@ class TrainingPlacement(Protocol):
     def free_bytes(self, node_id: str) -> int: ...
     def reserve_training(self, holder: str, node_id: str, nbytes: int) -> None: ...
     def release_training(self, holder: str) -> None: ...
+    def node_ids(self) -> list[str]: ...
+    async def assign_extra(
+        self, node_id: str, model: str, start: int, end: int, reserve: int = 0
+    ) -> Any: ...
 
 
 class JobManager:
@@ -107,6 +111,8 @@ class JobManager:
         # does not count its own reservation against itself.
         self._reserved: dict[tuple[str, str], int] = {}
         self._failed: dict[tuple[str, str], float] = {}  # (job, node) -> monotonic time
+        self._assigning: dict[tuple[str, int, int], str] = {}  # (job, start, end) -> node
+        self._tasks: set[asyncio.Task[None]] = set()
 
     # ---- submit and read ----------------------------------------------------------------
 
@@ -494,16 +500,33 @@ class JobManager:
                 f"model {job.model!r} is not served yet: no node has finished loading it "
                 "(try again shortly)",
             )
+        # The planner's stage cuts first, one node per stage: the router may merge stages
+        # that one node holds, which would make the job's pipeline shallower by chance.
+        cuts = list(zip(boundaries, boundaries[1:], strict=False))
         try:
-            route_stages = route(boundaries, holders)
+            return self._pick_all(job, facts, hyper, cuts, assign=False)
+        except StoreError:
+            pass
+        try:
+            spans = [(stage.start, stage.end) for stage in route(boundaries, holders)]
         except NoRouteError as err:
             raise StoreError(
                 grpc.StatusCode.UNAVAILABLE, f"model {job.model!r} is unavailable: {err}"
             ) from None
+        return self._pick_all(job, facts, hyper, spans, assign=True)
+
+    def _pick_all(
+        self,
+        job: JobRecord,
+        facts: ModelFacts,
+        hyper: training_pb2.TrainingHyper,
+        spans: list[tuple[int, int]],
+        assign: bool,
+    ) -> list[StageRecord]:
         chosen: list[StageRecord] = []
-        for stage in route_stages:
+        for start, end in spans:
             taken = {s.node_id for s in chosen}
-            chosen.append(self._pick_node(job, facts, hyper, stage.start, stage.end, taken))
+            chosen.append(self._pick_node(job, facts, hyper, start, end, taken, assign=assign))
         return chosen
 
     def _keep_or_replace(
@@ -541,8 +564,10 @@ class JobManager:
         start: int,
         end: int,
         exclude: set[str],
+        assign: bool = True,
     ) -> StageRecord:
-        """The cheapest ready holder of [start, end) with memory for the training state."""
+        """The cheapest ready holder of [start, end) with memory for the training state;
+        with `assign`, placement has a spare node load the layers when there is none."""
         placement = self._placement()
         need = self._state_bytes(job, facts, hyper, start, end)
         candidates = [
@@ -558,10 +583,15 @@ class JobManager:
                 return StageRecord(start, end, holder.node_id, holder.address)
             short.append(f"{holder.node_id} has {free}")
         if not candidates:
+            loading = self._assign_replacement(job, start, end, need, exclude) if assign else ""
             raise StoreError(
                 grpc.StatusCode.UNAVAILABLE,
-                f"no other node has layers [{start}, {end}) of {job.model} loaded and ready; "
-                "resume the job when more nodes have joined",
+                f"node {loading} is loading layers [{start}, {end}) of {job.model} to take "
+                "over the stage; retry shortly"
+                if loading
+                else f"no other node has layers [{start}, {end}) of {job.model} loaded and "
+                "ready, and none has the memory to load them; resume the job when more nodes "
+                "have joined",
             )
         raise StoreError(
             grpc.StatusCode.RESOURCE_EXHAUSTED,
@@ -569,6 +599,48 @@ class JobManager:
             f"needs ({'; '.join(short)}); use --mode lora, a smaller --batch-size or --seq-len, "
             "or nodes with more memory",
         )
+
+    def _assign_replacement(
+        self, job: JobRecord, start: int, end: int, need: int, exclude: set[str]
+    ) -> str:
+        """Ask placement to load [start, end) on the roomiest node outside the job; returns
+        that node's id ("" if none). The driver retries until the shard is READY."""
+        placement = self._placement()
+        key = (job.id, start, end)
+        pending = self._assigning.get(key)
+        if pending and pending not in exclude and placement and pending in placement.node_ids():
+            return pending
+        if placement is None:
+            return ""
+        spare = sorted(
+            (n for n in placement.node_ids() if n not in exclude),
+            key=lambda n: -placement.free_bytes(n),
+        )
+        if not spare:
+            return ""
+        node_id = spare[0]
+        self._assigning[key] = node_id
+
+        async def assign() -> None:
+            shard = await placement.assign_extra(node_id, job.model, start, end, reserve=need)
+            if shard is None:
+                self._assigning.pop(key, None)
+                log.warning(
+                    "job %s: node %s cannot load layers [%d, %d)", job.id, node_id, start, end
+                )
+            else:
+                log.info(
+                    "job %s: node %s loads layers [%d, %d) to take over a stage",
+                    job.id,
+                    node_id,
+                    start,
+                    end,
+                )
+
+        task = asyncio.get_running_loop().create_task(assign())
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return node_id
 
     def _recently_failed(self, job_id: str) -> set[str]:
         horizon = time.monotonic() - FAILED_NODE_COOLDOWN_S
@@ -695,7 +767,3 @@ def _range(start: int, end: int) -> common_pb2.LayerRange:
 
 def _now_ms() -> int:
     return int(time.time() * 1000)
-
-
-def event_json(payload: dict[str, Any]) -> str:
-    return json.dumps(payload, separators=(",", ":"), sort_keys=True)

@@ -9,6 +9,7 @@ import grpc
 import numpy as np
 import pytest
 from jobs.jobs_harness import MODEL, NUM_LAYERS, JobsCoordinator, hyper, submit_request
+from support.coordinator_harness import wait_until
 
 from coordinator.jobs.memory import training_state_bytes
 from coordinator.model_store.layout import ModelLayout
@@ -176,24 +177,42 @@ async def test_stage_failure_replans_onto_another_ready_holder(jc: JobsCoordinat
     info = await jc.stub.GetJob(jobs_pb2.JobRef(job_id=job.job_id))
     assert info.replans == 1 and info.stages[1].node_id == new.node_id
 
-    # Nobody else holds layer 1 once the replacement fails too: UNAVAILABLE, job intact.
+    # Nobody else holds layer 1 once the replacement fails too: UNAVAILABLE (job intact)
+    # while placement has a spare node load the layers; a retry then gets that node.
     again = jobs_pb2.StageFailureRequest(
         job_id=job.job_id, capability=replanned.capability, stage=1, node_id=new.node_id
     )
-    assert await _code(jc.stub.ReportStageFailure(again)) == grpc.StatusCode.UNAVAILABLE
+    with pytest.raises(grpc.aio.AioRpcError) as caught:
+        await jc.stub.ReportStageFailure(again)
+    assert caught.value.code() == grpc.StatusCode.UNAVAILABLE
+    assert "loading layers [1, 2)" in caught.value.details()
     info = await jc.stub.GetJob(jobs_pb2.JobRef(job_id=job.job_id))
     assert info.stages[1].node_id == new.node_id and info.state == jobs_pb2.JOB_STATE_RUNNING
+    busy = {failed.node_id, new.node_id, session.hops[0].node_id, session.hops[2].node_id}
+    for _ in range(200):
+        try:
+            third = await jc.stub.ReportStageFailure(again)
+            break
+        except grpc.aio.AioRpcError as err:
+            assert err.code() == grpc.StatusCode.UNAVAILABLE, err.details()
+            await asyncio.sleep(0.05)
+    spare = third.hops[1].node_id
+    assert spare not in busy
+    start, end = jc.node(spare).shards[MODEL]
+    assert start <= 1 and end >= 2  # it loaded a shard covering the stage's layers
 
 
 async def test_a_node_without_memory_for_the_training_state_gets_no_stage(start_jobs) -> None:
     # Three roomy nodes for layers 0 and 2 and one tight one for layer 1: the tiny model's
     # shard fits, but not a training state for a batch of 16 x 64 tokens.
     jc = await start_jobs(nodes=0, replicas=1)
-    roomy = [await jc.add_node(f"big{i}") for i in range(2)]
+    for i in range(2):
+        await jc.add_node(f"big{i}")
     tight = await jc.add_node("tight", memory_usable_bytes=3_000_000)
     await jc.ready(replicas=1)
-    holders = {n.node_id for n in [*roomy, tight] if MODEL in n.shards}
-    assert tight.node_id in holders, "the tight node should hold an inference shard"
+    # Placement settles as the nodes join one by one; wait until the tight node has a shard.
+    await wait_until(lambda: MODEL in tight.shards, 10.0, "the tight node to hold a shard")
+    await jc.ready(replicas=1)
     dataset = await jc.upload(np.arange(5000, dtype=np.int32) % 60)
     job = await jc.submit(dataset.id, batch_size=16, seq_len=64, hyper=hyper(micro_batches=4))
     with pytest.raises(grpc.aio.AioRpcError) as caught:

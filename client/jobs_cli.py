@@ -1,0 +1,245 @@
+"""`tessera train` and `tessera jobs` (wired into client/cli.py)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+from google.protobuf import json_format
+
+from client.api import COORDINATOR_ENV, Client, default_coordinator
+from client.jobs import JobEvent, TrainingJob
+from protos.tessera.v1 import jobs_pb2
+
+STATE_NAMES = {
+    jobs_pb2.JOB_STATE_QUEUED: "queued",
+    jobs_pb2.JOB_STATE_RUNNING: "running",
+    jobs_pb2.JOB_STATE_PAUSED: "paused",
+    jobs_pb2.JOB_STATE_FAILED: "failed",
+    jobs_pb2.JOB_STATE_DONE: "done",
+}
+
+TRAIN_EXAMPLES = """\
+examples:
+  # fine-tune on a .npy of token ids (1-D stream, or 2-D: one example per row)
+  tessera train --model llama-tiny --data tokens.npy --steps 200 --batch-size 8 \\
+      --seq-len 64 --lr 3e-4 --micro-batches 4 --checkpoint-every 20
+  # LoRA on a text file (tokenized with the model's tokenizer), saved as a new model
+  tessera train --model llama-tiny --data corpus.txt --steps 100 --batch-size 4 \\
+      --seq-len 128 --lr 1e-3 --mode lora --output-model llama-tiny-lora
+  # the runner died (Ctrl-C, a crash): continue from the last consistent checkpoint
+  tessera train --resume j0123456789abcdef
+
+The dataset is uploaded once and kept by the coordinator, so --resume needs no file.
+If a stage node fails, the job re-plans that stage and rolls back to the last checkpoint.
+"""
+
+
+def add_training_commands(commands: Any) -> None:
+    train = commands.add_parser(
+        "train",
+        help="train a model through the swarm (pipeline-sharded)",
+        description="Submit a training job and run it: every stage node trains its own "
+        "layers and keeps its optimizer state; checkpoints go to the coordinator.",
+        epilog=TRAIN_EXAMPLES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    _coordinator(train)
+    train.add_argument("--resume", metavar="JOB_ID", help="continue this job instead")
+    train.add_argument("--model", help="the model to train (see `tessera models`)")
+    train.add_argument("--data", metavar="FILE", help=".npy token ids, or a text file")
+    train.add_argument("--steps", type=int, help="optimizer steps")
+    train.add_argument("--batch-size", type=int, help="sequences per step")
+    train.add_argument("--seq-len", type=int, help="tokens per sequence")
+    train.add_argument("--lr", type=float, help="AdamW learning rate, e.g. 3e-4")
+    train.add_argument(
+        "--micro-batches",
+        type=int,
+        default=1,
+        help="split each batch into this many pipelined micro-batches (default 1)",
+    )
+    train.add_argument(
+        "--checkpoint-every",
+        type=int,
+        default=0,
+        metavar="K",
+        help="checkpoint every K steps (default: only at the end)",
+    )
+    train.add_argument(
+        "--mode",
+        choices=("full", "lora"),
+        default="full",
+        help="train every weight, or LoRA adapters (default full)",
+    )
+    train.add_argument("--lora-rank", type=int, default=8, help="LoRA rank (default 8)")
+    train.add_argument("--lora-alpha", type=float, default=16.0, help="LoRA alpha (default 16)")
+    train.add_argument("--weight-decay", type=float, default=0.0, help="AdamW weight decay")
+    train.add_argument(
+        "--max-grad-norm",
+        type=float,
+        default=1.0,
+        help="clip the global gradient norm to this (0: off; default 1)",
+    )
+    train.add_argument("--seed", type=int, default=0, help="batch order and LoRA init seed")
+    train.add_argument(
+        "--output-model",
+        metavar="NAME",
+        help="register the trained weights as a new model when done",
+    )
+    train.add_argument("--account", default="", help="account billed for the job")
+    train.add_argument("--json", action="store_true", help="print the final job as JSON")
+
+    jobs = commands.add_parser(
+        "jobs",
+        help="list training jobs",
+        description="List training jobs, newest first: state, step, loss, last checkpoint.",
+        epilog="example: tessera jobs --json",
+    )
+    _coordinator(jobs)
+    jobs.add_argument("--limit", type=int, default=50, help="at most this many (default 50)")
+    jobs.add_argument("--json", action="store_true", help="print JSON for scripts")
+
+
+def _coordinator(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--coordinator",
+        default=None,
+        metavar="HOST:PORT",
+        help=f"coordinator address (default: ${COORDINATOR_ENV} or {default_coordinator()})",
+    )
+
+
+def train_command(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    if args.resume is None:
+        missing = [
+            f"--{n.replace('_', '-')}"
+            for n in ("model", "data", "steps", "batch_size", "seq_len", "lr")
+            if getattr(args, n) is None
+        ]
+        if missing:
+            parser.error(f"train needs {', '.join(missing)} (or --resume JOB_ID)")
+    with Client(args.coordinator, account=args.account) as client:
+        if args.resume:
+            info = client.job(args.resume)
+            handle = client.resume(args.resume)
+        else:
+            handle = client.train(
+                args.model,
+                args.data,
+                steps=args.steps,
+                batch_size=args.batch_size,
+                seq_len=args.seq_len,
+                lr=args.lr,
+                micro_batches=args.micro_batches,
+                checkpoint_every=args.checkpoint_every,
+                mode=args.mode,
+                lora_rank=args.lora_rank,
+                lora_alpha=args.lora_alpha,
+                weight_decay=args.weight_decay,
+                max_grad_norm=args.max_grad_norm,
+                seed=args.seed,
+                output_model=args.output_model or "",
+                account=args.account,
+            )
+            info = client.job(handle.job_id)
+        print(
+            f"job {handle.job_id}: {info.model}, {info.steps} steps "
+            f"(tessera train --resume {handle.job_id} continues it)",
+            file=sys.stderr,
+        )
+        try:
+            _follow(handle, info, quiet=args.json)
+        except KeyboardInterrupt:
+            handle.cancel()
+            print(
+                f"\npaused; continue with: tessera train --resume {handle.job_id}", file=sys.stderr
+            )
+            return 130
+        final = client.job(handle.job_id)
+    if args.json:
+        print(json.dumps(job_json(final), indent=2))
+    else:
+        saved = f", saved as model {final.output_model}" if final.output_model else ""
+        print(
+            f"job {final.job_id} {STATE_NAMES.get(final.state, '?')} at step {final.step}, "
+            f"loss {final.last_loss:.4f}{saved}"
+        )
+    return 0
+
+
+def _follow(handle: TrainingJob, info: jobs_pb2.JobInfo, quiet: bool) -> None:
+    from tqdm import tqdm  # the client extra; only the progress bar needs it
+
+    bar = tqdm(
+        total=info.steps,
+        initial=info.step,
+        unit="step",
+        disable=quiet,
+        dynamic_ncols=True,
+        file=sys.stderr,
+    )
+
+    def write(text: str) -> None:  # above the bar; stdout stays clean for --json
+        bar.write(text, file=sys.stderr)
+
+    try:
+        for event in handle.events():
+            _show(event, bar, write)
+        handle.wait()
+    finally:
+        bar.close()
+
+
+def _show(event: JobEvent, bar: Any, write: Callable[[str], None]) -> None:
+    if event.kind == "step":
+        bar.n = event.step
+        bar.set_postfix(loss=f"{event.loss:.4f}", tok_s=f"{event.tokens_per_s:.0f}")
+    elif event.kind == "checkpoint":
+        write(f"checkpoint at step {event.step}")
+    elif event.kind == "replan":
+        write(f"stage failed, re-planned: {event.detail}; rolling back to step {event.step}")
+    elif event.kind == "resume":
+        bar.n = event.step
+        bar.refresh()
+        write(f"resumed at step {event.step} ({event.detail})")
+
+
+def jobs_command(args: argparse.Namespace) -> int:
+    from client import cli  # formatting helpers (imported here: cli imports this module)
+
+    with Client(args.coordinator) as client:
+        jobs = client.jobs(args.limit)
+    if args.json:
+        print(json.dumps([job_json(j) for j in jobs], indent=2))
+        return 0
+    if not jobs:
+        print("no jobs yet (start one with `tessera train`)")
+        return 0
+    now_ms = time.time() * 1000
+    rows = [
+        [
+            j.job_id,
+            j.model,
+            STATE_NAMES.get(j.state, "?"),
+            f"{j.step}/{j.steps}",
+            f"{j.last_loss:.4f}" if j.step else "-",
+            str(j.checkpoint_step or "-"),
+            str(j.replans),
+            j.output_model or "-",
+            cli._ago(now_ms - j.updated_unix_ms),
+        ]
+        for j in jobs
+    ]
+    header = ["ID", "MODEL", "STATE", "STEP", "LOSS", "CHECKPOINT", "REPLANS", "OUTPUT", "UPDATED"]
+    print(cli._table(header, rows))
+    return 0
+
+
+def job_json(info: jobs_pb2.JobInfo) -> dict[str, Any]:
+    data = json_format.MessageToDict(info, preserving_proto_field_name=True)
+    data["state"] = STATE_NAMES.get(info.state, "?")
+    return data

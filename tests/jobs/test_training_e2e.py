@@ -1,0 +1,249 @@
+"""Training end to end with real processes: a coordinator and node agents on loopback.
+
+* kill -9 of a stage node mid-job: the job re-plans the stage onto another node, rolls
+  every stage back to the last consistent checkpoint and completes; the losses after the
+  resume equal those of a run that went through the same checkpoint with nothing failing
+  (training is deterministic: same model, data, seed and batches, fp32 on CPU).
+* the runner (the `tessera train` process) killed with kill -9: `tessera train --resume`
+  continues from the last checkpoint and finishes with the same losses.
+* a job saved with --output-model is served by the swarm like any model, and its greedy
+  output equals transformers' on the trained weights the coordinator stored.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import sqlite3
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from support.checkpoints import make_checkpoint, write_safetensors
+
+from client.api import AsyncClient, Client
+from client.datasets import TokenDataset
+from client.jobs import JobEvent, TrainSpec
+from client.local_swarm import LocalSwarm
+from coordinator.model_store.catalog import ModelCatalog
+
+pytestmark = pytest.mark.slow
+
+MODEL = "tiny-train-e2e"
+NODES = ("alpha", "bravo", "charlie", "delta")
+SPEC = TrainSpec(
+    steps=8, batch_size=4, seq_len=16, lr=3e-3, micro_batches=2, checkpoint_every=2, seed=5
+)
+KILL_AFTER_STEP = 5  # the last consistent checkpoint is then step 4
+_READY = re.compile(r"node (\w+) is ready with (\S+) layers \[(\d+), (\d+)\)")
+
+
+def wait_for(predicate, what: str, timeout_s: float = 120.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if predicate():
+            return
+        time.sleep(0.2)
+    raise AssertionError(f"timed out after {timeout_s:.0f}s waiting for {what}")
+
+
+def replicated(client: Client, model: str, replicas: int = 2) -> bool:
+    info = {m.name: m for m in client.models()}.get(model)
+    return bool(info and info.available and min(info.ready_replicas) >= replicas)
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_checkpoint(
+        tmp_path_factory.mktemp("ckpt") / "tiny", "llama", num_layers=6, hidden_size=64,
+        intermediate_size=128, num_heads=4, num_kv_heads=2, vocab_size=96, seed=3,
+    )  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def dataset(tmp_path_factory: pytest.TempPathFactory) -> tuple[TokenDataset, Path]:
+    rng = np.random.default_rng(0)
+    starts = rng.integers(3, 60, size=64)
+    tokens = np.concatenate([np.arange(s, s + 17) for s in starts]).astype(np.int32)  # counting
+    path = tmp_path_factory.mktemp("data") / "counting.npy"
+    np.save(path, tokens.reshape(64, 17))
+    return TokenDataset("counting", tokens, 17), path
+
+
+@pytest.fixture(scope="module")
+def swarm(tmp_path_factory: pytest.TempPathFactory, checkpoint: Path) -> Iterator[LocalSwarm]:
+    work = tmp_path_factory.mktemp("swarm")
+    with LocalSwarm(
+        work, coordinator_args=["--min-stages", "3", "--replicas", "2", "--heartbeat-interval", "1"]
+    ) as s:
+        s.start_coordinator()
+        nodes = [s.start_node(name) for name in NODES]
+        s.wait_registered(nodes)
+        s.add_model(checkpoint, MODEL)
+        yield s
+
+
+def heal(swarm: LocalSwarm) -> None:
+    alive = {p.name for p in swarm.processes if p.alive() and p.name in NODES}
+    restarted = [swarm.start_node(name) for name in NODES if name not in alive]
+    swarm.wait_registered(restarted)
+    with Client(swarm.address) as client:
+        wait_for(lambda: replicated(client, MODEL), "two ready replicas of every layer")
+
+
+def run_job(swarm: LocalSwarm, data: TokenDataset, spec: TrainSpec = SPEC, hook=None):
+    """Submit and run one job in this process; returns (job info, runner events)."""
+    events: list[JobEvent] = []
+
+    async def main():
+        async with AsyncClient(swarm.address) as client:
+            info, _ = await client.submit_training(MODEL, data, spec)
+            final = await client.run_job(
+                info.job_id, dataset=data, on_event=events.append,
+                after_step=(lambda step: hook(client, info.job_id, step)) if hook else None,
+            )  # fmt: skip
+            return final
+
+    return asyncio.run(main()), events
+
+
+def step_losses(events: list[JobEvent]) -> list[tuple[int, float]]:
+    """(step applied, loss) in the order the runner trained them."""
+    return [(e.step - 1, e.loss) for e in events if e.kind == "step"]
+
+
+@pytest.fixture(scope="module")
+def reference(swarm: LocalSwarm, dataset) -> dict[int, float]:
+    heal(swarm)
+    info, events = run_job(swarm, dataset[0])
+    assert info.step == SPEC.steps and info.replans == 0
+    losses = dict(step_losses(events))
+    assert losses[SPEC.steps - 1] < losses[0], "the job should learn the counting task"
+    return losses
+
+
+def ready_ranges(swarm: LocalSwarm, model: str) -> dict[str, tuple[int, int]]:
+    """The latest READY range of every node, from the coordinator's log."""
+    ranges: dict[str, tuple[int, int]] = {}
+    for node_id, name, start, end in _READY.findall(swarm.coordinator.log_text()):
+        if name == model:
+            ranges[node_id] = (int(start), int(end))
+    return ranges
+
+
+def test_kill_9_of_a_stage_node_resumes_from_the_last_consistent_checkpoint(
+    swarm, dataset, reference
+) -> None:
+    heal(swarm)
+    killed: dict[str, str] = {}
+
+    async def kill_a_stage(client: AsyncClient, job_id: str, step: int) -> None:
+        if step != KILL_AFTER_STEP or killed:  # once: step 5 comes again after the resume
+            return
+        job = await client.job(job_id)
+        in_job = {s.node_id for s in job.stages}
+        ranges = ready_ranges(swarm, MODEL)
+        alive = {p.node_id for p in swarm.processes if p.alive() and p.node_id}
+        spares = [n for n in ranges if n not in in_job and n in alive]
+        # A stage some spare node can take over (its READY shard covers the layers).
+        stage = next(
+            s for s in job.stages
+            if any(ranges[n][0] <= s.layers.start and s.layers.end <= ranges[n][1] for n in spares)
+        )  # fmt: skip
+        killed["node"] = stage.node_id
+        swarm.node(stage.node_id).kill9()
+
+    info, events = run_job(swarm, dataset[0], hook=kill_a_stage)
+    assert info.step == SPEC.steps and info.state == 5  # JOB_STATE_DONE
+    assert info.replans == 1 and killed["node"] not in {s.node_id for s in info.stages}
+    replans = [e for e in events if e.kind == "replan"]
+    assert len(replans) == 1 and replans[0].step == 4, "rolled back to the step-4 checkpoint"
+    trained = step_losses(events)
+    before = trained[:KILL_AFTER_STEP]
+    after = trained[KILL_AFTER_STEP:]
+    assert [s for s, _ in before] == list(range(KILL_AFTER_STEP))
+    assert [s for s, _ in after] == list(range(4, SPEC.steps)), "steps 4.. redone once"
+    for step, loss in trained:
+        assert loss == pytest.approx(reference[step], rel=1e-5), step
+
+
+def test_a_killed_runner_is_resumed_with_tessera_train_resume(swarm, dataset, reference) -> None:
+    heal(swarm)
+    cli = [sys.executable, "-m", "client.cli", "train", "--coordinator", swarm.address]
+    runner = subprocess.Popen(
+        [*cli, "--model", MODEL, "--data", str(dataset[1]), "--steps", str(SPEC.steps),
+         "--batch-size", str(SPEC.batch_size), "--seq-len", str(SPEC.seq_len),
+         "--lr", str(SPEC.lr), "--micro-batches", str(SPEC.micro_batches),
+         "--checkpoint-every", str(SPEC.checkpoint_every), "--seed", str(SPEC.seed), "--json"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+    )  # fmt: skip
+    try:
+        with Client(swarm.address) as client:
+
+            def mine():
+                return [j for j in client.jobs() if j.checkpoint_step >= 4 and j.state == 2]
+
+            wait_for(lambda: bool(mine()) or runner.poll() is not None, "checkpoint at step 4")
+            assert runner.poll() is None, runner.stderr.read().decode()[-2000:]
+            job_id = mine()[0].job_id
+            runner.kill()  # kill -9 of the driver mid-job
+            runner.wait(10)
+            resumed = subprocess.run(
+                [*cli, "--resume", job_id, "--json"], capture_output=True, text=True, timeout=300
+            )
+            assert resumed.returncode == 0 and resumed.stdout, resumed.stderr[-3000:]
+            final = json.loads(resumed.stdout)
+            assert final["state"] == "done" and int(final["step"]) == SPEC.steps
+            assert int(final["checkpoint_step"]) == SPEC.steps
+            losses = {p.step: p.loss for p in client.job(job_id).losses}
+    finally:
+        if runner.poll() is None:
+            runner.kill()
+    assert sorted(losses) == list(range(SPEC.steps))
+    for step, loss in losses.items():
+        assert loss == pytest.approx(reference[step], rel=1e-5), step
+
+
+def test_a_trained_model_is_served_through_generate(swarm, dataset, checkpoint) -> None:
+    heal(swarm)
+    name = "tiny-train-e2e-ft"
+    spec = TrainSpec(steps=4, batch_size=4, seq_len=16, lr=3e-3, checkpoint_every=0,
+                     output_model=name, seed=1)  # fmt: skip
+    info, _ = run_job(swarm, dataset[0], spec)
+    assert info.output_model == name and info.state == 5
+    prompt = [10, 11, 12, 13, 14]
+    with Client(swarm.address) as client:
+        wait_for(lambda: replicated(client, name, 1), f"model {name} to be served")
+        served = client.generate_all(name, token_ids=prompt, max_new_tokens=6, stop_at_eos=False)
+
+    # The reference: transformers on the weights the coordinator stored for the new model.
+    transformers = pytest.importorskip("transformers")
+    store_dir = swarm.coordinator_dir
+    trained = Path(store_dir) / "trained"
+    trained.mkdir(exist_ok=True)
+    catalog = ModelCatalog(sqlite3.connect(store_dir / "coordinator.db"))
+    tensors = {}
+    for t in catalog.tensors(name):
+        raw = (store_dir / "blobs" / t.sha256[:2] / t.sha256[2:]).read_bytes()
+        tensors[t.name] = (t.dtype, np.frombuffer(raw, dtype="<f4").reshape(t.shape))
+    write_safetensors(trained / "model.safetensors", tensors)
+    (trained / "config.json").write_text((checkpoint / "config.json").read_text())
+    model = transformers.AutoModelForCausalLM.from_pretrained(trained, dtype=torch.float32)
+    with torch.no_grad():
+        out = model.generate(torch.tensor([prompt]), max_new_tokens=6, do_sample=False,
+                             eos_token_id=None, pad_token_id=0)  # fmt: skip
+    assert served.token_ids == out[0, len(prompt) :].tolist()
+    base = load_base(checkpoint)
+    assert any(not np.array_equal(tensors[n][1], base[n]) for n in base), "weights were trained"
+
+
+def load_base(checkpoint: Path) -> dict[str, np.ndarray]:
+    from safetensors.numpy import load_file
+
+    return load_file(str(checkpoint / "model.safetensors"))
