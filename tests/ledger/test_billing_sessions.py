@@ -60,7 +60,10 @@ class Node:
 def countersign(usage: ledger_pb2.SignedUsage, key) -> ledger_pb2.SignedUsage:
     signed = ledger_pb2.SignedUsage()
     signed.CopyFrom(usage)
-    signed.client_signature = key.sign(identity.usage_countersign_payload(usage.receipt))
+    signed.billed_tokens = ledger_pb2.UsageReceipt.FromString(usage.receipt).tokens
+    signed.client_signature = key.sign(
+        identity.usage_countersign_payload(usage.receipt, signed.billed_tokens)
+    )
     return signed
 
 
@@ -332,6 +335,6 @@ def test_the_driver_countersigns_only_what_it_sent():
     assert identity.verify(
         identity.public_key_bytes(client),
         signed[0].client_signature,
-        identity.usage_countersign_payload(signed[0].receipt),
+        identity.usage_countersign_payload(signed[0].receipt, 10),
     )
     assert book.countersign("another-session", client) == []
