@@ -179,8 +179,8 @@ async def test_an_operator_stakes_released_earnings_with_its_node_key(harness: H
                    b"k" * 32)  # fmt: skip
     book.settle("s1", [Usage("r1", node.node_id, 0, 2, 1000)])  # 2000 pending
     ledger = stub(harness)
-    await expect(grpc.StatusCode.FAILED_PRECONDITION,
-                 ledger.DepositStake(stake_request(node.key, 500, "st0")), "operator:alice")  # fmt: skip
+    early = ledger.DepositStake(stake_request(node.key, 500, "st0"))
+    await expect(grpc.StatusCode.FAILED_PRECONDITION, early, "operator:alice")
 
     async def released() -> bool:
         query = identity.sign_ledger_query(node.key, "earnings", int(time.time() * 1000))
