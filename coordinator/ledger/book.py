@@ -475,6 +475,11 @@ class Ledger:
             }
         else:
             if not entries:
+                # Nothing to pay (older receipts, rejected work, or shares the escrow cap
+                # rounded to 0): still remember the usage as settled, so that a later
+                # settlement does not pay it after all.
+                with self.db.atomic():
+                    self._record_paid(paid_rows)
                 return SettlementResult(hold_id, amount, charged_before, 0, fee_before, False)
             txid = f"usage:{hold_id}:{self._count_usage_settlements(hold_id) + 1}"
             params = {"receipts": sorted(u.receipt_id for u, _, _ in increments)}
@@ -491,12 +496,7 @@ class Ledger:
                      hold_id],
                 )  # fmt: skip
                 failpoint("settle:mid")
-                self.db.conn.executemany(
-                    "INSERT INTO ledger_usage_paid (hold_id, node_id, layer_start, layer_end, "
-                    "tokens, charged) VALUES (?, ?, ?, ?, ?, ?) ON CONFLICT DO UPDATE SET "
-                    "tokens = excluded.tokens, charged = excluded.charged",
-                    paid_rows,
-                )
+                self._record_paid(paid_rows)
                 self.db.conn.executemany(
                     "INSERT INTO ledger_earnings (receipt_id, hold_id, node_id, operator, "
                     "amount, state, settled_ms, release_after_ms) "
@@ -515,6 +515,14 @@ class Ledger:
             ) from None
         failpoint("settle:after-commit")
         return SettlementResult(hold_id, amount, charged, refunded, fee_before + fee_total, close)
+
+    def _record_paid(self, rows: list[tuple[str, str, int, int, int, int]]) -> None:
+        self.db.conn.executemany(
+            "INSERT INTO ledger_usage_paid (hold_id, node_id, layer_start, layer_end, tokens, "
+            "charged) VALUES (?, ?, ?, ?, ?, ?) ON CONFLICT DO UPDATE SET "
+            "tokens = excluded.tokens, charged = excluded.charged",
+            rows,
+        )
 
     def _count_usage_settlements(self, hold_id: str) -> int:
         row = self.db.execute(

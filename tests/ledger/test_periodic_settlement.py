@@ -161,3 +161,12 @@ def test_a_stake_comes_from_released_earnings_and_fraud_takes_it(ledger: Ledger)
     assert ledger.balance(stake_account("op1")) == 0
     assert ledger.balance(SLASHED) == 1300
     assert ledger.balance(operator_account("op1")) == 2000, "released earnings stay"
+
+
+def test_an_old_receipt_replayed_beside_new_work_does_not_reopen_its_key(ledger: Ledger) -> None:
+    old, new = receipt("n1", 100), receipt("n1", 200)
+    ledger.settle_usage("s1", [old])
+    ledger.settle_usage("s1", [new])  # 600 so far
+    ledger.settle_usage("s1", [old, receipt("n2", 10)])  # + 60 for n2 only
+    again = ledger.settle_usage("s1", [new, receipt("n2", 10)])
+    assert again.charged == 660, "the newest receipt was paid twice"
