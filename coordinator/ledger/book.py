@@ -283,7 +283,14 @@ class Ledger:
         expires_ms: int,
         client_key: bytes,
     ) -> None:
-        """Escrow `amount` of the client's credit for a session; refused past its balance."""
+        """Escrow `amount` of the client's credit for a session; refused past its balance.
+
+        Not tied to inference: `hold_id` names any paid piece of work (a training job holds
+        under "job:<job id>", so it cannot collide with a session id), `client_key` is the
+        key that counter-signs its usage, and settlement charges Usage.tokens x layers x
+        price / 1000. A job priced per sample-layer passes NodeQuote(price x 1000) and the
+        samples as tokens; settle_usage pays it periodically, settle closes it.
+        """
         _check_name(hold_id, "session id")
         _check_name(client_id, "account")
         check_amount(amount, "quote")

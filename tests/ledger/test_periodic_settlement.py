@@ -170,3 +170,14 @@ def test_an_old_receipt_replayed_beside_new_work_does_not_reopen_its_key(ledger:
     ledger.settle_usage("s1", [old, receipt("n2", 10)])  # + 60 for n2 only
     again = ledger.settle_usage("s1", [new, receipt("n2", 10)])
     assert again.charged == 660, "the newest receipt was paid twice"
+
+
+def test_a_training_job_can_hold_and_settle_per_sample_layer(ledger: Ledger) -> None:
+    # How training will be wired: a "job:" hold, prices per sample-layer x 1000, samples
+    # counted as tokens, paid periodically while the job runs.
+    per_sample_layer = {"n1": NodeQuote(7 * 1000, "op1")}
+    ledger.open_hold("job:j1", "calice", 5_000, per_sample_layer, 10**15, b"k" * 32)
+    step = ledger.settle_usage("job:j1", [Usage("j1/a/10", "n1", 0, 4, 10)])  # 10 x 4 x 7
+    assert step.charged == 280
+    final = ledger.settle("job:j1", [Usage("j1/a/30", "n1", 0, 4, 30)])
+    assert (final.charged, final.refunded) == (840, 5_000 - 840)

@@ -171,8 +171,8 @@ def audit_cli(market: LocalSwarm, *where: str) -> subprocess.CompletedProcess[st
     return run_cli("coordinator.cli", "ledger", "audit", *where, check=False)
 
 
-def generate(market: LocalSwarm, key) -> GenerationResult:
-    with Client(market.address, key=key) as client:
+def generate(market: LocalSwarm, key, settle_every: int = 0) -> GenerationResult:
+    with Client(market.address, key=key, settle_every=settle_every) as client:
         wait_for(lambda: available(client), "the model to be served")
         return client.generate_all(
             MODEL, token_ids=PROMPT, max_new_tokens=NEW_TOKENS, stop_at_eos=False
