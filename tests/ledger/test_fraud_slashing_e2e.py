@@ -43,7 +43,7 @@ from protos.tessera.v1 import ledger_pb2, verification_pb2
 pytestmark = pytest.mark.slow
 
 CHEATER = "bravo"
-WINDOW_S = 20.0
+WINDOW_S = 30.0  # long enough that the second session's earnings are pending at the fraud
 LAYERS = 6
 TOKENS = len(PROMPT) + NEW_TOKENS - 1  # what one primary computes for one generation
 STAKE = 150
