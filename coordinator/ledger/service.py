@@ -27,6 +27,8 @@ from protos.tessera.v1 import common_pb2, ledger_pb2
 log = logging.getLogger("tessera.ledger")
 
 CLIENT_ACCOUNT_RE = re.compile(r"^c[0-9a-f]{23}$")
+# Stake txids are "<node id>:<request id>": this keeps them within the ledger's names.
+MAX_STAKE_REQUEST_ID = 64
 
 
 class LedgerComponent:
@@ -130,10 +132,11 @@ class LedgerComponent:
     async def deposit_stake(
         self, request: ledger_pb2.StakeRequest, context: grpc.aio.ServicerContext
     ) -> ledger_pb2.Earnings:
-        if not request.request_id:
+        if not 0 < len(request.request_id) <= MAX_STAKE_REQUEST_ID:
             await context.abort(
                 grpc.StatusCode.INVALID_ARGUMENT,
-                "give a request_id, so a retried deposit stakes only once",
+                f"give a request_id of 1 to {MAX_STAKE_REQUEST_ID} characters, so a retried "
+                "deposit stakes only once",
             )
         purpose = stake_purpose(request.amount, request.request_id)
         await _answer(context, _check_query, request.query, purpose)
