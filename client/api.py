@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import os
 import queue
 import threading
@@ -60,6 +61,7 @@ DEFAULT_COORDINATOR = "127.0.0.1:7000"
 COORDINATOR_ENV = "TESSERA_COORDINATOR"
 
 T = TypeVar("T")
+log = logging.getLogger(__name__)
 
 
 def default_coordinator() -> str:
@@ -94,6 +96,7 @@ class GenerationResult:
     first_token_s: float = 0.0
     quote: int = 0  # credit units escrowed at open (0: a free session)
     settlement: ledger_pb2.Settlement | None = None  # what CloseSession charged and refunded
+    periodic: list[ledger_pb2.Settlement] = field(default_factory=list)  # settle_every
     # The close with the counter-signed receipts: `settle(result)` re-sends it when the
     # coordinator could not be reached at the end of the run (settling is idempotent).
     close_request: client_api_pb2.CloseSessionRequest | None = None
@@ -174,9 +177,13 @@ class AsyncClient:
         key: Ed25519PrivateKey | None = None,
         max_price: int = 0,
         prefer: str = "",
+        settle_every: int = 0,
     ) -> None:
         self.coordinator = coordinator or default_coordinator()
         self.account = account
+        # Long sessions settle their usage every this many generated tokens (0: at close
+        # only), so operators are paid as the session goes and the escrow shrinks.
+        self.settle_every = settle_every
         # With a key, sessions are paid: it signs the open and counter-signs usage receipts.
         self.key = key
         self.max_price = max_price
@@ -265,6 +272,7 @@ class AsyncClient:
             config=self.driver_config,
             verifier=verifier,
         )
+        verifier.on_check_sent = driver.usage.checked
         result = GenerationResult(
             model=model,
             session_id=grant.session_id,
@@ -304,6 +312,12 @@ class AsyncClient:
                     stage_timings=tuple(driver.timings[seen_timings:]),
                     failovers=tuple(driver.failovers[seen_failovers:]),
                 )
+                if (
+                    self.key is not None
+                    and self.settle_every
+                    and ((index + 1) % self.settle_every == 0)
+                ):
+                    await self._settle_periodically(driver, grant, result)
                 if stop_at_eos and token in handle.eos_ids:
                     result.finish_reason = "eos"
                     break
@@ -432,6 +446,26 @@ class AsyncClient:
             request.usage.extend(driver.usage.countersign(grant.session_id, self.key))
         return request
 
+    async def _settle_periodically(
+        self,
+        driver: PipelineDriver,
+        grant: client_api_pb2.SessionGrant,
+        result: GenerationResult,
+    ) -> None:
+        """Send the receipts counter-signed so far; the close settles the rest anyway, so
+        a failure here only delays payment."""
+        assert self.key is not None
+        request = ledger_pb2.SettleUsageRequest(
+            session_id=grant.session_id,
+            usage=driver.usage.countersign(grant.session_id, self.key),
+        )
+        try:
+            result.periodic.append(
+                await self._call("settling usage", self._ledger.SettleUsage, request)
+            )
+        except (CoordinatorError, CoordinatorUnavailable) as err:
+            log.warning("periodic settlement failed (the close will settle it): %s", err)
+
     async def _end_session(
         self, request: client_api_pb2.CloseSessionRequest
     ) -> ledger_pb2.Settlement | None:
@@ -518,6 +552,7 @@ class Client:
         key: Ed25519PrivateKey | None = None,
         max_price: int = 0,
         prefer: str = "",
+        settle_every: int = 0,
     ) -> None:
         self._loop = _LoopThread()
 
@@ -530,6 +565,7 @@ class Client:
                 key=key,
                 max_price=max_price,
                 prefer=prefer,
+                settle_every=settle_every,
             )
 
         self._async = self._loop.run(build())

@@ -66,14 +66,27 @@ _Key = tuple[str, int, int]  # node id, layer start, layer end
 
 @dataclass
 class UsageBook:
-    """What the driver sent to each (node, layers), and the newest receipt each returned."""
+    """What the driver sent to each (node, layers), what the verifier sent there to check
+    another node, and the newest receipt each node returned.
+
+    A node cannot tell a check from a client call (that is what makes checks honest), so
+    its cumulative receipt counts both. The client counter-signs a receipt that claims no
+    more than it sent in all, and pays only for its own calls (`billed_tokens`): checks
+    are verification work, not billed to the client (docs/ledger.md).
+    """
 
     _sent: dict[_Key, int] = field(default_factory=dict)
+    _checked: dict[_Key, int] = field(default_factory=dict)
     _receipts: dict[_Key, ledger_pb2.SignedUsage] = field(default_factory=dict)
 
     def sent(self, node_id: str, start: int, end: int, tokens: int) -> None:
         key = (node_id, start, end)
         self._sent[key] = self._sent.get(key, 0) + tokens
+
+    def checked(self, node_id: str, start: int, end: int, tokens: int) -> None:
+        """The verifier sent `tokens` to this node to check another one's output."""
+        key = (node_id, start, end)
+        self._checked[key] = self._checked.get(key, 0) + tokens
 
     def received(self, node_id: str, start: int, end: int, usage: ledger_pb2.SignedUsage) -> None:
         # Receipts are cumulative: the newest covers the older ones. Checked at countersign.
@@ -81,8 +94,9 @@ class UsageBook:
             self._receipts[(node_id, start, end)] = usage
 
     def countersign(self, session_id: str, key: Ed25519PrivateKey) -> list[ledger_pb2.SignedUsage]:
-        """Counter-sign every receipt that claims no more than the driver sent; others are
-        left out (and logged), so a node that inflates its count is not paid for them."""
+        """Counter-sign every receipt that claims no more than the driver and the verifier
+        sent; others are left out (and logged), so a node that inflates its count is not
+        paid for them. Each pays for at most what the driver itself sent."""
         signed = []
         for (node_id, start, end), usage in sorted(self._receipts.items()):
             receipt = ledger_pb2.UsageReceipt()
@@ -93,11 +107,12 @@ class UsageBook:
                 log.warning("node %s sent a malformed usage receipt; not signing it", node_id)
                 continue
             sent = self._sent.get((node_id, start, end), 0)
+            checks = self._checked.get((node_id, start, end), 0)
             agreed = (
                 receipt.session_id == session_id
                 and receipt.node_id == node_id == owner
                 and (receipt.layer_start, receipt.layer_end) == (start, end)
-                and receipt.tokens <= sent
+                and receipt.tokens <= sent + checks
                 and identity.verify(
                     receipt.node_public_key,
                     usage.node_signature,
@@ -106,15 +121,20 @@ class UsageBook:
             )
             if not agreed:
                 log.warning(
-                    "node %s claims %d tokens on layers [%d, %d), the driver sent %d: not "
-                    "signing its receipt", node_id, receipt.tokens, start, end, sent,
+                    "node %s claims %d tokens on layers [%d, %d), the driver sent %d (and %d "
+                    "to check others): not signing its receipt", node_id, receipt.tokens,
+                    start, end, sent, checks,
                 )  # fmt: skip
                 continue
+            billed = min(receipt.tokens, sent)
             signed.append(
                 ledger_pb2.SignedUsage(
                     receipt=usage.receipt,
                     node_signature=usage.node_signature,
-                    client_signature=key.sign(identity.usage_countersign_payload(usage.receipt)),
+                    client_signature=key.sign(
+                        identity.usage_countersign_payload(usage.receipt, billed)
+                    ),
+                    billed_tokens=billed,
                 )
             )
         return signed

@@ -119,6 +119,9 @@ class StageVerifier:
         self._streams: dict[str, _CheckerStream] = {}
         self._pending: list[verification_pb2.Comparison] = []
         self.stats = VerificationStats()
+        # Told (node, layer start, layer end, tokens) of every check sent: the checker's
+        # usage receipt counts them, and the client does not pay for them (client/billing).
+        self.on_check_sent: Callable[[str, int, int, int], None] | None = None
 
     # ---- the hook the driver calls after every good reply ----------------------------
 
@@ -301,6 +304,10 @@ class StageVerifier:
             if stream.capability_sent != self._capability.signature:
                 message.capability.CopyFrom(self._capability)
                 stream.capability_sent = self._capability.signature
+            if self.on_check_sent is not None:
+                shape = message.input.shape
+                self.on_check_sent(checker.node_id, message.layers.start, message.layers.end,
+                                   int(shape[0]) * int(shape[1]))  # fmt: skip
             await stream.call.write(message)
             read = await stream.call.read()
             if read is grpc.aio.EOF:

@@ -17,7 +17,8 @@ import sqlite_utils
 from coordinator.jobs.schema import MIGRATION_NAME as JOBS_MIGRATION
 from coordinator.jobs.schema import create_jobs_tables
 from coordinator.ledger.schema import MIGRATION_NAME as LEDGER_MIGRATION
-from coordinator.ledger.schema import create_ledger_tables
+from coordinator.ledger.schema import PERIODIC_MIGRATION_NAME as LEDGER_PERIODIC_MIGRATION
+from coordinator.ledger.schema import create_ledger_tables, create_periodic_settlement_tables
 from coordinator.model_store.schema import MIGRATION_NAME as MODEL_STORE_MIGRATION
 from coordinator.model_store.schema import create_model_store_tables
 from coordinator.verifier.reputation import create_tables as create_verifier_tables
@@ -81,6 +82,7 @@ MIGRATIONS: list[Migration] = [
     Migration(3, LEDGER_MIGRATION, create_ledger_tables),
     Migration(4, JOBS_MIGRATION, create_jobs_tables),
     Migration(5, "verifier: reputation, evidence, canaries", create_verifier_tables),
+    Migration(6, LEDGER_PERIODIC_MIGRATION, create_periodic_settlement_tables),
 ]
 
 

@@ -240,6 +240,14 @@ class LedgerService(ledger_pb2_grpc.LedgerServicer):
         ledger = await _component(self.ctx, "ledger", context)
         return await ledger.audit(request, context)
 
+    async def DepositStake(self, request: Any, context: Any) -> Any:
+        ledger = await _component(self.ctx, "ledger", context)
+        return await ledger.deposit_stake(request, context)
+
+    async def SettleUsage(self, request: Any, context: Any) -> Any:
+        ledger = await _component(self.ctx, "ledger", context)
+        return await ledger.settle_usage(request, context)
+
 
 class VerificationService(verification_pb2_grpc.VerificationServicer):
     """Delegates to the verifier component (coordinator/verifier)."""

@@ -248,7 +248,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if args.command == "probe":
             return _probe(args)
-        if args.command == "earnings":
+        if args.command in earnings_cli.COMMANDS:
             return earnings_cli.run(args)
         return _join(args)
     except (

@@ -1,9 +1,11 @@
-"""`tessera-node earnings`: what this node has earned, proven with its own key."""
+"""`tessera-node earnings` and `tessera-node stake deposit`: what this node has earned, and
+moving released earnings into a slashable stake, both proven with the node's own key."""
 
 from __future__ import annotations
 
 import argparse
 import time
+import uuid
 from datetime import datetime
 from pathlib import Path
 
@@ -13,9 +15,10 @@ from node_agent import identity
 from node_agent.agent import CHANNEL_OPTIONS
 from node_agent.data_dir import default_data_dir
 from protos import identity as wire_identity
-from protos.tessera.v1 import ledger_pb2_grpc
+from protos.tessera.v1 import ledger_pb2, ledger_pb2_grpc
 
 RPC_TIMEOUT_S = 15.0
+COMMANDS = ("earnings", "stake")
 
 EPILOG = """\
 example:
@@ -25,6 +28,18 @@ pending:  settled work inside the challenge window (verification can still rejec
 released: paid out to the operator account
 slashed:  taken after proven fraud
 rejected: refunded to clients after a verification failure
+staked:   the operator's stake (tessera-node stake deposit), taken on proven fraud
+available: released credit of the operator account, which may be staked
+"""
+
+STAKE_EPILOG = """\
+example:
+  tessera-node stake deposit 5000 --coordinator swarm.example.org:50051 --data-dir ~/.tessera-node
+
+The amount comes out of the operator account's released earnings (see `tessera-node
+earnings`). A stake shows clients this operator has something to lose: proven fraud by
+any of its nodes moves the whole stake to the slashing account. Retrying with the same
+--request-id stakes once.
 """
 
 
@@ -37,17 +52,57 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
         epilog=EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    earnings.add_argument(
+    _add_common(earnings)
+    stake = commands.add_parser(
+        "stake",
+        help="deposit released earnings as a slashable stake",
+        description="Move credit from this node's operator account (released earnings) into "
+        "its stake. The request is signed with the node key in --data-dir.",
+        epilog=STAKE_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    actions = stake.add_subparsers(dest="stake_command", required=True, metavar="ACTION")
+    deposit = actions.add_parser(
+        "deposit",
+        help="stake AMOUNT credit units",
+        description="Stake AMOUNT credit units from the operator's released earnings.",
+        epilog=STAKE_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    deposit.add_argument("amount", metavar="AMOUNT", type=_amount, help="credit units, > 0")
+    deposit.add_argument(
+        "--request-id",
+        default=None,
+        help="idempotency key (default: a fresh random one; reuse it to retry)",
+    )
+    _add_common(deposit)
+
+
+def _add_common(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
         "--coordinator", required=True, metavar="HOST:PORT", help="the coordinator's address"
     )
-    earnings.add_argument(
+    parser.add_argument(
         "--data-dir",
         type=Path,
         default=default_data_dir(),
         help="the node's data directory, which holds its key (default: %(default)s)",
     )
-    earnings.add_argument("--json", action="store_true", help="print JSON for scripts")
-    earnings.set_defaults(log_level="WARNING")
+    parser.add_argument("--json", action="store_true", help="print JSON for scripts")
+    parser.set_defaults(log_level="WARNING")
+
+
+def _amount(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a whole number of credit units (units are the smallest "
+            "denomination: no decimals)"
+        ) from None
+    if not 0 < value < 1 << 63:
+        raise argparse.ArgumentTypeError(f"must be between 1 and 2^63-1, got {value}")
+    return value
 
 
 def run(args: argparse.Namespace) -> int:
@@ -56,10 +111,26 @@ def run(args: argparse.Namespace) -> int:
             f"no node key in {args.data_dir}: pass the --data-dir this node joined with"
         )
     key = identity.load_or_create_key(args.data_dir)
-    query = wire_identity.sign_ledger_query(key, "earnings", int(time.time() * 1000))
+    now_ms = int(time.time() * 1000)
     with grpc.insecure_channel(args.coordinator, options=CHANNEL_OPTIONS) as channel:
+        stub = ledger_pb2_grpc.LedgerStub(channel)
         try:
-            reply = ledger_pb2_grpc.LedgerStub(channel).GetEarnings(query, timeout=RPC_TIMEOUT_S)
+            if args.command == "stake":
+                request_id = args.request_id or uuid.uuid4().hex
+                # The signature covers the amount and the request id (coordinator's
+                # ledger.service.stake_purpose): nobody can replay it for another amount.
+                purpose = f"stake {args.amount} {request_id}"
+                request = ledger_pb2.StakeRequest(
+                    amount=args.amount,
+                    request_id=request_id,
+                    query=wire_identity.sign_ledger_query(key, purpose, now_ms),
+                )
+                reply = stub.DepositStake(request, timeout=RPC_TIMEOUT_S)
+                if not args.json:
+                    print(f"staked {args.amount} credit units (request id {request_id})")
+            else:
+                query = wire_identity.sign_ledger_query(key, "earnings", now_ms)
+                reply = stub.GetEarnings(query, timeout=RPC_TIMEOUT_S)
         except grpc.RpcError as err:
             print(f"tessera-node: the coordinator answered {err.code().name}: {err.details()}")
             return 1
@@ -75,6 +146,8 @@ def run(args: argparse.Namespace) -> int:
         ("released", reply.released),
         ("slashed", reply.slashed),
         ("rejected", reply.rejected),
+        ("staked", reply.staked),
+        ("available", reply.available),
     ):
         print(f"  {label:<9} {value:>16} credit units")
     if reply.next_release_unix_ms:

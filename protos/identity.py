@@ -151,9 +151,10 @@ def usage_payload(receipt: bytes) -> bytes:
     return _USAGE_DOMAIN + receipt
 
 
-def usage_countersign_payload(receipt: bytes) -> bytes:
-    """What the client's driver signs to agree with a node's usage receipt."""
-    return _USAGE_COUNTERSIGN_DOMAIN + receipt
+def usage_countersign_payload(receipt: bytes, billed_tokens: int) -> bytes:
+    """What the client's driver signs to agree with a node's usage receipt and to pay for
+    `billed_tokens` of its tokens (the rest were verification checks)."""
+    return _USAGE_COUNTERSIGN_DOMAIN + billed_tokens.to_bytes(8, "big") + receipt
 
 
 def open_session_payload(request: client_api_pb2.OpenSessionRequest) -> bytes:

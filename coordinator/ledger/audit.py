@@ -72,7 +72,9 @@ def audit(db: sqlite_utils.Database) -> AuditResult:
         if result.minted != granted:
             bad.append(f"the mint issued {result.minted} but grants total {granted}")
         open_count, open_sum = _rows(
-            db, "SELECT COUNT(*), COALESCE(SUM(amount), 0) FROM ledger_holds WHERE state = 'open'"
+            db,
+            "SELECT COUNT(*), COALESCE(SUM(amount - charged), 0) FROM ledger_holds "
+            "WHERE state = 'open'",
         )[0]
         result.open_holds = int(open_count)
         result.escrowed = sums.get(ESCROW, 0)
@@ -99,6 +101,12 @@ def _check_once(db: sqlite_utils.Database, bad: list[str]) -> None:
     """No double settlement: each closed hold has exactly one closing transaction, each
     closed earning exactly one, and each hold's charge equals what its earnings and fee
     took."""
+    for hold_id, amount, charged, refunded in _rows(
+        db, "SELECT hold_id, amount, charged, refunded FROM ledger_holds WHERE state != 'open'"
+    ):
+        if charged + refunded != amount:
+            bad.append(f"hold {hold_id} escrowed {amount} but charged {charged} and refunded "
+                       f"{refunded}")  # fmt: skip
     for hold_id, state in _rows(
         db, "SELECT hold_id, state FROM ledger_holds WHERE state != 'open'"
     ):
@@ -108,9 +116,7 @@ def _check_once(db: sqlite_utils.Database, bad: list[str]) -> None:
         )[0]
         if count != 1:
             bad.append(f"hold {hold_id} is {state} but has {count} {kind} transactions")
-    for hold_id, charged, fee in _rows(
-        db, "SELECT hold_id, charged, fee FROM ledger_holds WHERE state = 'settled'"
-    ):
+    for hold_id, charged, fee in _rows(db, "SELECT hold_id, charged, fee FROM ledger_holds"):
         (paid,) = _rows(
             db,
             "SELECT COALESCE(SUM(amount), 0) FROM ledger_earnings WHERE hold_id = ?",

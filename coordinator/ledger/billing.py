@@ -15,7 +15,7 @@ from collections.abc import Sequence
 import grpc
 
 from coordinator.ledger.amounts import LedgerError
-from coordinator.ledger.book import Ledger
+from coordinator.ledger.book import Ledger, SettlementResult
 from coordinator.ledger.pricing import PriceOf, plan_route, stage_nodes
 from coordinator.ledger.receipts import verify_usage
 from coordinator.router import Holder, Stage
@@ -135,13 +135,35 @@ class Billing:
             "session %s settled: %d charged, %d refunded (%d receipts)", session_id,
             result.charged, result.refunded, len(usages),
         )  # fmt: skip
-        return ledger_pb2.Settlement(
-            session_id=session_id,
-            escrowed=result.escrowed,
-            charged=result.charged,
-            refunded=result.refunded,
-            fee=result.fee,
-        )
+        return _settlement(result)
+
+    def settle_usage(
+        self, session_id: str, usage: Sequence[ledger_pb2.SignedUsage]
+    ) -> ledger_pb2.Settlement:
+        """Periodic settlement of an open session (SettleUsage)."""
+        hold = self.ledger.hold(session_id)
+        if hold is None:
+            raise LedgerError(
+                grpc.StatusCode.NOT_FOUND,
+                f"session {session_id[:64]!r} holds no escrow (unknown, or free): nothing to "
+                "settle",
+            )
+        usages = verify_usage(session_id, list(usage), bytes(hold["client_key"]))  # type: ignore[arg-type]
+        result = self.ledger.settle_usage(session_id, usages)
+        log.info("session %s: %d charged so far (periodic, %d receipts)", session_id,
+                 result.charged, len(usages))  # fmt: skip
+        return _settlement(result)
+
+
+def _settlement(result: SettlementResult) -> ledger_pb2.Settlement:
+    return ledger_pb2.Settlement(
+        session_id=result.session_id,
+        escrowed=result.escrowed,
+        charged=result.charged,
+        refunded=result.refunded,
+        fee=result.fee,
+        closed=result.closed,
+    )
 
 
 def check_fresh(unix_ms: int) -> None:

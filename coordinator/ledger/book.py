@@ -78,6 +78,7 @@ class SettlementResult:
     charged: int
     refunded: int
     fee: int
+    closed: bool = True  # False after a periodic settlement: the session is still open
 
 
 @dataclass(frozen=True)
@@ -202,7 +203,7 @@ class Ledger:
     def client_balance(self, client_id: str) -> BalanceSummary:
         account = client_account(client_id)
         row = self.db.execute(
-            "SELECT COALESCE(SUM(amount), 0) FROM ledger_holds "
+            "SELECT COALESCE(SUM(amount - charged), 0) FROM ledger_holds "
             "WHERE account = ? AND state = 'open'",
             [account],
         ).fetchone()
@@ -282,7 +283,14 @@ class Ledger:
         expires_ms: int,
         client_key: bytes,
     ) -> None:
-        """Escrow `amount` of the client's credit for a session; refused past its balance."""
+        """Escrow `amount` of the client's credit for a session; refused past its balance.
+
+        Not tied to inference: `hold_id` names any paid piece of work (a training job holds
+        under "job:<job id>", so it cannot collide with a session id), `client_key` is the
+        key that counter-signs its usage, and settlement charges Usage.tokens x layers x
+        price / 1000. A job priced per sample-layer passes NodeQuote(price x 1000) and the
+        samples as tokens; settle_usage pays it periodically, settle closes it.
+        """
         _check_name(hold_id, "session id")
         _check_name(client_id, "account")
         check_amount(amount, "quote")
@@ -337,29 +345,62 @@ class Ledger:
             )
 
     def settle(self, hold_id: str, usages: list[Usage]) -> SettlementResult:
-        """Pay operators (pending) for proven usage and refund the rest of the escrow.
+        """Close a session: pay operators (pending) for proven usage not paid yet, refund
+        the rest of the escrow.
 
         Usage beyond the escrow (replays after fail-overs) is scaled down so the total is
         exactly the escrow: the client never pays past its quote. Work that verification
-        already rejected is refunded instead of paid. Idempotent per session: a retry
-        answers the first settlement, whatever receipts it carries.
+        already rejected, or of a node convicted of fraud, is refunded instead of paid.
+        Idempotent per session: a retry answers the first settlement, whatever receipts
+        it carries.
         """
+        hold = self._open_hold(hold_id)
+        if hold["state"] != "open":
+            return self._settled(hold)
+        return self._pay(hold, usages, close=True)
+
+    def settle_usage(self, hold_id: str, usages: list[Usage]) -> SettlementResult:
+        """Periodic settlement of an open session: pay what these cumulative receipts add
+        over what was paid before; the hold shrinks by the charge. A repeated or older
+        receipt adds nothing, so any replay pays nothing twice."""
+        hold = self._open_hold(hold_id)
+        if hold["state"] != "open":
+            raise LedgerError(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"session {hold_id} is already settled; its receipts were paid at close",
+            )
+        return self._pay(hold, usages, close=False)
+
+    def _open_hold(self, hold_id: str) -> dict[str, object]:
         hold = self.hold(hold_id)
         if hold is None:
             raise LedgerError(grpc.StatusCode.NOT_FOUND, f"no escrow hold for session {hold_id!r}")
-        if hold["state"] != "open":
-            if hold["state"] == "expired":
-                raise LedgerError(
-                    grpc.StatusCode.FAILED_PRECONDITION,
-                    f"session {hold_id} expired before it was closed; its escrow went back "
-                    "to the client and no usage can be settled any more",
-                )
-            return self._settled(hold)
+        if hold["state"] == "expired":
+            raise LedgerError(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"session {hold_id} expired before it was closed; its escrow went back "
+                "to the client and no usage can be settled any more",
+            )
+        return hold
+
+    def _increments(
+        self, hold: Mapping[str, object], usages: list[Usage], unpaid: set[str]
+    ) -> list[tuple[Usage, int, int]]:
+        """(usage, its cumulative charge, what it adds now) for each receipt that adds
+        tokens over the last one paid for its (node, layers), scaled to the escrow left.
+        Work of `unpaid` nodes adds nothing (and takes no share of the escrow)."""
+        hold_id = str(hold["hold_id"])
         prices: dict[str, NodeQuote] = hold["prices"]  # type: ignore[assignment]
-        amount = int(hold["amount"])  # type: ignore[call-overload]
-        client = str(hold["account"])
+        paid = {
+            (row[0], row[1], row[2]): (int(row[3]), int(row[4]))
+            for row in self.db.execute(
+                "SELECT node_id, layer_start, layer_end, tokens, charged FROM ledger_usage_paid "
+                "WHERE hold_id = ?",
+                [hold_id],
+            )
+        }
         seen: set[str] = set()
-        charges: list[tuple[Usage, int]] = []
+        found: list[tuple[Usage, int, int]] = []
         for usage in usages:
             if usage.receipt_id in seen:
                 raise LedgerError(
@@ -373,24 +414,47 @@ class Ledger:
                     f"node {usage.node_id} was never granted to session {hold_id}",
                 )
             check_amount(usage.tokens, "tokens", allow_zero=True)
-            layers = usage.layer_end - usage.layer_start
-            charges.append((usage, usage_charge(usage.tokens, layers, quote.price)))
-        total = sum(c for _, c in charges)
-        if total > amount:
-            charges = [(u, c * amount // total) for u, c in charges]
-        disputed = {
+            charge = usage_charge(usage.tokens, usage.layer_end - usage.layer_start, quote.price)
+            tokens_before, charged_before = paid.get(
+                (usage.node_id, usage.layer_start, usage.layer_end), (0, 0)
+            )
+            if usage.tokens > tokens_before:  # receipts are cumulative: older ones add nothing
+                add = 0 if usage.node_id in unpaid else max(0, charge - charged_before)
+                found.append((usage, charge, add))
+        left = int(hold["amount"]) - int(hold["charged"])  # type: ignore[call-overload]
+        total = sum(add for _, _, add in found)
+        if total > left:
+            found = [(u, c, add * left // total) for u, c, add in found]
+        return found
+
+    def _unpaid_nodes(self, hold_id: str) -> set[str]:
+        """Nodes whose work in this session is not paid: rejected there, or convicted."""
+        return {
             row[0]
             for row in self.db.execute(
-                "SELECT node_id FROM ledger_disputes WHERE session_id = ?", [hold_id]
+                "SELECT node_id FROM ledger_disputes WHERE session_id = ? "
+                "UNION SELECT node_id FROM ledger_convictions",
+                [hold_id],
             )
         }
+
+    def _pay(
+        self, hold: Mapping[str, object], usages: list[Usage], *, close: bool
+    ) -> SettlementResult:
+        hold_id = str(hold["hold_id"])
+        prices: dict[str, NodeQuote] = hold["prices"]  # type: ignore[assignment]
+        amount = int(hold["amount"])  # type: ignore[call-overload]
+        charged_before = int(hold["charged"])  # type: ignore[call-overload]
+        fee_before = int(hold["fee"])  # type: ignore[call-overload]
+        client = str(hold["account"])
+        unpaid = self._unpaid_nodes(hold_id)
+        increments = self._increments(hold, usages, unpaid)
         now = self._clock()
-        txid = f"settle:{hold_id}"
         entries: list[tuple[str, int]] = []
         earnings: list[tuple[Usage, str, int]] = []
         fee_total = 0
-        for usage, charge in charges:
-            if charge == 0 or usage.node_id in disputed:
+        for usage, _, charge in increments:
+            if charge == 0:
                 continue
             fee = charge * self.fee_bps // 10_000
             operator = prices[usage.node_id].operator
@@ -400,26 +464,46 @@ class Ledger:
             fee_total += fee
             if charge - fee:
                 earnings.append((usage, operator, charge - fee))
-        charged = sum(-a for acct, a in entries if acct == ESCROW)
-        refunded = amount - charged
+        charged = charged_before + sum(-a for acct, a in entries if acct == ESCROW)
+        refunded = amount - charged if close else 0
         if refunded:
             entries += [(ESCROW, -refunded), (client, refunded)]
-        params = {
-            "receipts": sorted(u.receipt_id for u, _ in charges),
-            "charged": charged,
-            "refunded": refunded,
-        }
+        # The usage paid for so far: disputed work counts as settled (not paid), so a
+        # later receipt of it is not paid either.
+        paid_rows = [
+            (hold_id, u.node_id, u.layer_start, u.layer_end, u.tokens, c) for u, c, _ in increments
+        ]
+        if close:
+            txid = f"settle:{hold_id}"
+            params: dict[str, object] = {
+                "receipts": sorted(u.receipt_id for u, _, _ in increments),
+                "charged": charged,
+                "refunded": refunded,
+            }
+        else:
+            if not entries:
+                # Nothing to pay (older receipts, rejected work, or shares the escrow cap
+                # rounded to 0): still remember the usage as settled, so that a later
+                # settlement does not pay it after all.
+                with self.db.atomic():
+                    self._record_paid(paid_rows)
+                return SettlementResult(hold_id, amount, charged_before, 0, fee_before, False)
+            txid = f"usage:{hold_id}:{self._count_usage_settlements(hold_id) + 1}"
+            params = {"receipts": sorted(u.receipt_id for u, _, _ in increments)}
+        state = "settled" if close else "open"
         try:
             with self.db.atomic():
                 if self._existing(txid, params):
                     return self._settled(self.hold(hold_id) or hold)
-                self._post(txid, "settle", params, entries)
+                self._post(txid, "settle" if close else "usage", params, entries)
                 self.db.execute(
-                    "UPDATE ledger_holds SET state = 'settled', closed_ms = ?, charged = ?, "
+                    "UPDATE ledger_holds SET state = ?, closed_ms = ?, charged = ?, "
                     "refunded = ?, fee = ? WHERE hold_id = ? AND state = 'open'",
-                    [now, charged, refunded, fee_total, hold_id],
-                )
+                    [state, now if close else None, charged, refunded, fee_before + fee_total,
+                     hold_id],
+                )  # fmt: skip
                 failpoint("settle:mid")
+                self._record_paid(paid_rows)
                 self.db.conn.executemany(
                     "INSERT INTO ledger_earnings (receipt_id, hold_id, node_id, operator, "
                     "amount, state, settled_ms, release_after_ms) "
@@ -437,12 +521,27 @@ class Ledger:
                 f"a receipt of session {hold_id} was already paid ({exc})",
             ) from None
         failpoint("settle:after-commit")
-        return SettlementResult(hold_id, amount, charged, refunded, fee_total)
+        return SettlementResult(hold_id, amount, charged, refunded, fee_before + fee_total, close)
+
+    def _record_paid(self, rows: list[tuple[str, str, int, int, int, int]]) -> None:
+        self.db.conn.executemany(
+            "INSERT INTO ledger_usage_paid (hold_id, node_id, layer_start, layer_end, tokens, "
+            "charged) VALUES (?, ?, ?, ?, ?, ?) ON CONFLICT DO UPDATE SET "
+            "tokens = excluded.tokens, charged = excluded.charged",
+            rows,
+        )
+
+    def _count_usage_settlements(self, hold_id: str) -> int:
+        row = self.db.execute(
+            "SELECT COUNT(*) FROM ledger_transactions WHERE kind = 'usage' AND txid LIKE ?",
+            [f"usage:{hold_id}:%"],
+        ).fetchone()
+        return int(row[0])
 
     def _settled(self, hold: Mapping[str, object]) -> SettlementResult:
         return SettlementResult(
             str(hold["hold_id"]), int(hold["amount"]), int(hold["charged"]),  # type: ignore[call-overload]
-            int(hold["refunded"]), int(hold["fee"]),  # type: ignore[call-overload]
+            int(hold["refunded"]), int(hold["fee"]), hold["state"] != "open",  # type: ignore[call-overload]
         )  # fmt: skip
 
     def expire_holds(self, now_ms: int | None = None) -> list[str]:
@@ -451,7 +550,7 @@ class Ledger:
         expired = [
             (row[0], row[1], int(row[2]))
             for row in self.db.execute(
-                "SELECT hold_id, account, amount FROM ledger_holds "
+                "SELECT hold_id, account, amount - charged FROM ledger_holds "
                 "WHERE state = 'open' AND expires_ms <= ?",
                 [now],
             )
@@ -464,8 +563,9 @@ class Ledger:
                     continue
                 self._post(txid, "expire", params, [(ESCROW, -amount), (account, amount)])
                 self.db.execute(
-                    "UPDATE ledger_holds SET state = 'expired', closed_ms = ? WHERE hold_id = ?",
-                    [now, hold_id],
+                    "UPDATE ledger_holds SET state = 'expired', closed_ms = ?, refunded = ? "
+                    "WHERE hold_id = ?",
+                    [now, amount, hold_id],
                 )
         return [h for h, _, _ in expired]
 
@@ -588,6 +688,12 @@ class Ledger:
             if stake:
                 entries += [(stake_account(operator), -stake), (SLASHED, stake)]
             self._post(txid, "slash", {"node_id": node_id, "operator": operator}, entries)
+            # Its work in sessions not settled yet is never paid either (see _unpaid_nodes).
+            self.db.execute(
+                "INSERT OR IGNORE INTO ledger_convictions (node_id, evidence_id, created_ms) "
+                "VALUES (?, ?, ?)",
+                [node_id, evidence_id, now],
+            )
             self.db.conn.executemany(
                 "UPDATE ledger_earnings SET state = 'slashed', closed_ms = ? WHERE id = ?",
                 [(now, r[0]) for r in rows],

@@ -1,9 +1,11 @@
 """Checks a session's usage receipts before they can move credit.
 
 A receipt counts only if the stage node signed it (its key hashes to its node id), the
-session's client counter-signed the very same bytes (so a node cannot inflate what the
-client agreed to), it names this session (no replay from another), and its numbers fit
-the ledger. One bad receipt refuses the whole close: the client retries with good ones.
+session's client counter-signed the very same bytes and the tokens it pays for (so a node
+cannot inflate what the client agreed to; tokens the node computed for the client's
+verification checks are not billed), it names this session (no replay from another),
+and its numbers fit the ledger. One bad receipt refuses the whole close: the client
+retries with good ones.
 """
 
 from __future__ import annotations
@@ -90,7 +92,9 @@ def _verify_one(
             f"receipt {index} is not signed by node {receipt.node_id}",
         )
     if not identity.verify(
-        client_key, item.client_signature, identity.usage_countersign_payload(item.receipt)
+        client_key,
+        item.client_signature,
+        identity.usage_countersign_payload(item.receipt, item.billed_tokens),
     ):
         raise _refuse(
             grpc.StatusCode.UNAUTHENTICATED,
@@ -108,10 +112,17 @@ def _verify_one(
             f"receipt {index}: {receipt.tokens} tokens over steps {receipt.first_step}.."
             f"{receipt.last_step} do not fit the ledger",
         )
+    if item.billed_tokens > receipt.tokens:
+        raise _refuse(
+            grpc.StatusCode.INVALID_ARGUMENT,
+            f"receipt {index}: {item.billed_tokens} billed tokens, but node {receipt.node_id} "
+            f"computed only {receipt.tokens}",
+        )
+    # Only the tokens the client agreed to pay for: the rest were its verification checks.
     return Usage(
         receipt_id=hashlib.sha256(item.receipt).hexdigest(),
         node_id=receipt.node_id,
         layer_start=receipt.layer_start,
         layer_end=receipt.layer_end,
-        tokens=receipt.tokens,
+        tokens=item.billed_tokens,
     )

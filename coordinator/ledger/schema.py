@@ -89,3 +89,35 @@ _STATEMENTS = (
 def create_ledger_tables(db: sqlite_utils.Database) -> None:
     for statement in _STATEMENTS:
         db.execute(statement)
+
+
+PERIODIC_MIGRATION_NAME = "ledger: usage paid per receipt key (periodic settlement), convictions"
+
+_PERIODIC_STATEMENTS = (
+    # Receipts are cumulative per (session, node, layers): what was paid for so far, so a
+    # periodic or final settlement pays only what a newer receipt adds.
+    """
+    CREATE TABLE ledger_usage_paid (
+        hold_id TEXT NOT NULL REFERENCES ledger_holds(hold_id),
+        node_id TEXT NOT NULL,
+        layer_start INTEGER NOT NULL,
+        layer_end INTEGER NOT NULL,
+        tokens INTEGER NOT NULL CHECK (tokens >= 0),
+        charged INTEGER NOT NULL CHECK (charged >= 0),
+        PRIMARY KEY (hold_id, node_id, layer_start, layer_end)
+    )
+    """,
+    # Nodes proven fraudulent: their work in sessions settled later is not paid.
+    """
+    CREATE TABLE ledger_convictions (
+        node_id TEXT PRIMARY KEY,
+        evidence_id TEXT NOT NULL,
+        created_ms INTEGER NOT NULL
+    )
+    """,
+)
+
+
+def create_periodic_settlement_tables(db: sqlite_utils.Database) -> None:
+    for statement in _PERIODIC_STATEMENTS:
+        db.execute(statement)

@@ -20,13 +20,15 @@ from coordinator.context import CoordinatorContext
 from coordinator.ledger.amounts import INT64_MAX, LedgerError
 from coordinator.ledger.audit import audit
 from coordinator.ledger.billing import Billing, check_fresh
-from coordinator.ledger.book import Ledger, NodeQuote
+from coordinator.ledger.book import Ledger, NodeQuote, operator_account, stake_account
 from protos import identity
 from protos.tessera.v1 import common_pb2, ledger_pb2
 
 log = logging.getLogger("tessera.ledger")
 
 CLIENT_ACCOUNT_RE = re.compile(r"^c[0-9a-f]{23}$")
+# Stake txids are "<node id>:<request id>": this keeps them within the ledger's names.
+MAX_STAKE_REQUEST_ID = 64
 
 
 class LedgerComponent:
@@ -125,17 +127,49 @@ class LedgerComponent:
         self, request: ledger_pb2.SignedQuery, context: grpc.aio.ServicerContext
     ) -> ledger_pb2.Earnings:
         await _answer(context, _check_query, request, "earnings")
-        node_id = identity.node_id(request.public_key)
+        return self._earnings(identity.node_id(request.public_key))
+
+    async def deposit_stake(
+        self, request: ledger_pb2.StakeRequest, context: grpc.aio.ServicerContext
+    ) -> ledger_pb2.Earnings:
+        if not 0 < len(request.request_id) <= MAX_STAKE_REQUEST_ID:
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"give a request_id of 1 to {MAX_STAKE_REQUEST_ID} characters, so a retried "
+                "deposit stakes only once",
+            )
+        purpose = stake_purpose(request.amount, request.request_id)
+        await _answer(context, _check_query, request.query, purpose)
+        node_id = identity.node_id(request.query.public_key)
+        operator = self._operator(node_id)
+        await _answer(context, self.ledger.deposit_stake, operator, request.amount,
+                      f"{node_id}:{request.request_id}")  # fmt: skip
+        log.info("operator %s (node %s) staked %d", operator, node_id, request.amount)
+        return self._earnings(node_id)
+
+    async def settle_usage(
+        self, request: ledger_pb2.SettleUsageRequest, context: grpc.aio.ServicerContext
+    ) -> ledger_pb2.Settlement:
+        return await _answer(context, self.billing.settle_usage, request.session_id,
+                             request.usage)  # fmt: skip
+
+    def _operator(self, node_id: str) -> str:
         view = self._ctx.registry.node(node_id)
+        return (view.account or node_id) if view else node_id
+
+    def _earnings(self, node_id: str) -> ledger_pb2.Earnings:
+        operator = self._operator(node_id)
         summary = self.ledger.earnings(node_id)
         return ledger_pb2.Earnings(
             node_id=node_id,
-            account=(view.account or node_id) if view else node_id,
+            account=operator,
             pending=summary.pending,
             released=summary.released,
             slashed=summary.slashed,
             rejected=summary.rejected,
             next_release_unix_ms=summary.next_release_ms,
+            staked=self.ledger.balance(stake_account(operator)),
+            available=self.ledger.balance(operator_account(operator)),
         )
 
     async def audit(
@@ -160,6 +194,12 @@ def audit_report(db: Any) -> ledger_pb2.AuditReport:
         escrowed=result.escrowed,
         open_holds=result.open_holds,
     )
+
+
+def stake_purpose(amount: int, request_id: str) -> str:
+    """What a stake deposit's SignedQuery is signed for: the amount and the request id, so
+    a captured signature cannot stake another amount."""
+    return f"stake {amount} {request_id}"
 
 
 def _check_query(query: ledger_pb2.SignedQuery, purpose: str) -> None:

@@ -60,7 +60,10 @@ class Node:
 def countersign(usage: ledger_pb2.SignedUsage, key) -> ledger_pb2.SignedUsage:
     signed = ledger_pb2.SignedUsage()
     signed.CopyFrom(usage)
-    signed.client_signature = key.sign(identity.usage_countersign_payload(usage.receipt))
+    signed.billed_tokens = ledger_pb2.UsageReceipt.FromString(usage.receipt).tokens
+    signed.client_signature = key.sign(
+        identity.usage_countersign_payload(usage.receipt, signed.billed_tokens)
+    )
     return signed
 
 
@@ -332,6 +335,27 @@ def test_the_driver_countersigns_only_what_it_sent():
     assert identity.verify(
         identity.public_key_bytes(client),
         signed[0].client_signature,
-        identity.usage_countersign_payload(signed[0].receipt),
+        identity.usage_countersign_payload(signed[0].receipt, 10),
     )
     assert book.countersign("another-session", client) == []
+
+
+def test_the_driver_pays_a_node_that_also_checked_only_for_its_own_calls():
+    # After a fail-over, a node that checked a span and then served it as primary returns
+    # one cumulative receipt for both: the client signs it, billing only its own calls.
+    node = Node(1000, 1.0)
+    client = identity.generate_private_key()
+    book = UsageBook()
+    book.checked(node.node_id, 0, 2, 7)  # the verifier's check of another primary
+    book.sent(node.node_id, 0, 2, 14)  # then the replay and the rest, as primary
+    book.received(node.node_id, 0, 2, node.receipt("s1", 0, 2, 21))
+    [signed] = book.countersign("s1", client)
+    assert signed.billed_tokens == 14
+    assert identity.verify(
+        identity.public_key_bytes(client),
+        signed.client_signature,
+        identity.usage_countersign_payload(signed.receipt, 14),
+    )
+    # One token more than it was sent in all: inflated, not signed at all.
+    book.received(node.node_id, 0, 2, node.receipt("s1", 0, 2, 22))
+    assert book.countersign("s1", client) == []

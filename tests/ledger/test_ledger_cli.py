@@ -50,3 +50,21 @@ def test_grant_refuses_bad_amounts_before_calling_anyone(tmp_path: Path):
         assert result.returncode == 2 and fragment in result.stderr, result.stderr
     missing = cli("ledger", "audit", "--db", str(tmp_path / "nope.db"))
     assert missing.returncode == 2 and "does not exist" in missing.stderr
+
+
+def test_stake_deposit_refuses_bad_amounts_and_a_missing_node_key(tmp_path: Path):
+    def node_cli(*argv: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, "-m", "node_agent.cli", *argv],
+                              capture_output=True, text=True, timeout=60)  # fmt: skip
+
+    for amount, fragment in [("1.5", "whole number"), ("0", "between 1"), ("-3", "between 1"),
+                             (str(2**63), "between 1")]:  # fmt: skip
+        result = node_cli("stake", "deposit", amount, "--coordinator", "127.0.0.1:1",
+                          "--data-dir", str(tmp_path))  # fmt: skip
+        assert result.returncode == 2 and fragment in result.stderr, result.stderr
+    no_key = node_cli("stake", "deposit", "10", "--coordinator", "127.0.0.1:1", "--data-dir",
+                      str(tmp_path / "empty"))  # fmt: skip
+    assert no_key.returncode != 0 and "no node key" in no_key.stdout + no_key.stderr
+    assert not (tmp_path / "empty").exists(), "a stake command never creates a node key"
+    helped = node_cli("stake", "deposit", "--help")
+    assert helped.returncode == 0 and "tessera-node stake deposit 5000" in helped.stdout

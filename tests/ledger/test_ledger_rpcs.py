@@ -158,3 +158,134 @@ async def test_prices_come_from_registration_with_the_coordinator_default(harnes
     assert component.price_of(asking.node_id) == NodeQuote(777, "alice")
     assert component.price_of(default.node_id) == NodeQuote(0, "alice")  # harness default: free
     assert component.price_of("n-unknown").price == 0
+
+
+def stake_request(key, amount: int, request_id: str, **override) -> ledger_pb2.StakeRequest:
+    purpose = override.pop("purpose", f"stake {amount} {request_id}")
+    now = override.pop("unix_ms", int(time.time() * 1000))
+    return ledger_pb2.StakeRequest(
+        amount=amount,
+        request_id=request_id,
+        query=identity.sign_ledger_query(key, purpose, now),
+    )
+
+
+async def test_an_operator_stakes_released_earnings_with_its_node_key(harness: Harness):
+    node = await harness.registered_node("staker")  # operator account "alice"
+    book = harness.ctx.ledger.ledger
+    _, account = client_account()
+    book.grant(account, 100_000, "g1")
+    book.open_hold("s1", account, 10_000, {node.node_id: NodeQuote(1000, "alice")}, 10**15,
+                   b"k" * 32)  # fmt: skip
+    book.settle("s1", [Usage("r1", node.node_id, 0, 2, 1000)])  # 2000 pending
+    ledger = stub(harness)
+    early = ledger.DepositStake(stake_request(node.key, 500, "st0"))
+    await expect(grpc.StatusCode.FAILED_PRECONDITION, early, "operator:alice")
+
+    async def released() -> bool:
+        query = identity.sign_ledger_query(node.key, "earnings", int(time.time() * 1000))
+        return (await ledger.GetEarnings(query)).released == 2000
+
+    await wait_until(released, timeout=5.0, what="the earnings to be released")
+    reply = await ledger.DepositStake(stake_request(node.key, 500, "st1"))
+    assert (reply.account, reply.staked, reply.available) == ("alice", 500, 1500)
+    again = await ledger.DepositStake(stake_request(node.key, 500, "st1"))
+    assert again.staked == 500, "a retried deposit stakes once"
+    # Hostile and malformed deposits change nothing.
+    stranger = identity.generate_private_key()
+    forged = stake_request(node.key, 500, "st2")
+    forged.amount = 1500  # the signature covers 500
+    for request, code in (
+        (forged, grpc.StatusCode.UNAUTHENTICATED),
+        (stake_request(node.key, 500, "st3", purpose="earnings"), grpc.StatusCode.UNAUTHENTICATED),
+        (stake_request(node.key, 500, "st4", unix_ms=1), grpc.StatusCode.UNAUTHENTICATED),
+        (stake_request(node.key, 0, "st5"), grpc.StatusCode.INVALID_ARGUMENT),
+        (stake_request(node.key, -7, "st6"), grpc.StatusCode.INVALID_ARGUMENT),
+        (stake_request(node.key, 500, ""), grpc.StatusCode.INVALID_ARGUMENT),
+        (stake_request(node.key, 500, "x" * 100_000), grpc.StatusCode.INVALID_ARGUMENT),
+        (stake_request(node.key, 10**9, "st7"), grpc.StatusCode.FAILED_PRECONDITION),
+        (stake_request(node.key, 500, "st1"), grpc.StatusCode.OK),  # same id, same amount
+        (stake_request(node.key, 600, "st1"), grpc.StatusCode.ALREADY_EXISTS),
+        (ledger_pb2.StakeRequest(amount=5, request_id="st8"), grpc.StatusCode.INVALID_ARGUMENT),
+    ):
+        if code == grpc.StatusCode.OK:
+            await ledger.DepositStake(request)
+            continue
+        await expect(code, ledger.DepositStake(request))
+    # A stranger's key stakes from its own (empty) operator account, never alice's.
+    await expect(grpc.StatusCode.FAILED_PRECONDITION,
+                 ledger.DepositStake(stake_request(stranger, 100, "st9")))  # fmt: skip
+    assert book.balance("stake:alice") == 500
+    # Proven fraud takes the stake with the pending earnings.
+    book.open_hold("s2", account, 10_000, {node.node_id: NodeQuote(1000, "alice")}, 10**15,
+                   b"k" * 32)  # fmt: skip
+    book.settle("s2", [Usage("r2", node.node_id, 0, 2, 100)])  # 200 pending
+    assert harness.ctx.ledger.on_fraud_proven(node.node_id, "alice", "ev-1") == 700
+    query = identity.sign_ledger_query(node.key, "earnings", int(time.time() * 1000))
+    final = await ledger.GetEarnings(query)
+    assert (final.staked, final.slashed, final.available) == (0, 200, 1500)
+    report = await ledger.Audit(common_pb2.Empty(), metadata=admin(harness))
+    assert report.ok, report.violations
+
+
+def signed_usage(node, client_key, session_id: str, tokens: int, billed: int | None = None):
+    body = ledger_pb2.UsageReceipt(
+        session_id=session_id, node_id=node.node_id, node_public_key=node.public_key,
+        layer_start=0, layer_end=2, tokens=tokens, first_step=1, last_step=tokens,
+    ).SerializeToString(deterministic=True)  # fmt: skip
+    billed = tokens if billed is None else billed
+    return ledger_pb2.SignedUsage(
+        receipt=body,
+        node_signature=node.key.sign(identity.usage_payload(body)),
+        client_signature=client_key.sign(identity.usage_countersign_payload(body, billed)),
+        billed_tokens=billed,
+    )
+
+
+async def test_settle_usage_pays_periodically_and_refuses_hostile_receipts(harness: Harness):
+    node = await harness.registered_node("worker")
+    book = harness.ctx.ledger.ledger
+    key, account = client_account()
+    book.grant(account, 100_000, "g1")
+    client_public = identity.public_key_bytes(key)
+    book.open_hold("s1", account, 10_000, {node.node_id: NodeQuote(1000, "alice")}, 10**15,
+                   client_public)  # fmt: skip
+    ledger = stub(harness)
+
+    def request(*usage) -> ledger_pb2.SettleUsageRequest:
+        return ledger_pb2.SettleUsageRequest(session_id="s1", usage=list(usage))
+
+    old = signed_usage(node, key, "s1", 1000)
+    first = await ledger.SettleUsage(request(old))
+    assert (first.charged, first.refunded, first.closed) == (2000, 0, False)
+    newer = signed_usage(node, key, "s1", 1500)
+    assert (await ledger.SettleUsage(request(newer))).charged == 3000
+    # A hostile replay of the older periodic receipt (or of the same one) pays nothing.
+    assert (await ledger.SettleUsage(request(old))).charged == 3000
+    assert (await ledger.SettleUsage(request(newer))).charged == 3000
+    # The client paid for checks only what it counter-signed as billed.
+    checked = signed_usage(node, key, "s1", 2500, billed=2000)
+    assert (await ledger.SettleUsage(request(checked))).charged == 4000
+    inflated = signed_usage(node, key, "s1", 9000)
+    inflated.receipt = ledger_pb2.UsageReceipt(
+        session_id="s1", node_id=node.node_id, node_public_key=node.public_key, layer_start=0,
+        layer_end=2, tokens=90_000, first_step=1, last_step=9,
+    ).SerializeToString()  # fmt: skip
+    stranger = identity.generate_private_key()
+    over_billed = signed_usage(node, key, "s1", 3000, billed=3001)
+    for bad, code in (
+        (request(inflated), grpc.StatusCode.UNAUTHENTICATED),
+        (request(signed_usage(node, stranger, "s1", 5000)), grpc.StatusCode.UNAUTHENTICATED),
+        (request(signed_usage(node, key, "s-other", 5000)), grpc.StatusCode.PERMISSION_DENIED),
+        (request(over_billed), grpc.StatusCode.INVALID_ARGUMENT),
+        (request(ledger_pb2.SignedUsage(receipt=b"\xff" * 10)), grpc.StatusCode.INVALID_ARGUMENT),
+        (request(ledger_pb2.SignedUsage(receipt=b"x" * 5000)), grpc.StatusCode.INVALID_ARGUMENT),
+        (request(*[old] * 5000), grpc.StatusCode.RESOURCE_EXHAUSTED),
+        (request(old, old), grpc.StatusCode.INVALID_ARGUMENT),
+        (ledger_pb2.SettleUsageRequest(session_id="s-none"), grpc.StatusCode.NOT_FOUND),
+        (ledger_pb2.SettleUsageRequest(session_id="x" * 100_000), grpc.StatusCode.NOT_FOUND),
+    ):
+        await expect(code, ledger.SettleUsage(bad))
+    assert book.client_balance(account).escrowed == 10_000 - 4000, "the hold shrank, once"
+    report = await ledger.Audit(common_pb2.Empty(), metadata=admin(harness))
+    assert report.ok, report.violations

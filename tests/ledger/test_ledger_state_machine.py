@@ -1,5 +1,6 @@
-"""A hypothesis state machine over the ledger: grants, session opens, receipts,
-settlements, verification failures, fraud, releases and timeouts interleave at random.
+"""A hypothesis state machine over the ledger: grants, session opens, receipts, periodic
+and final settlements (with replays of older receipts), verification failures before and
+after settlement, fraud, stakes, releases and timeouts interleave at random.
 
 After every step: total credit is conserved exactly (the model below tracks every unit),
 no balance but the mint is negative, the escrow equals the holds of open sessions, and the
@@ -19,7 +20,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 
 from coordinator.db import open_database
 from coordinator.ledger import Ledger, LedgerError, NodeQuote, Usage, audit
-from coordinator.ledger.book import ESCROW, MINT, client_account
+from coordinator.ledger.book import ESCROW, MINT, client_account, operator_account
 
 CLIENTS = ("calice", "cbob")
 NODES = {"n1": NodeQuote(1000, "op1"), "n2": NodeQuote(2500, "op2"), "n3": NodeQuote(0, "op1")}
@@ -37,8 +38,11 @@ class LedgerMachine(RuleBasedStateMachine):
             self.db, challenge_window_ms=WINDOW_MS, fee_bps=250, clock_ms=lambda: self.now
         )
         self.minted = 0
-        self.open: dict[str, int] = {}  # session -> escrow
+        self.open: dict[str, int] = {}  # session -> escrow left (the hold shrinks)
+        self.quoted: dict[str, int] = {}  # session -> escrow at open
         self.closed: set[str] = set()
+        # Cumulative receipts sent so far per session, oldest first, for replays.
+        self.receipts: dict[str, list[Usage]] = {}
         self.sessions = itertools.count()
         self.requests = itertools.count()
 
@@ -65,23 +69,67 @@ class LedgerMachine(RuleBasedStateMachine):
             assert self.ledger.balance(client_account(client)) == before
             return
         assert before >= amount
-        self.open[session] = amount
+        self.open[session] = self.quoted[session] = amount
+        self.receipts[session] = []
+
+    def _usages(self, session: str, added: list[int]) -> list[Usage]:
+        """Cumulative receipts: each (node, layers) key has at least its last tokens."""
+        last = {(u.node_id, u.layer_end): u.tokens for u in self.receipts[session]}
+        nodes = sorted(NODES)
+        usages = []
+        for i, more in enumerate(added):
+            node, end = nodes[i % 3], 1 + i
+            tokens = last.get((node, end), 0) + more
+            usages.append(Usage(f"{session}/{i}/{tokens}", node, 0, end, tokens))
+        self.receipts[session] += usages
+        return usages
 
     @precondition(lambda self: self.open)
-    @rule(
-        data=st.data(),
-        tokens=st.lists(st.integers(0, 3_000), min_size=0, max_size=4),
-    )
-    def settle(self, data: st.DataObject, tokens: list[int]) -> None:
+    @rule(data=st.data(), added=st.lists(st.integers(0, 200), min_size=0, max_size=4))
+    def settle_periodically(self, data: st.DataObject, added: list[int]) -> None:
         session = data.draw(st.sampled_from(sorted(self.open)))
-        nodes = sorted(NODES)
-        usages = [Usage(f"{session}/{i}", nodes[i % 3], 0, 1 + i, t) for i, t in enumerate(tokens)]
+        result = self.ledger.settle_usage(session, self._usages(session, added))
+        assert not result.closed and result.refunded == 0
+        assert result.charged <= self.quoted[session], "charged past the quote"
+        self.open[session] = self.quoted[session] - result.charged
+
+    @precondition(lambda self: any(self.receipts[s] for s in self.open))
+    @rule(data=st.data())
+    def replay_an_older_receipt(self, data: st.DataObject) -> None:
+        session = data.draw(st.sampled_from(sorted(s for s in self.open if self.receipts[s])))
+        newest = {(u.node_id, u.layer_end): u for u in self.receipts[session]}
+        stale = [u for u in self.receipts[session] if u not in newest.values()]
+        old = data.draw(st.sampled_from(stale or self.receipts[session]))
+        before = self.ledger.balance(ESCROW)
+        result = self.ledger.settle_usage(session, [old])  # cumulative: adds nothing
+        assert self.ledger.balance(ESCROW) == before
+        assert result.charged == self.quoted[session] - self.open[session]
+        # With new work of another (node, layers) in the same settlement, it still adds
+        # nothing (the new receipt is paid, the old one is not paid again).
+        tokens = 1 + sum(1 for u in self.receipts[session] if u.layer_start == 5)
+        fresh = Usage(f"{session}/fresh/{tokens}", "n2", 5, 6, tokens)
+        self.receipts[session].append(fresh)
+        result = self.ledger.settle_usage(session, [old, fresh])
+        self.open[session] = self.quoted[session] - result.charged
+        before = self.ledger.balance(ESCROW)
+        # ... and the newest receipts, sent again after it, add nothing either.
+        newest = {(u.node_id, u.layer_end): u for u in self.receipts[session]}
+        self.ledger.settle_usage(session, list(newest.values()))
+        assert self.ledger.balance(ESCROW) == before, "a replay made a receipt pay twice"
+
+    @precondition(lambda self: self.open)
+    @rule(data=st.data(), added=st.lists(st.integers(0, 3_000), min_size=0, max_size=4))
+    def settle(self, data: st.DataObject, added: list[int]) -> None:
+        session = data.draw(st.sampled_from(sorted(self.open)))
+        usages = self._usages(session, added)
         result = self.ledger.settle(session, usages)
-        assert result.charged + result.refunded == self.open.pop(session)
+        assert result.closed and result.charged + result.refunded == self.quoted[session]
         again = self.ledger.settle(session, usages)  # a retried close pays nothing twice
         assert again == result
+        del self.open[session]
         self.closed.add(session)
 
+    # Verification outcomes land before, between or after settlements of the session.
     @rule(node=st.sampled_from(sorted(NODES)), data=st.data())
     def reject_work(self, node: str, data: st.DataObject) -> None:
         sessions = sorted(self.closed | set(self.open)) or ["s-none"]
@@ -91,12 +139,22 @@ class LedgerMachine(RuleBasedStateMachine):
     def fraud(self, node: str, evidence: int) -> None:
         self.ledger.fraud_proven(node, NODES[node].operator, f"ev{evidence}")
 
+    @rule(operator=st.sampled_from(["op1", "op2"]), amount=st.integers(1, 3_000))
+    def stake(self, operator: str, amount: int) -> None:
+        released = self.ledger.balance(operator_account(operator))
+        try:
+            self.ledger.deposit_stake(operator, amount, f"st{next(self.requests)}")
+        except LedgerError:
+            assert released < amount, "a stake the released earnings cover was refused"
+            return
+        assert self.ledger.balance(operator_account(operator)) == released - amount
+
     @rule(ms=st.integers(0, 3_000))
     def time_passes(self, ms: int) -> None:
         self.now += ms
         self.ledger.release_due()
         for session in self.ledger.expire_holds():
-            self.open.pop(session)
+            del self.open[session]
 
     @invariant()
     def conserved_and_consistent(self) -> None:

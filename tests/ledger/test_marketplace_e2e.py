@@ -9,6 +9,7 @@ from __future__ import annotations
 import sqlite3
 from collections.abc import Iterator
 
+import grpc
 import pytest
 from support.market import (
     GRANT,
@@ -27,6 +28,7 @@ from support.market import (
 from client.api import Client
 from client.local_swarm import LocalSwarm
 from coordinator.ledger.failpoints import ENV as FAILPOINT_ENV
+from protos.tessera.v1 import ledger_pb2, ledger_pb2_grpc
 
 pytestmark = pytest.mark.slow
 
@@ -64,6 +66,37 @@ def test_a_paid_generation_moves_exactly_its_usage_to_the_operators(market, clie
 
     wait_for(released, "earnings to be released after the window", 30)
     assert all(int(e["released"]) == 0 for e in before.values()), "nothing paid before"
+    audit = audit_cli(market)
+    assert audit.returncode == 0 and "ledger OK" in audit.stdout, audit.stdout
+
+
+def test_a_long_session_settles_periodically_then_closes_for_the_same_total(market, client_key):
+    balance_before = int(balance_cli(market)["available"])
+    result = generate(market, client_key, settle_every=3)
+    shares = expected_shares(market, result, nodes=3)
+    # Every 3 tokens the client sent its counter-signed receipts: the operators were paid
+    # as the session went, the hold shrank, and the close paid only the rest.
+    assert len(result.periodic) == 2
+    charged = [p.charged for p in result.periodic]
+    assert 0 < charged[0] < charged[1] < sum(shares.values())
+    assert not any(p.closed for p in result.periodic)
+    settlement = result.settlement
+    assert settlement is not None and settlement.closed
+    assert (settlement.charged, settlement.refunded) == (
+        sum(shares.values()),
+        result.quote - sum(shares.values()),
+    )
+    assert paid_by_node(market, result.session_id) == shares
+    assert int(balance_cli(market)["available"]) == balance_before - sum(shares.values())
+    # The final receipts replayed as a periodic settlement of the closed session: refused.
+    replay = ledger_pb2.SettleUsageRequest(
+        session_id=result.session_id, usage=result.close_request.usage
+    )
+    with grpc.insecure_channel(market.address) as channel:
+        with pytest.raises(grpc.RpcError) as err:
+            ledger_pb2_grpc.LedgerStub(channel).SettleUsage(replay, timeout=30)
+    assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert paid_by_node(market, result.session_id) == shares
     audit = audit_cli(market)
     assert audit.returncode == 0 and "ledger OK" in audit.stdout, audit.stdout
 

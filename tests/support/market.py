@@ -57,15 +57,26 @@ def make_market_checkpoint(directory: Path) -> Path:
     )  # fmt: skip
 
 
+THREE_STAGES = ("--min-stages", "3", "--replicas", "1")
+
+
 @contextlib.contextmanager
 def running_market(
-    work: Path, checkpoint: Path, scripts: dict[str, Path] | None = None
+    work: Path,
+    checkpoint: Path,
+    scripts: dict[str, Path] | None = None,
+    *,
+    layout: tuple[str, ...] = THREE_STAGES,
+    window_s: float = WINDOW_S,
+    coordinator_args: tuple[str, ...] = (),
+    node_env: dict[str, dict[str, str]] | None = None,
 ) -> Iterator[LocalSwarm]:
     """A coordinator (short challenge window) and the three PRICES nodes, the model added
-    once all three are registered so its layout has three stages. `scripts` runs a node
-    through another entry point (a cheating agent) with the same arguments."""
-    args = ["--min-stages", "3", "--replicas", "1", "--heartbeat-interval", "1",
-            "--challenge-window", str(WINDOW_S)]  # fmt: skip
+    once all three are registered (by default in three stages). `scripts` runs a node
+    through another entry point (a cheating agent) with the same arguments; `node_env`
+    adds environment variables to one node's process only (e.g. TESSERA_FAILPOINTS)."""
+    args = [*layout, "--heartbeat-interval", "1", "--challenge-window", str(window_s),
+            *coordinator_args]  # fmt: skip
     with pytest.MonkeyPatch.context() as env, LocalSwarm(work, coordinator_args=args) as swarm:
         # Nodes re-attach quickly after the coordinator restarts.
         env.setenv("TESSERA_BACKOFF_BASE_S", "0.2")
@@ -75,13 +86,16 @@ def running_market(
         for name, price in PRICES.items():
             extra = ["--price", str(price), "--account", f"op-{name}"]
             script = (scripts or {}).get(name)
-            if script is None:
-                nodes.append(swarm.start_node(name, extra))
-            else:
-                argv = ["join", "--coordinator", swarm.address, "--name", name,
-                        "--data-dir", str(work / "nodes" / name), "--device", "cpu",
-                        "--listen", "127.0.0.1:0", *extra]  # fmt: skip
-                nodes.append(swarm._spawn(name, [str(script), *argv]))
+            with pytest.MonkeyPatch.context() as own:  # the swarm copies os.environ
+                for variable, value in (node_env or {}).get(name, {}).items():
+                    own.setenv(variable, value)
+                if script is None:
+                    nodes.append(swarm.start_node(name, extra))
+                else:
+                    argv = ["join", "--coordinator", swarm.address, "--name", name,
+                            "--data-dir", str(work / "nodes" / name), "--device", "cpu",
+                            "--listen", "127.0.0.1:0", *extra]  # fmt: skip
+                    nodes.append(swarm._spawn(name, [str(script), *argv]))
         swarm.wait_registered(nodes)
         swarm.add_model(checkpoint, MODEL)
         yield swarm
@@ -143,13 +157,22 @@ def earnings_cli(market: LocalSwarm, node_id: str) -> dict:
     return json.loads(out)
 
 
+def stake_cli(market: LocalSwarm, node_id: str, amount: int, request_id: str) -> dict:
+    """`tessera-node stake deposit` for the node's operator; returns its earnings after."""
+    name = market.node(node_id).name
+    out = run_cli("node_agent.cli", "stake", "deposit", str(amount), "--request-id", request_id,
+                  "--coordinator", market.address, "--data-dir",
+                  str(market.workdir / "nodes" / name), "--json").stdout  # fmt: skip
+    return json.loads(out)
+
+
 def audit_cli(market: LocalSwarm, *where: str) -> subprocess.CompletedProcess[str]:
     where = where or ("--data-dir", str(market.coordinator_dir))
     return run_cli("coordinator.cli", "ledger", "audit", *where, check=False)
 
 
-def generate(market: LocalSwarm, key) -> GenerationResult:
-    with Client(market.address, key=key) as client:
+def generate(market: LocalSwarm, key, settle_every: int = 0) -> GenerationResult:
+    with Client(market.address, key=key, settle_every=settle_every) as client:
         wait_for(lambda: available(client), "the model to be served")
         return client.generate_all(
             MODEL, token_ids=PROMPT, max_new_tokens=NEW_TOKENS, stop_at_eos=False

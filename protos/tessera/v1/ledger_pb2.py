@@ -25,33 +25,37 @@ _sym_db = _symbol_database.Default()
 from protos.tessera.v1 import common_pb2 as tessera_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17tessera/v1/ledger.proto\x12\ntessera.v1\x1a\x17tessera/v1/common.proto\"J\n\x13GrantCreditsRequest\x12\x0f\n\x07\x61\x63\x63ount\x18\x01 \x01(\t\x12\x0e\n\x06\x61mount\x18\x02 \x01(\x03\x12\x12\n\nrequest_id\x18\x03 \x01(\t\"F\n\x0e\x41\x63\x63ountBalance\x12\x0f\n\x07\x61\x63\x63ount\x18\x01 \x01(\t\x12\x11\n\tavailable\x18\x02 \x01(\x03\x12\x10\n\x08\x65scrowed\x18\x03 \x01(\x03\"E\n\x0bSignedQuery\x12\x12\n\npublic_key\x18\x01 \x01(\x0c\x12\x0f\n\x07unix_ms\x18\x02 \x01(\x03\x12\x11\n\tsignature\x18\x03 \x01(\x0c\"\x90\x01\n\x08\x45\x61rnings\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x63\x63ount\x18\x02 \x01(\t\x12\x0f\n\x07pending\x18\x03 \x01(\x03\x12\x10\n\x08released\x18\x04 \x01(\x03\x12\x0f\n\x07slashed\x18\x05 \x01(\x03\x12\x10\n\x08rejected\x18\x06 \x01(\x03\x12\x1c\n\x14next_release_unix_ms\x18\x07 \x01(\x03\"y\n\x0b\x41uditReport\x12\n\n\x02ok\x18\x01 \x01(\x08\x12\x12\n\nviolations\x18\x02 \x03(\t\x12\x14\n\x0ctransactions\x18\x03 \x01(\x03\x12\x0e\n\x06minted\x18\x04 \x01(\x03\x12\x10\n\x08\x65scrowed\x18\x05 \x01(\x03\x12\x12\n\nopen_holds\x18\x06 \x01(\x03\"O\n\x05Quote\x12\x0e\n\x06\x61mount\x18\x01 \x01(\x03\x12\x0f\n\x07\x61\x63\x63ount\x18\x02 \x01(\t\x12%\n\x06prices\x18\x03 \x03(\x0b\x32\x15.tessera.v1.NodePrice\"?\n\tNodePrice\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12!\n\x19price_per_1k_token_layers\x18\x02 \x01(\x03\"\xab\x01\n\x0cUsageReceipt\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x0f\n\x07node_id\x18\x02 \x01(\t\x12\x17\n\x0fnode_public_key\x18\x03 \x01(\x0c\x12\x13\n\x0blayer_start\x18\x04 \x01(\r\x12\x11\n\tlayer_end\x18\x05 \x01(\r\x12\x0e\n\x06tokens\x18\x06 \x01(\x04\x12\x12\n\nfirst_step\x18\x07 \x01(\x04\x12\x11\n\tlast_step\x18\x08 \x01(\x04\"P\n\x0bSignedUsage\x12\x0f\n\x07receipt\x18\x01 \x01(\x0c\x12\x16\n\x0enode_signature\x18\x02 \x01(\x0c\x12\x18\n\x10\x63lient_signature\x18\x03 \x01(\x0c\"b\n\nSettlement\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x10\n\x08\x65scrowed\x18\x02 \x01(\x03\x12\x0f\n\x07\x63harged\x18\x03 \x01(\x03\x12\x10\n\x08refunded\x18\x04 \x01(\x03\x12\x0b\n\x03\x66\x65\x65\x18\x05 \x01(\x03\x32\x8b\x02\n\x06Ledger\x12K\n\x0cGrantCredits\x12\x1f.tessera.v1.GrantCreditsRequest\x1a\x1a.tessera.v1.AccountBalance\x12\x41\n\nGetBalance\x12\x17.tessera.v1.SignedQuery\x1a\x1a.tessera.v1.AccountBalance\x12<\n\x0bGetEarnings\x12\x17.tessera.v1.SignedQuery\x1a\x14.tessera.v1.Earnings\x12\x33\n\x05\x41udit\x12\x11.tessera.v1.Empty\x1a\x17.tessera.v1.AuditReportb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17tessera/v1/ledger.proto\x12\ntessera.v1\x1a\x17tessera/v1/common.proto\"Z\n\x0cStakeRequest\x12\x0e\n\x06\x61mount\x18\x01 \x01(\x03\x12\x12\n\nrequest_id\x18\x02 \x01(\t\x12&\n\x05query\x18\x03 \x01(\x0b\x32\x17.tessera.v1.SignedQuery\"P\n\x12SettleUsageRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12&\n\x05usage\x18\x02 \x03(\x0b\x32\x17.tessera.v1.SignedUsage\"J\n\x13GrantCreditsRequest\x12\x0f\n\x07\x61\x63\x63ount\x18\x01 \x01(\t\x12\x0e\n\x06\x61mount\x18\x02 \x01(\x03\x12\x12\n\nrequest_id\x18\x03 \x01(\t\"F\n\x0e\x41\x63\x63ountBalance\x12\x0f\n\x07\x61\x63\x63ount\x18\x01 \x01(\t\x12\x11\n\tavailable\x18\x02 \x01(\x03\x12\x10\n\x08\x65scrowed\x18\x03 \x01(\x03\"E\n\x0bSignedQuery\x12\x12\n\npublic_key\x18\x01 \x01(\x0c\x12\x0f\n\x07unix_ms\x18\x02 \x01(\x03\x12\x11\n\tsignature\x18\x03 \x01(\x0c\"\xb3\x01\n\x08\x45\x61rnings\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x63\x63ount\x18\x02 \x01(\t\x12\x0f\n\x07pending\x18\x03 \x01(\x03\x12\x10\n\x08released\x18\x04 \x01(\x03\x12\x0f\n\x07slashed\x18\x05 \x01(\x03\x12\x10\n\x08rejected\x18\x06 \x01(\x03\x12\x1c\n\x14next_release_unix_ms\x18\x07 \x01(\x03\x12\x0e\n\x06staked\x18\x08 \x01(\x03\x12\x11\n\tavailable\x18\t \x01(\x03\"y\n\x0b\x41uditReport\x12\n\n\x02ok\x18\x01 \x01(\x08\x12\x12\n\nviolations\x18\x02 \x03(\t\x12\x14\n\x0ctransactions\x18\x03 \x01(\x03\x12\x0e\n\x06minted\x18\x04 \x01(\x03\x12\x10\n\x08\x65scrowed\x18\x05 \x01(\x03\x12\x12\n\nopen_holds\x18\x06 \x01(\x03\"O\n\x05Quote\x12\x0e\n\x06\x61mount\x18\x01 \x01(\x03\x12\x0f\n\x07\x61\x63\x63ount\x18\x02 \x01(\t\x12%\n\x06prices\x18\x03 \x03(\x0b\x32\x15.tessera.v1.NodePrice\"?\n\tNodePrice\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12!\n\x19price_per_1k_token_layers\x18\x02 \x01(\x03\"\xab\x01\n\x0cUsageReceipt\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x0f\n\x07node_id\x18\x02 \x01(\t\x12\x17\n\x0fnode_public_key\x18\x03 \x01(\x0c\x12\x13\n\x0blayer_start\x18\x04 \x01(\r\x12\x11\n\tlayer_end\x18\x05 \x01(\r\x12\x0e\n\x06tokens\x18\x06 \x01(\x04\x12\x12\n\nfirst_step\x18\x07 \x01(\x04\x12\x11\n\tlast_step\x18\x08 \x01(\x04\"g\n\x0bSignedUsage\x12\x0f\n\x07receipt\x18\x01 \x01(\x0c\x12\x16\n\x0enode_signature\x18\x02 \x01(\x0c\x12\x18\n\x10\x63lient_signature\x18\x03 \x01(\x0c\x12\x15\n\rbilled_tokens\x18\x04 \x01(\x04\"r\n\nSettlement\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x10\n\x08\x65scrowed\x18\x02 \x01(\x03\x12\x0f\n\x07\x63harged\x18\x03 \x01(\x03\x12\x10\n\x08refunded\x18\x04 \x01(\x03\x12\x0b\n\x03\x66\x65\x65\x18\x05 \x01(\x03\x12\x0e\n\x06\x63losed\x18\x06 \x01(\x08\x32\x92\x03\n\x06Ledger\x12K\n\x0cGrantCredits\x12\x1f.tessera.v1.GrantCreditsRequest\x1a\x1a.tessera.v1.AccountBalance\x12\x41\n\nGetBalance\x12\x17.tessera.v1.SignedQuery\x1a\x1a.tessera.v1.AccountBalance\x12<\n\x0bGetEarnings\x12\x17.tessera.v1.SignedQuery\x1a\x14.tessera.v1.Earnings\x12\x33\n\x05\x41udit\x12\x11.tessera.v1.Empty\x1a\x17.tessera.v1.AuditReport\x12>\n\x0c\x44\x65positStake\x12\x18.tessera.v1.StakeRequest\x1a\x14.tessera.v1.Earnings\x12\x45\n\x0bSettleUsage\x12\x1e.tessera.v1.SettleUsageRequest\x1a\x16.tessera.v1.Settlementb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'tessera.v1.ledger_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_GRANTCREDITSREQUEST']._serialized_start=64
-  _globals['_GRANTCREDITSREQUEST']._serialized_end=138
-  _globals['_ACCOUNTBALANCE']._serialized_start=140
-  _globals['_ACCOUNTBALANCE']._serialized_end=210
-  _globals['_SIGNEDQUERY']._serialized_start=212
-  _globals['_SIGNEDQUERY']._serialized_end=281
-  _globals['_EARNINGS']._serialized_start=284
-  _globals['_EARNINGS']._serialized_end=428
-  _globals['_AUDITREPORT']._serialized_start=430
-  _globals['_AUDITREPORT']._serialized_end=551
-  _globals['_QUOTE']._serialized_start=553
-  _globals['_QUOTE']._serialized_end=632
-  _globals['_NODEPRICE']._serialized_start=634
-  _globals['_NODEPRICE']._serialized_end=697
-  _globals['_USAGERECEIPT']._serialized_start=700
-  _globals['_USAGERECEIPT']._serialized_end=871
-  _globals['_SIGNEDUSAGE']._serialized_start=873
-  _globals['_SIGNEDUSAGE']._serialized_end=953
-  _globals['_SETTLEMENT']._serialized_start=955
-  _globals['_SETTLEMENT']._serialized_end=1053
-  _globals['_LEDGER']._serialized_start=1056
-  _globals['_LEDGER']._serialized_end=1323
+  _globals['_STAKEREQUEST']._serialized_start=64
+  _globals['_STAKEREQUEST']._serialized_end=154
+  _globals['_SETTLEUSAGEREQUEST']._serialized_start=156
+  _globals['_SETTLEUSAGEREQUEST']._serialized_end=236
+  _globals['_GRANTCREDITSREQUEST']._serialized_start=238
+  _globals['_GRANTCREDITSREQUEST']._serialized_end=312
+  _globals['_ACCOUNTBALANCE']._serialized_start=314
+  _globals['_ACCOUNTBALANCE']._serialized_end=384
+  _globals['_SIGNEDQUERY']._serialized_start=386
+  _globals['_SIGNEDQUERY']._serialized_end=455
+  _globals['_EARNINGS']._serialized_start=458
+  _globals['_EARNINGS']._serialized_end=637
+  _globals['_AUDITREPORT']._serialized_start=639
+  _globals['_AUDITREPORT']._serialized_end=760
+  _globals['_QUOTE']._serialized_start=762
+  _globals['_QUOTE']._serialized_end=841
+  _globals['_NODEPRICE']._serialized_start=843
+  _globals['_NODEPRICE']._serialized_end=906
+  _globals['_USAGERECEIPT']._serialized_start=909
+  _globals['_USAGERECEIPT']._serialized_end=1080
+  _globals['_SIGNEDUSAGE']._serialized_start=1082
+  _globals['_SIGNEDUSAGE']._serialized_end=1185
+  _globals['_SETTLEMENT']._serialized_start=1187
+  _globals['_SETTLEMENT']._serialized_end=1301
+  _globals['_LEDGER']._serialized_start=1304
+  _globals['_LEDGER']._serialized_end=1706
 # @@protoc_insertion_point(module_scope)

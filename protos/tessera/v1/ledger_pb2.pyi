@@ -7,6 +7,24 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class StakeRequest(_message.Message):
+    __slots__ = ("amount", "request_id", "query")
+    AMOUNT_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    QUERY_FIELD_NUMBER: _ClassVar[int]
+    amount: int
+    request_id: str
+    query: SignedQuery
+    def __init__(self, amount: _Optional[int] = ..., request_id: _Optional[str] = ..., query: _Optional[_Union[SignedQuery, _Mapping]] = ...) -> None: ...
+
+class SettleUsageRequest(_message.Message):
+    __slots__ = ("session_id", "usage")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    USAGE_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    usage: _containers.RepeatedCompositeFieldContainer[SignedUsage]
+    def __init__(self, session_id: _Optional[str] = ..., usage: _Optional[_Iterable[_Union[SignedUsage, _Mapping]]] = ...) -> None: ...
+
 class GrantCreditsRequest(_message.Message):
     __slots__ = ("account", "amount", "request_id")
     ACCOUNT_FIELD_NUMBER: _ClassVar[int]
@@ -38,7 +56,7 @@ class SignedQuery(_message.Message):
     def __init__(self, public_key: _Optional[bytes] = ..., unix_ms: _Optional[int] = ..., signature: _Optional[bytes] = ...) -> None: ...
 
 class Earnings(_message.Message):
-    __slots__ = ("node_id", "account", "pending", "released", "slashed", "rejected", "next_release_unix_ms")
+    __slots__ = ("node_id", "account", "pending", "released", "slashed", "rejected", "next_release_unix_ms", "staked", "available")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     ACCOUNT_FIELD_NUMBER: _ClassVar[int]
     PENDING_FIELD_NUMBER: _ClassVar[int]
@@ -46,6 +64,8 @@ class Earnings(_message.Message):
     SLASHED_FIELD_NUMBER: _ClassVar[int]
     REJECTED_FIELD_NUMBER: _ClassVar[int]
     NEXT_RELEASE_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
+    STAKED_FIELD_NUMBER: _ClassVar[int]
+    AVAILABLE_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     account: str
     pending: int
@@ -53,7 +73,9 @@ class Earnings(_message.Message):
     slashed: int
     rejected: int
     next_release_unix_ms: int
-    def __init__(self, node_id: _Optional[str] = ..., account: _Optional[str] = ..., pending: _Optional[int] = ..., released: _Optional[int] = ..., slashed: _Optional[int] = ..., rejected: _Optional[int] = ..., next_release_unix_ms: _Optional[int] = ...) -> None: ...
+    staked: int
+    available: int
+    def __init__(self, node_id: _Optional[str] = ..., account: _Optional[str] = ..., pending: _Optional[int] = ..., released: _Optional[int] = ..., slashed: _Optional[int] = ..., rejected: _Optional[int] = ..., next_release_unix_ms: _Optional[int] = ..., staked: _Optional[int] = ..., available: _Optional[int] = ...) -> None: ...
 
 class AuditReport(_message.Message):
     __slots__ = ("ok", "violations", "transactions", "minted", "escrowed", "open_holds")
@@ -110,25 +132,29 @@ class UsageReceipt(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., node_id: _Optional[str] = ..., node_public_key: _Optional[bytes] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., tokens: _Optional[int] = ..., first_step: _Optional[int] = ..., last_step: _Optional[int] = ...) -> None: ...
 
 class SignedUsage(_message.Message):
-    __slots__ = ("receipt", "node_signature", "client_signature")
+    __slots__ = ("receipt", "node_signature", "client_signature", "billed_tokens")
     RECEIPT_FIELD_NUMBER: _ClassVar[int]
     NODE_SIGNATURE_FIELD_NUMBER: _ClassVar[int]
     CLIENT_SIGNATURE_FIELD_NUMBER: _ClassVar[int]
+    BILLED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     receipt: bytes
     node_signature: bytes
     client_signature: bytes
-    def __init__(self, receipt: _Optional[bytes] = ..., node_signature: _Optional[bytes] = ..., client_signature: _Optional[bytes] = ...) -> None: ...
+    billed_tokens: int
+    def __init__(self, receipt: _Optional[bytes] = ..., node_signature: _Optional[bytes] = ..., client_signature: _Optional[bytes] = ..., billed_tokens: _Optional[int] = ...) -> None: ...
 
 class Settlement(_message.Message):
-    __slots__ = ("session_id", "escrowed", "charged", "refunded", "fee")
+    __slots__ = ("session_id", "escrowed", "charged", "refunded", "fee", "closed")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     ESCROWED_FIELD_NUMBER: _ClassVar[int]
     CHARGED_FIELD_NUMBER: _ClassVar[int]
     REFUNDED_FIELD_NUMBER: _ClassVar[int]
     FEE_FIELD_NUMBER: _ClassVar[int]
+    CLOSED_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     escrowed: int
     charged: int
     refunded: int
     fee: int
-    def __init__(self, session_id: _Optional[str] = ..., escrowed: _Optional[int] = ..., charged: _Optional[int] = ..., refunded: _Optional[int] = ..., fee: _Optional[int] = ...) -> None: ...
+    closed: bool
+    def __init__(self, session_id: _Optional[str] = ..., escrowed: _Optional[int] = ..., charged: _Optional[int] = ..., refunded: _Optional[int] = ..., fee: _Optional[int] = ..., closed: _Optional[bool] = ...) -> None: ...

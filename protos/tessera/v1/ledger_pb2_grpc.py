@@ -56,6 +56,16 @@ class LedgerStub:
                 request_serializer=tessera_dot_v1_dot_common__pb2.Empty.SerializeToString,
                 response_deserializer=tessera_dot_v1_dot_ledger__pb2.AuditReport.FromString,
                 _registered_method=True)
+        self.DepositStake = channel.unary_unary(
+                '/tessera.v1.Ledger/DepositStake',
+                request_serializer=tessera_dot_v1_dot_ledger__pb2.StakeRequest.SerializeToString,
+                response_deserializer=tessera_dot_v1_dot_ledger__pb2.Earnings.FromString,
+                _registered_method=True)
+        self.SettleUsage = channel.unary_unary(
+                '/tessera.v1.Ledger/SettleUsage',
+                request_serializer=tessera_dot_v1_dot_ledger__pb2.SettleUsageRequest.SerializeToString,
+                response_deserializer=tessera_dot_v1_dot_ledger__pb2.Settlement.FromString,
+                _registered_method=True)
 
 
 class LedgerServicer:
@@ -92,6 +102,23 @@ class LedgerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def DepositStake(self, request, context):
+        """A node operator moves released earnings into its slashable stake. Signed by the node
+        key (SignedQuery purpose "stake <amount> <request_id>"); idempotent by request_id.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def SettleUsage(self, request, context):
+        """Periodic settlement of an open session from receipts both sides signed (cumulative:
+        only what they add over the last settlement is paid). The hold shrinks by the charge.
+        Safe to repeat; an older receipt pays nothing.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_LedgerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -114,6 +141,16 @@ def add_LedgerServicer_to_server(servicer, server):
                     servicer.Audit,
                     request_deserializer=tessera_dot_v1_dot_common__pb2.Empty.FromString,
                     response_serializer=tessera_dot_v1_dot_ledger__pb2.AuditReport.SerializeToString,
+            ),
+            'DepositStake': grpc.unary_unary_rpc_method_handler(
+                    servicer.DepositStake,
+                    request_deserializer=tessera_dot_v1_dot_ledger__pb2.StakeRequest.FromString,
+                    response_serializer=tessera_dot_v1_dot_ledger__pb2.Earnings.SerializeToString,
+            ),
+            'SettleUsage': grpc.unary_unary_rpc_method_handler(
+                    servicer.SettleUsage,
+                    request_deserializer=tessera_dot_v1_dot_ledger__pb2.SettleUsageRequest.FromString,
+                    response_serializer=tessera_dot_v1_dot_ledger__pb2.Settlement.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -225,6 +262,60 @@ class Ledger:
             '/tessera.v1.Ledger/Audit',
             tessera_dot_v1_dot_common__pb2.Empty.SerializeToString,
             tessera_dot_v1_dot_ledger__pb2.AuditReport.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DepositStake(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tessera.v1.Ledger/DepositStake',
+            tessera_dot_v1_dot_ledger__pb2.StakeRequest.SerializeToString,
+            tessera_dot_v1_dot_ledger__pb2.Earnings.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SettleUsage(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tessera.v1.Ledger/SettleUsage',
+            tessera_dot_v1_dot_ledger__pb2.SettleUsageRequest.SerializeToString,
+            tessera_dot_v1_dot_ledger__pb2.Settlement.FromString,
             options,
             channel_credentials,
             insecure,
