@@ -84,8 +84,9 @@ async def test_session_covers_the_model_with_a_verifiable_capability(jc: JobsCoo
         (i, i + 1) for i in range(NUM_LAYERS)
     ]
     assert len({h.node_id for h in session.hops}) == NUM_LAYERS
-    for hop in session.hops:  # every hop's node really holds that range, READY
-        assert jc.node(hop.node_id).shards[MODEL] == (hop.layers.start, hop.layers.end)
+    for hop in session.hops:  # every hop's node really holds (a shard covering) that range
+        start, end = jc.node(hop.node_id).shards[MODEL]
+        assert start <= hop.layers.start < hop.layers.end <= end
     claims = identity.open_capability(jc.coordinator.ctx.public_key, session.capability)
     assert claims is not None and claims.session_id == job.job_id and claims.model == MODEL
     assert [g.node_id for g in claims.grants] == [h.node_id for h in session.hops]
@@ -165,7 +166,8 @@ async def test_stage_failure_replans_onto_another_ready_holder(jc: JobsCoordinat
     assert replanned.replaced_stage == 1
     assert new.node_id != failed.node_id
     assert new.node_id not in {session.hops[0].node_id, session.hops[2].node_id}
-    assert jc.node(new.node_id).shards[MODEL] == (1, 2)
+    start, end = jc.node(new.node_id).shards[MODEL]  # its shard covers the failed stage
+    assert start <= 1 and 2 <= end
     assert [h.node_id for i, h in enumerate(replanned.hops) if i != 1] == [
         session.hops[0].node_id, session.hops[2].node_id
     ]  # fmt: skip
