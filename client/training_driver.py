@@ -18,7 +18,9 @@ them into the global norm, computes one clip coefficient and sends it with Optim
 to every stage. A stage that fails raises ``StageFailed`` (the caller re-plans, then
 ``replace_hop`` and ``open(restore_step=...)``), or its subclass ``StageOutOfSync`` when
 the node is alive but out of step (restore without re-planning); a stage that refuses the
-request itself raises ``RequestRejected``. numpy only: the client never imports torch.
+request itself raises ``RequestRejected``. Every ForwardTrain / BackwardTrain reply must
+carry the granted node's signature (client/training_verification.py); one that does not
+is a ``StageFailed`` of that node. numpy only: the client never imports torch.
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ import numpy as np
 from client.channels import ChannelPool
 from client.driver import CLIENT_FAULT_CODES
 from client.errors import RequestRejected, TesseraError
+from client.training_verification import BadTrainingSignature, TrainingReplyChecker
 from protos import codec
 from protos.tessera.v1 import client_api_pb2, common_pb2, training_pb2, training_pb2_grpc
 
@@ -120,6 +123,8 @@ class TrainingDriver:
         self.hyper = hyper
         self.config = config or TrainingDriverConfig()
         self._capability = capability
+        # Every ForwardTrain / BackwardTrain reply must be signed by the granted node.
+        self.signatures = TrainingReplyChecker(capability)
         self._owns_channels = channels is None
         self._channels = channels or ChannelPool()
         self._version: int | None = None  # unknown until open()
@@ -202,6 +207,7 @@ class TrainingDriver:
             )
         self.hops[index] = hop
         self._capability = capability
+        self.signatures.update(capability)
         self._version = None
 
     # ---- one optimizer step ---------------------------------------------------------
@@ -282,6 +288,7 @@ class TrainingDriver:
             if index == last:
                 request.labels.CopyFrom(codec.encode(labels, "int64"))
             reply = await self._call(index, "ForwardTrain", request)
+            self._check_signature(index, self.signatures.forward, request, reply)
             stage_ms[index] += reply.compute_ms
             if index == last:
                 return reply.loss, reply.label_tokens
@@ -297,6 +304,7 @@ class TrainingDriver:
             if grad is not None:
                 request.grad_output.CopyFrom(grad)
             reply = await self._call(index, "BackwardTrain", request)
+            self._check_signature(index, self.signatures.backward, request, reply)
             stage_ms[index] += reply.compute_ms
             grad = reply.grad_input if reply.HasField("grad_input") else None
 
@@ -321,6 +329,17 @@ class TrainingDriver:
 
     async def _all(self, fn: Callable[[int, TrainingHop], Awaitable[T]]) -> list[T]:
         return await _all_or_cancel([fn(i, hop) for i, hop in enumerate(self.hops)])
+
+    def _check_signature(
+        self, index: int, check: Callable[..., None], request: Any, reply: Any
+    ) -> None:
+        """An unsigned or wrongly signed reply is a failure of its node: re-plan it."""
+        hop = self.hops[index]
+        try:
+            check(hop.node_id, hop.start, hop.end, self.job_id, request, reply)
+        except BadTrainingSignature as err:
+            log.warning("training stage %d on %s: %s", index, hop.node_id, err)
+            raise StageFailed(index, hop.node_id, f"bad signature: {err}") from err
 
     async def _call(self, index: int, method: str, request: object) -> Any:
         hop = self.hops[index]
