@@ -16,8 +16,10 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import random
+from dataclasses import dataclass, field
 
-from protos import identity, output_check
+from protos import codec, identity, output_check
 from protos.tessera.v1 import client_api_pb2, training_pb2
 
 log = logging.getLogger(__name__)
@@ -118,3 +120,85 @@ class TrainingReplyChecker:
                 f"node {node_id} sent a {pass_name} reply whose signature does not verify"
             )
         self.checked += 1
+
+
+class ForwardMismatch(Exception):
+    """A stage's signed forward output disagrees with an independent shadow replica's."""
+
+
+@dataclass
+class ShadowStats:
+    checks: int = 0
+    mismatches: int = 0
+    errors: list[float] = field(default_factory=list)  # relative L2 error of each check
+
+
+class ShadowChecks:
+    """Sampled redundant ForwardTrain on independent "shadow" replicas of some stages.
+
+    A shadow is an ordinary training state, opened on the checker node from the same
+    consistent checkpoint as the primary (or fresh, at step 0), so both hold identical
+    weights at that version. It only ever runs forward: it never backpropagates or steps,
+    so it is only comparable during the step at which it was opened. The driver therefore
+    re-opens it after every open/restore and every checkpoint, and samples forward calls
+    of those steps (see docs/verification.md for what that does and does not cover).
+    """
+
+    def __init__(
+        self,
+        checkers: dict[int, tuple[str, int, int]],
+        probability: float,
+        seed: int | None = None,
+    ) -> None:
+        if not 0.0 <= probability <= 1.0:
+            raise ValueError(f"check probability must be in [0, 1], got {probability}")
+        self.checkers = dict(checkers)  # stage index -> (checker node id, start, end)
+        self.probability = probability
+        self.stats = ShadowStats()
+        self.version: dict[int, int] = {}  # stage index -> step its shadow can check
+        self._rng = random.Random(seed)
+
+    def opened(self, index: int, step: int) -> None:
+        self.version[index] = step
+
+    def drop(self, index: int, why: str) -> None:
+        """A checker that fails stops checking; it never fails the primary's job."""
+        if self.checkers.pop(index, None) is not None:
+            log.warning("shadow check of training stage %d disabled: %s", index, why)
+        self.version.pop(index, None)
+
+    def should_check(self, index: int, step: int) -> bool:
+        if index not in self.checkers or self.version.get(index) != step:
+            return False
+        return self._rng.random() < self.probability
+
+    def compare(
+        self,
+        index: int,
+        primary_node: str,
+        reply: training_pb2.TrainForwardResponse,
+        shadow: training_pb2.TrainForwardResponse,
+    ) -> None:
+        """Raise ForwardMismatch unless both outputs agree within the fp32 tolerance."""
+        self.stats.checks += 1
+        tol = output_check.tolerance("cpu", "float32")  # training computes in fp32
+        if reply.HasField("output") or shadow.HasField("output"):
+            error = output_check.relative_error(
+                codec.decode(reply.output, finite=False),
+                reply.output.dtype,
+                codec.decode(shadow.output, finite=False),
+                shadow.output.dtype,
+            )
+        else:
+            scale = max(abs(reply.loss), abs(shadow.loss), 1e-12)
+            error = abs(reply.loss - shadow.loss) / scale
+            if reply.label_tokens != shadow.label_tokens:
+                error = float("inf")
+        self.stats.errors.append(error)
+        if not error <= tol:
+            self.stats.mismatches += 1
+            checker = self.checkers[index][0]
+            raise ForwardMismatch(
+                f"forward output of node {primary_node} differs from the independent "
+                f"replica {checker}'s by a relative error of {error:.3g} (tolerance {tol:g})"
+            )

@@ -8,31 +8,24 @@ coordinator's side, a real in-process coordinator whose job sessions carry the k
 from __future__ import annotations
 
 import hashlib
-from collections.abc import AsyncIterator, Awaitable, Callable
-from pathlib import Path
-from typing import Any
 
 import numpy as np
 import pytest
-from data_plane.stage_harness import CoordinatorKeys
 from jobs.jobs_harness import JobsCoordinator, jc, start_jobs, tiny_model  # noqa: F401 - fixtures
 from training.training_harness import (
     MODEL,
     SPLIT,
-    StandInTrainingStore,
-    TrainingNode,
     counting_batch,
     hyper,
-    make_train_checkpoint,
 )
+from verification.training_verification_harness import JOB, keyed_capability
 
 from client.training_driver import StageFailed, StageOutOfSync, TrainingDriver
 from node_agent import failpoints
 from node_agent.training_server import TrainingStageServicer
 from protos import identity, output_check
-from protos.tessera.v1 import client_api_pb2, jobs_pb2
+from protos.tessera.v1 import jobs_pb2
 
-JOB = "job-signed"
 ROGUE_KEY = identity.generate_private_key()
 
 
@@ -74,51 +67,6 @@ class OtherInputServicer(TrainingStageServicer):
         )  # fmt: skip
         reply.signature = self._ctx.private_key.sign(signed)
         return reply
-
-
-@pytest.fixture(scope="module")
-def train_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_train_checkpoint(tmp_path_factory.mktemp("train") / "checkpoint")
-
-
-@pytest.fixture
-async def store() -> AsyncIterator[StandInTrainingStore]:
-    store = StandInTrainingStore()
-    await store.start()
-    yield store
-    await store.stop()
-
-
-@pytest.fixture
-async def start_train_node(
-    train_checkpoint: Path, keys: CoordinatorKeys, store: StandInTrainingStore, tmp_path: Path
-) -> AsyncIterator[Callable[..., Awaitable[TrainingNode]]]:
-    nodes: list[TrainingNode] = []
-
-    async def start(shards: list[tuple[int, int]], **options: Any) -> TrainingNode:
-        node = await TrainingNode.start(
-            train_checkpoint, keys, store, shards, data_dir=tmp_path / f"n{len(nodes)}", **options
-        )
-        nodes.append(node)
-        return node
-
-    yield start
-    for node in nodes:
-        await node.stop()
-
-
-def keyed_capability(
-    keys: CoordinatorKeys, grants: list[tuple[TrainingNode, int, int]], *, keyless: str = ""
-) -> client_api_pb2.SignedCapability:
-    """A job capability whose grants carry each node's key, as the coordinator's does
-    (``keyless``: a node id whose key is left out)."""
-    signed = keys.capability(JOB, [(n.node_id, s, e) for n, s, e in grants], model=MODEL)
-    claims = client_api_pb2.CapabilityClaims()
-    claims.ParseFromString(signed.claims)
-    for grant, (node, _, _) in zip(claims.grants, grants, strict=True):
-        if node.node_id != keyless:
-            grant.public_key = identity.public_key_bytes(node.ctx.private_key)
-    return identity.sign_capability(keys.key, claims)
 
 
 async def pipeline(start_train_node, keys, *, middle: dict | None = None, keyless: bool = False):
