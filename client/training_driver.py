@@ -119,12 +119,14 @@ class TrainingDriver:
         channels: ChannelPool | None = None,
         config: TrainingDriverConfig | None = None,
         checkers: list[TrainingHop] | None = None,
-        check_probability: float = 0.0,
+        check_probability: float | None = None,
         check_seed: int | None = None,
     ) -> None:
         """``checkers``: independent replicas (another node, of another operator, granted
-        by the capability) that re-run a ``check_probability`` fraction of forward calls
-        of the stage with the same layers, on a shadow state (client/training_verification.py)."""
+        by the capability) that re-run a fraction of the forward calls of the stage with
+        the same layers, on a shadow state (client/training_verification.py). The
+        fraction is ``check_probability``, or when None each primary node's own
+        ``check_probability`` from the capability (set by the coordinator from its trust)."""
         _check_hops(hops)
         if hyper.micro_batches < 1:
             raise ValueError(f"hyper.micro_batches must be >= 1, got {hyper.micro_batches}")
@@ -338,7 +340,8 @@ class TrainingDriver:
                 request.labels.CopyFrom(codec.encode(labels, "int64"))
             reply = await self._call(index, "ForwardTrain", request)
             self._check_signature(index, self.signatures.forward, request, reply)
-            if self.shadows.should_check(index, step):
+            trust_p = self.signatures.check_probability.get(self.hops[index].node_id, 1.0)
+            if self.shadows.should_check(index, step, trust_p):
                 await self._shadow_check(index, request, reply)
             stage_ms[index] += reply.compute_ms
             if index == last:

@@ -43,6 +43,9 @@ class TrainingReplyChecker:
         claims = client_api_pb2.CapabilityClaims()
         claims.ParseFromString(capability.claims)
         self._keys = {g.node_id: bytes(g.public_key) for g in claims.grants}
+        # The coordinator's per-node check probability (its reputation: 1 for a new or
+        # recently failed node, falling as verified results accumulate).
+        self.check_probability = {g.node_id: g.check_probability for g in claims.grants}
         self.keyed = any(self._keys.values())
         if not self.keyed:
             # A coordinator without a verifier component grants no keys: nothing to check
@@ -147,10 +150,12 @@ class ShadowChecks:
     def __init__(
         self,
         checkers: dict[int, tuple[str, int, int]],
-        probability: float,
+        probability: float | None,
         seed: int | None = None,
     ) -> None:
-        if not 0.0 <= probability <= 1.0:
+        """``probability``: one fraction for every stage, or None for each primary's own
+        (given to ``should_check`` from the capability)."""
+        if probability is not None and not 0.0 <= probability <= 1.0:
             raise ValueError(f"check probability must be in [0, 1], got {probability}")
         self.checkers = dict(checkers)  # stage index -> (checker node id, start, end)
         self.probability = probability
@@ -167,10 +172,11 @@ class ShadowChecks:
             log.warning("shadow check of training stage %d disabled: %s", index, why)
         self.version.pop(index, None)
 
-    def should_check(self, index: int, step: int) -> bool:
+    def should_check(self, index: int, step: int, node_probability: float) -> bool:
         if index not in self.checkers or self.version.get(index) != step:
             return False
-        return self._rng.random() < self.probability
+        p = node_probability if self.probability is None else self.probability
+        return self._rng.random() < p
 
     def compare(
         self,

@@ -29,14 +29,16 @@ async def honest_losses(start_train_node, keys) -> list[float]:
         await driver.close()
 
 
-def make_driver(keys, nodes, checkers, *, spares=(), probability: float = 1.0) -> TrainingDriver:
+def make_driver(
+    keys, nodes, checkers, *, spares=(), probability: float | None = 1.0, trust=None
+) -> TrainingDriver:
     stages = [(n, s, e) for n, (s, e) in zip(nodes, SPLIT, strict=True)]
     extra = [(c, *span) for c, span in [*checkers, *spares]]
     return TrainingDriver(
         job_id=JOB,
         model="tiny-train",
         hops=[n.hop(s, e) for n, s, e in stages],
-        capability=keyed_capability(keys, stages + extra),
+        capability=keyed_capability(keys, stages + extra, trust=trust),
         hyper=hyper("lora"),
         checkers=[c.hop(*span) for c, span in checkers],
         check_probability=probability,
@@ -106,6 +108,25 @@ async def test_a_corrupting_stage_is_caught_replanned_and_the_losses_stay_honest
     assert driver.shadows.stats.mismatches == 1  # the honest replacement agrees
     assert driver.shadows.stats.checks == 1 + 2 * 2
     assert losses == pytest.approx(honest, rel=1e-6)
+
+
+async def test_without_a_flat_fraction_each_node_is_checked_as_the_coordinator_says(
+    start_train_node, keys
+) -> None:
+    """check_probability=None: each primary's own probability from the capability (the
+    coordinator's trust): a new node (1.0) is checked on every forward, a trusted one
+    (0.0 here) never."""
+    nodes = [await start_train_node([span]) for span in SPLIT]
+    checkers = [(await start_train_node([span]), span) for span in SPLIT]
+    trust = {nodes[0].node_id: 1.0, nodes[1].node_id: 0.0, nodes[2].node_id: 0.0}
+    driver = make_driver(keys, nodes, checkers, probability=None, trust=trust)
+    try:
+        await driver.open()
+        await driver.train_step(0, *counting_batch(0))
+    finally:
+        await driver.close()
+    assert driver.shadows.stats.checks == 2  # both micro-batches of stage 0 only
+    assert driver.shadows.stats.mismatches == 0
 
 
 async def test_a_dead_checker_stops_checking_without_failing_the_job(

@@ -55,14 +55,20 @@ async def start_train_node(
 
 
 def keyed_capability(
-    keys: CoordinatorKeys, grants: list[tuple[TrainingNode, int, int]], *, keyless: str = ""
+    keys: CoordinatorKeys,
+    grants: list[tuple[TrainingNode, int, int]],
+    *,
+    keyless: str = "",
+    trust: dict[str, float] | None = None,
 ) -> client_api_pb2.SignedCapability:
     """A job capability whose grants carry each node's key, as the coordinator's does
-    (``keyless``: a node id whose key is left out)."""
+    (``keyless``: a node id whose key is left out; ``trust``: node id -> the
+    check_probability the coordinator would grant)."""
     signed = keys.capability(JOB, [(n.node_id, s, e) for n, s, e in grants], model=MODEL)
     claims = client_api_pb2.CapabilityClaims()
     claims.ParseFromString(signed.claims)
     for grant, (node, _, _) in zip(claims.grants, grants, strict=True):
         if node.node_id != keyless:
             grant.public_key = identity.public_key_bytes(node.ctx.private_key)
+        grant.check_probability = (trust or {}).get(node.node_id, 0.0)
     return identity.sign_capability(keys.key, claims)
