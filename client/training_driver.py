@@ -18,7 +18,9 @@ them into the global norm, computes one clip coefficient and sends it with Optim
 to every stage. A stage that fails raises ``StageFailed`` (the caller re-plans, then
 ``replace_hop`` and ``open(restore_step=...)``), or its subclass ``StageOutOfSync`` when
 the node is alive but out of step (restore without re-planning); a stage that refuses the
-request itself raises ``RequestRejected``. numpy only: the client never imports torch.
+request itself raises ``RequestRejected``. Every ForwardTrain / BackwardTrain reply must
+carry the granted node's signature (client/training_verification.py); one that does not
+is a ``StageFailed`` of that node. numpy only: the client never imports torch.
 """
 
 from __future__ import annotations
@@ -37,6 +39,12 @@ import numpy as np
 from client.channels import ChannelPool
 from client.driver import CLIENT_FAULT_CODES
 from client.errors import RequestRejected, TesseraError
+from client.training_verification import (
+    BadTrainingSignature,
+    ForwardMismatch,
+    ShadowChecks,
+    TrainingReplyChecker,
+)
 from protos import codec
 from protos.tessera.v1 import client_api_pb2, common_pb2, training_pb2, training_pb2_grpc
 
@@ -110,7 +118,15 @@ class TrainingDriver:
         hyper: training_pb2.TrainingHyper,
         channels: ChannelPool | None = None,
         config: TrainingDriverConfig | None = None,
+        checkers: list[TrainingHop] | None = None,
+        check_probability: float | None = None,
+        check_seed: int | None = None,
     ) -> None:
+        """``checkers``: independent replicas (another node, of another operator, granted
+        by the capability) that re-run a fraction of the forward calls of the stage with
+        the same layers, on a shadow state (client/training_verification.py). The
+        fraction is ``check_probability``, or when None each primary node's own
+        ``check_probability`` from the capability (set by the coordinator from its trust)."""
         _check_hops(hops)
         if hyper.micro_batches < 1:
             raise ValueError(f"hyper.micro_batches must be >= 1, got {hyper.micro_batches}")
@@ -120,6 +136,14 @@ class TrainingDriver:
         self.hyper = hyper
         self.config = config or TrainingDriverConfig()
         self._capability = capability
+        # Every ForwardTrain / BackwardTrain reply must be signed by the granted node.
+        self.signatures = TrainingReplyChecker(capability)
+        self._checkers = _checker_stages(hops, checkers or [])
+        self.shadows = ShadowChecks(
+            {i: (h.node_id, h.start, h.end) for i, h in self._checkers.items()},
+            check_probability,
+            check_seed,
+        )
         self._owns_channels = channels is None
         self._channels = channels or ChannelPool()
         self._version: int | None = None  # unknown until open()
@@ -154,15 +178,7 @@ class TrainingDriver:
         self._version = None
 
         async def open_one(index: int, hop: TrainingHop) -> int:
-            request = training_pb2.OpenTrainingRequest(
-                capability=self._capability,
-                job_id=self.job_id,
-                model=self.model,
-                layers=common_pb2.LayerRange(start=hop.start, end=hop.end),
-                hyper=self.hyper,
-                restore_step=restore_step,
-                restore_sha256=restore_sha256.get((hop.start, hop.end), "") if restore_step else "",
-            )
+            request = self._open_request(hop, restore_step, restore_sha256)
             reply = await self._call(index, "OpenTraining", request)
             return reply.step
 
@@ -172,7 +188,41 @@ class TrainingDriver:
                 0, self.hops[0].node_id, f"stages opened at different steps {steps}"
             )
         self._version = steps[0]
+        await self._open_shadows(restore_step, restore_sha256)
         return steps[0]
+
+    def _open_request(
+        self, hop: TrainingHop, restore_step: int, restore_sha256: dict[tuple[int, int], str]
+    ) -> training_pb2.OpenTrainingRequest:
+        return training_pb2.OpenTrainingRequest(
+            capability=self._capability,
+            job_id=self.job_id,
+            model=self.model,
+            layers=common_pb2.LayerRange(start=hop.start, end=hop.end),
+            hyper=self.hyper,
+            restore_step=restore_step,
+            restore_sha256=restore_sha256.get((hop.start, hop.end), "") if restore_step else "",
+        )
+
+    async def _open_shadows(self, step: int, restore_sha256: dict[tuple[int, int], str]) -> None:
+        """(Re-)open each checker's shadow at ``step`` from the same checkpoint as its
+        stage, so that both hold identical weights while the stages are at ``step``."""
+
+        async def open_shadow(index: int) -> None:
+            hop = self._checkers[index]
+            try:
+                reply = await self._call_hop(
+                    index, hop, "OpenTraining", self._open_request(hop, step, restore_sha256)
+                )
+            except (StageFailed, RequestRejected) as err:
+                self.shadows.drop(index, str(err))
+                return
+            if reply.step == step:
+                self.shadows.opened(index, step)
+            else:
+                self.shadows.drop(index, f"its shadow opened at step {reply.step}, not {step}")
+
+        await asyncio.gather(*(open_shadow(i) for i in list(self.shadows.checkers)))
 
     async def close(self) -> None:
         """Free the training state on every stage (best effort) and close channels."""
@@ -202,6 +252,10 @@ class TrainingDriver:
             )
         self.hops[index] = hop
         self._capability = capability
+        self.signatures.update(capability)
+        checker = self._checkers.get(index)
+        if checker is not None and checker.node_id == hop.node_id:
+            self.shadows.drop(index, f"node {hop.node_id} now runs the stage itself")
         self._version = None
 
     # ---- one optimizer step ---------------------------------------------------------
@@ -265,7 +319,10 @@ class TrainingDriver:
             return reply.sha256
 
         digests = await self._all(save_one)
-        return {(h.start, h.end): d for h, d in zip(self.hops, digests, strict=True)}
+        parts = {(h.start, h.end): d for h, d in zip(self.hops, digests, strict=True)}
+        # The stages and their shadows hold identical weights again: check this step.
+        await self._open_shadows(step, parts)
+        return parts
 
     # ---- the walk -------------------------------------------------------------------
 
@@ -282,6 +339,10 @@ class TrainingDriver:
             if index == last:
                 request.labels.CopyFrom(codec.encode(labels, "int64"))
             reply = await self._call(index, "ForwardTrain", request)
+            self._check_signature(index, self.signatures.forward, request, reply)
+            trust_p = self.signatures.check_probability.get(self.hops[index].node_id, 1.0)
+            if self.shadows.should_check(index, step, trust_p):
+                await self._shadow_check(index, request, reply)
             stage_ms[index] += reply.compute_ms
             if index == last:
                 return reply.loss, reply.label_tokens
@@ -297,6 +358,7 @@ class TrainingDriver:
             if grad is not None:
                 request.grad_output.CopyFrom(grad)
             reply = await self._call(index, "BackwardTrain", request)
+            self._check_signature(index, self.signatures.backward, request, reply)
             stage_ms[index] += reply.compute_ms
             grad = reply.grad_input if reply.HasField("grad_input") else None
 
@@ -322,8 +384,49 @@ class TrainingDriver:
     async def _all(self, fn: Callable[[int, TrainingHop], Awaitable[T]]) -> list[T]:
         return await _all_or_cancel([fn(i, hop) for i, hop in enumerate(self.hops)])
 
+    def _check_signature(
+        self,
+        index: int,
+        check: Callable[..., None],
+        request: Any,
+        reply: Any,
+        hop: TrainingHop | None = None,
+    ) -> None:
+        """An unsigned or wrongly signed reply is a failure of its node: re-plan it."""
+        hop = hop or self.hops[index]
+        try:
+            check(hop.node_id, hop.start, hop.end, self.job_id, request, reply)
+        except BadTrainingSignature as err:
+            log.warning("training stage %d on %s: %s", index, hop.node_id, err)
+            raise StageFailed(index, hop.node_id, f"bad signature: {err}") from err
+
+    async def _shadow_check(
+        self,
+        index: int,
+        request: training_pb2.TrainForwardRequest,
+        reply: training_pb2.TrainForwardResponse,
+    ) -> None:
+        """Re-run this forward on the stage's shadow; a disagreement fails the primary, so
+        the job re-plans the stage and restores the last checkpoint (nothing of the
+        disputed micro-batch is ever applied)."""
+        checker = self._checkers[index]
+        try:
+            shadow = await self._call_hop(index, checker, "ForwardTrain", request)
+            self._check_signature(index, self.signatures.forward, request, shadow, checker)
+        except (StageFailed, RequestRejected) as err:
+            self.shadows.drop(index, str(err))
+            return
+        primary = self.hops[index].node_id
+        try:
+            self.shadows.compare(index, primary, reply, shadow)
+        except ForwardMismatch as err:
+            log.warning("training stage %d: %s", index, err)
+            raise StageFailed(index, primary, f"redundant check failed: {err}") from err
+
     async def _call(self, index: int, method: str, request: object) -> Any:
-        hop = self.hops[index]
+        return await self._call_hop(index, self.hops[index], method, request)
+
+    async def _call_hop(self, index: int, hop: TrainingHop, method: str, request: object) -> Any:
         stub = training_pb2_grpc.TrainingStageStub(self._channels.get(hop.address))
         try:
             return await getattr(stub, method)(request, timeout=self.config.rpc_timeout_s)
@@ -384,6 +487,24 @@ async def _all_or_cancel(coros: list[Awaitable[T]]) -> list[T]:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
         raise
+
+
+def _checker_stages(hops: list[TrainingHop], checkers: list[TrainingHop]) -> dict[int, TrainingHop]:
+    """Stage index -> its checker; a checker must cover one stage's layers exactly and
+    must not be a node of the pipeline (it would check itself, or hold two states)."""
+    spans = {(h.start, h.end): i for i, h in enumerate(hops)}
+    pipeline = {h.node_id for h in hops}
+    stages: dict[int, TrainingHop] = {}
+    for checker in checkers:
+        index = spans.get((checker.start, checker.end))
+        if index is None:
+            raise ValueError(f"checker {checker.node_id} covers {checker.span}, no stage's layers")
+        if checker.node_id in pipeline:
+            raise ValueError(f"checker {checker.node_id} is a node of the pipeline itself")
+        if index in stages:
+            raise ValueError(f"two checkers for stage {index} {checker.span}")
+        stages[index] = checker
+    return stages
 
 
 def _check_hops(hops: list[TrainingHop]) -> None:

@@ -28,7 +28,6 @@ import hashlib
 import logging
 import math
 import re
-import struct
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -38,6 +37,7 @@ import grpc
 import numpy as np
 import torch
 
+from node_agent import failpoints
 from node_agent.checkpoint_client import CheckpointClient, CheckpointRef, CheckpointTransferError
 from node_agent.context import AgentContext
 from node_agent.runtime import StageModel, tensor_names_for_stage
@@ -53,7 +53,7 @@ from node_agent.runtime.training import (
 )
 from node_agent.shard_manager import LoadedShard, ShardManager
 from node_agent.stage_server import StageError, check_expiry, check_grant, open_capability
-from protos import codec, identity
+from protos import codec, identity, output_check
 from protos.tessera.v1 import client_api_pb2, common_pb2, training_pb2, training_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -136,6 +136,8 @@ class TrainingStageServicer(training_pb2_grpc.TrainingStageServicer):
         self._jobs: dict[str, _Job] = {}
         self._locks: dict[str, asyncio.Lock] = {}
         self._expiry_task: asyncio.Task[None] | None = None
+        # None unless TESSERA_FAILPOINTS is set: tampers with ForwardTrain hidden states.
+        self._failpoints = failpoints.from_env()
 
     # ---- RPCs -----------------------------------------------------------------------
 
@@ -431,11 +433,15 @@ class TrainingStageServicer(training_pb2_grpc.TrainingStageServicer):
         if job.is_last:
             response.loss = float(out)
             response.label_tokens = int((labels != -100).sum()) if labels is not None else 0
-            payload = struct.pack("<dQ", response.loss, response.label_tokens)
+            payload = identity.training_loss_bytes(response.loss, response.label_tokens)
         else:
-            response.output.CopyFrom(codec.encode(out.cpu().numpy(), "float32"))
+            output = codec.encode(out.cpu().numpy(), "float32")
+            if self._failpoints is not None:  # tests and demos only: tamper, then sign
+                output = await self._failpoints.apply(output, request.input)
+            response.output.CopyFrom(output)
             payload = response.output.data
-        response.signature = self._sign(job, request.step, mb, payload)
+        labels_sent = request.labels if request.HasField("labels") else None
+        self._sign(response, "forward", job, mb, payload, request.input, labels_sent)
         return response
 
     def _activation_plan(self, job: _Job, tokens: int) -> tuple[bool, int, int]:
@@ -512,6 +518,8 @@ class TrainingStageServicer(training_pb2_grpc.TrainingStageServicer):
         )
         if grad_input is not None:
             response.grad_input.CopyFrom(codec.encode(grad_input.cpu().numpy(), "float32"))
+        grad_sent = request.grad_output if request.HasField("grad_output") else None
+        self._sign(response, "backward", job, mb, response.grad_input.data, grad_sent)
         return response
 
     @staticmethod
@@ -895,12 +903,28 @@ class TrainingStageServicer(training_pb2_grpc.TrainingStageServicer):
         except (TrainingInputError, ValueError) as err:
             raise StageError(grpc.StatusCode.INVALID_ARGUMENT, str(err)) from err
 
-    def _sign(self, job: _Job, step: int, mb: int, payload: bytes) -> bytes:
-        # The micro-batch is part of the signed "session", so one micro-batch's output
-        # cannot be passed off as another's.
-        return self._ctx.private_key.sign(
-            identity.output_payload(
-                f"{job.job_id}#{mb}", step, job.start, job.end, hashlib.sha256(payload).digest()
+    def _sign(
+        self,
+        response: training_pb2.TrainForwardResponse | training_pb2.TrainBackwardResponse,
+        pass_name: str,
+        job: _Job,
+        mb: int,
+        payload: bytes,
+        *inputs: common_pb2.Tensor | None,
+    ) -> None:
+        """Sign what this node answers: a signed wrong output is proof against it, and the
+        input digest binds the output to what the node was sent (docs/verification.md)."""
+        response.input_digest = output_check.tensor_digest(*inputs)
+        response.signature = self._ctx.private_key.sign(
+            identity.training_payload(
+                pass_name,
+                job.job_id,
+                response.step,
+                mb,
+                job.start,
+                job.end,
+                hashlib.sha256(payload).digest(),
+                response.input_digest,
             )
         )
 

@@ -7,6 +7,7 @@ apart between the coordinator, the node agent and the client.
 from __future__ import annotations
 
 import hashlib
+import struct
 
 from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives import serialization
@@ -143,6 +144,42 @@ def output_payload(
             input_digest,
             output_sha256,
         ]
+    )
+
+
+TRAINING_PASSES = ("forward", "backward")
+
+
+def training_loss_bytes(loss: float, label_tokens: int) -> bytes:
+    """What the last training stage's signature hashes in place of an output tensor."""
+    return struct.pack("<dQ", loss, label_tokens)
+
+
+def training_payload(
+    pass_name: str,
+    job_id: str,
+    step: int,
+    micro_batch: int,
+    layer_start: int,
+    layer_end: int,
+    output_sha256: bytes,
+    input_digest: bytes,
+) -> bytes:
+    """What a training stage signs for each ForwardTrain / BackwardTrain reply.
+
+    The inference payload with the training session spelled out: the pass and micro-batch
+    go into its session field (so one micro-batch's or pass's output cannot be passed off
+    as another's), the step is the stage's version, and ``input_digest``
+    (protos.output_check.tensor_digest of what the node was sent) commits to the input."""
+    if pass_name not in TRAINING_PASSES:
+        raise ValueError(f"pass_name must be one of {TRAINING_PASSES}, got {pass_name!r}")
+    return output_payload(
+        f"{job_id}#{pass_name}#{micro_batch}",
+        step,
+        layer_start,
+        layer_end,
+        output_sha256,
+        input_digest=input_digest,
     )
 
 

@@ -18,6 +18,8 @@ import hashlib
 
 import numpy as np
 
+from protos.tessera.v1 import common_pb2
+
 # (device kind, compute dtype) -> relative L2 tolerance. Unknown pairs fall back to the
 # dtype's row; an unknown dtype gets the loosest tolerance.
 TOLERANCES: dict[tuple[str, str], float] = {
@@ -84,6 +86,23 @@ def input_chain(previous: bytes | None, array: np.ndarray, dtype: str) -> list[b
         digest = hashlib.sha256(digest + tag + row).digest()
         out.append(digest)
     return out
+
+
+def tensor_digest(*tensors: common_pb2.Tensor | None) -> bytes:
+    """A digest of whole wire tensors (dtype, shape, bytes), in order; None counts as absent.
+
+    A training micro-batch has no cache history: its output depends only on the tensors of
+    the call (and the stage's weights at that version), so this is what a training stage
+    signs as its input."""
+    digest = hashlib.sha256(b"tessera/v1/tensor-digest\n")
+    for tensor in tensors:
+        if tensor is None:
+            digest.update(b"-\n")
+            continue
+        shape = ",".join(str(int(n)) for n in tensor.shape)
+        digest.update(f"{tensor.dtype}:{shape}:{len(tensor.data)}\n".encode())
+        digest.update(tensor.data)
+    return digest.digest()
 
 
 def prefix_digest(chunks: list[tuple[np.ndarray, str]]) -> bytes:

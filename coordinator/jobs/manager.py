@@ -97,8 +97,12 @@ class JobManager:
         model_facts: Callable[[str], ModelFacts | None],
         model_names: Callable[[], list[str]],
         limits: JobLimits | None = None,
+        hop_details: Callable[[client_api_pb2.Hop], None] | None = None,
     ) -> None:
         self.repo = repo
+        # Fills each hop's public_key (and trust facts) so the driver can check the
+        # signatures of training replies; the verifier component provides it.
+        self._hop_details = hop_details
         self.limits = limits or JobLimits()
         self._key = signing_key
         self._public = identity.public_key_bytes(signing_key)
@@ -685,6 +689,9 @@ class JobManager:
             client_api_pb2.Hop(node_id=s.node_id, address=s.address, layers=_range(s.start, s.end))
             for s in job.stages
         ]
+        if self._hop_details is not None:
+            for hop in hops:
+                self._hop_details(hop)
         claims = client_api_pb2.CapabilityClaims(
             session_id=job.id,
             model=job.model,

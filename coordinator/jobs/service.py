@@ -37,6 +37,7 @@ from coordinator.model_store.layout import ModelLayout
 from coordinator.model_store.service import authorize_node
 from protos.datasets import TOKEN_BYTES
 from protos.tessera.v1 import (
+    client_api_pb2,
     common_pb2,
     jobs_pb2,
     jobs_pb2_grpc,
@@ -100,6 +101,7 @@ class Jobs:
                 [m.name for m in ctx.model_store.models()] if ctx.model_store else []
             ),
             limits=self.limits,
+            hop_details=self._hop_details,
         )
         # Publishing a blob and recording the row that references it happen under this
         # lock, and so does collecting unreferenced blobs: neither can undo the other.
@@ -116,6 +118,11 @@ class Jobs:
     def add_to_server(self, server: grpc.aio.Server) -> None:
         jobs_pb2_grpc.add_JobsServicer_to_server(JobsServicer(self), server)
         training_pb2_grpc.add_TrainingStoreServicer_to_server(TrainingStoreServicer(self), server)
+
+    def _hop_details(self, hop: client_api_pb2.Hop) -> None:
+        # Looked up per call: the verifier component is built after this one.
+        if self.ctx.verifier is not None:
+            self.ctx.verifier.describe_hop(hop)
 
     def _model_facts(self, name: str) -> ModelFacts | None:
         store = self.ctx.model_store

@@ -12,10 +12,19 @@ import grpc
 import pytest
 from data_plane.conftest import checkpoint, keys, start_node
 from support.coordinator_harness import CHANNEL_OPTIONS, Harness, harness_settings
+from verification.training_verification_harness import start_train_node, store, train_checkpoint
 
 from coordinator.server import running_coordinator
 
-__all__ = ["checkpoint", "keys", "start_harness", "start_node"]
+__all__ = [
+    "checkpoint",
+    "keys",
+    "start_harness",
+    "start_node",
+    "start_train_node",
+    "store",
+    "train_checkpoint",
+]
 
 
 @pytest.fixture

@@ -78,7 +78,7 @@ class TrainForwardRequest(_message.Message):
     def __init__(self, capability: _Optional[_Union[_client_api_pb2.SignedCapability, _Mapping]] = ..., job_id: _Optional[str] = ..., step: _Optional[int] = ..., micro_batch: _Optional[int] = ..., input: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., labels: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ...) -> None: ...
 
 class TrainForwardResponse(_message.Message):
-    __slots__ = ("step", "micro_batch", "output", "loss", "label_tokens", "compute_ms", "signature")
+    __slots__ = ("step", "micro_batch", "output", "loss", "label_tokens", "compute_ms", "signature", "input_digest")
     STEP_FIELD_NUMBER: _ClassVar[int]
     MICRO_BATCH_FIELD_NUMBER: _ClassVar[int]
     OUTPUT_FIELD_NUMBER: _ClassVar[int]
@@ -86,6 +86,7 @@ class TrainForwardResponse(_message.Message):
     LABEL_TOKENS_FIELD_NUMBER: _ClassVar[int]
     COMPUTE_MS_FIELD_NUMBER: _ClassVar[int]
     SIGNATURE_FIELD_NUMBER: _ClassVar[int]
+    INPUT_DIGEST_FIELD_NUMBER: _ClassVar[int]
     step: int
     micro_batch: int
     output: _common_pb2.Tensor
@@ -93,7 +94,8 @@ class TrainForwardResponse(_message.Message):
     label_tokens: int
     compute_ms: float
     signature: bytes
-    def __init__(self, step: _Optional[int] = ..., micro_batch: _Optional[int] = ..., output: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., loss: _Optional[float] = ..., label_tokens: _Optional[int] = ..., compute_ms: _Optional[float] = ..., signature: _Optional[bytes] = ...) -> None: ...
+    input_digest: bytes
+    def __init__(self, step: _Optional[int] = ..., micro_batch: _Optional[int] = ..., output: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., loss: _Optional[float] = ..., label_tokens: _Optional[int] = ..., compute_ms: _Optional[float] = ..., signature: _Optional[bytes] = ..., input_digest: _Optional[bytes] = ...) -> None: ...
 
 class TrainBackwardRequest(_message.Message):
     __slots__ = ("capability", "job_id", "step", "micro_batch", "grad_output")
@@ -110,16 +112,20 @@ class TrainBackwardRequest(_message.Message):
     def __init__(self, capability: _Optional[_Union[_client_api_pb2.SignedCapability, _Mapping]] = ..., job_id: _Optional[str] = ..., step: _Optional[int] = ..., micro_batch: _Optional[int] = ..., grad_output: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ...) -> None: ...
 
 class TrainBackwardResponse(_message.Message):
-    __slots__ = ("step", "micro_batch", "grad_input", "compute_ms")
+    __slots__ = ("step", "micro_batch", "grad_input", "compute_ms", "signature", "input_digest")
     STEP_FIELD_NUMBER: _ClassVar[int]
     MICRO_BATCH_FIELD_NUMBER: _ClassVar[int]
     GRAD_INPUT_FIELD_NUMBER: _ClassVar[int]
     COMPUTE_MS_FIELD_NUMBER: _ClassVar[int]
+    SIGNATURE_FIELD_NUMBER: _ClassVar[int]
+    INPUT_DIGEST_FIELD_NUMBER: _ClassVar[int]
     step: int
     micro_batch: int
     grad_input: _common_pb2.Tensor
     compute_ms: float
-    def __init__(self, step: _Optional[int] = ..., micro_batch: _Optional[int] = ..., grad_input: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., compute_ms: _Optional[float] = ...) -> None: ...
+    signature: bytes
+    input_digest: bytes
+    def __init__(self, step: _Optional[int] = ..., micro_batch: _Optional[int] = ..., grad_input: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., compute_ms: _Optional[float] = ..., signature: _Optional[bytes] = ..., input_digest: _Optional[bytes] = ...) -> None: ...
 
 class GradNormRequest(_message.Message):
     __slots__ = ("capability", "job_id", "step")
