@@ -30,8 +30,10 @@ import numpy as np
 from client.billing import UsageBook
 from client.channels import ChannelPool
 from client.errors import PipelineError, RequestRejected
+from client.hedging import HedgeEvent, hedge_delay, race
 from client.records import FailoverEvent, HopRecord, Receipt, StageTiming
 from client.route_history import RouteHistory, Span, covers
+from client.step_reports import SendReport, StepReporter
 from client.verification import NodeRejected, StageVerifier
 from protos import codec
 from protos.tessera.v1 import client_api_pb2, common_pb2, stage_pb2, stage_pb2_grpc
@@ -72,6 +74,17 @@ class DriverConfig:
     end_session_timeout_s: float = 2.0
     # Run consecutive stages served by the same node as one hop.
     merge_same_node_hops: bool = True
+    # Straggler hedging (client/hedging.py, docs/hedging.md): a decode call still running
+    # after max(hedge_floor_s, hedge_factor x p95 of recent steps) is also sent to an
+    # alternate, whose history is replayed first (up to hedge_max_replay_tokens); the first
+    # answer wins. 0 turns hedging off.
+    hedge_factor: float = 3.0
+    # The floor keeps ordinary jitter (GC, a busy CPU) from hedging healthy calls.
+    hedge_floor_s: float = 0.25
+    hedge_max_replay_tokens: int = 512
+    # Report the driver's timings of decode calls to the coordinator every this many calls
+    # (and at close): its measured speed of each node. 0: never.
+    report_every: int = 16
 
 
 @dataclass(frozen=True)
@@ -121,6 +134,7 @@ class PipelineDriver:
         channels: ChannelPool | None = None,
         config: DriverConfig | None = None,
         verifier: StageVerifier | None = None,
+        report_step_times: SendReport | None = None,
     ) -> None:
         self.config = config or DriverConfig()
         # Checks signatures and samples redundant execution (client/verification.py).
@@ -152,7 +166,18 @@ class PipelineDriver:
         self.timings: list[StageTiming] = []
         self.failovers: list[FailoverEvent] = []
         self.receipts: list[Receipt] = []
+        self.hedges: list[HedgeEvent] = []
         self.usage = UsageBook()  # tokens sent per hop and the nodes' usage receipts
+        self._reporter = (
+            StepReporter(
+                self.session_id,
+                lambda: self._capability,
+                report_step_times,
+                every=self.config.report_every,
+            )
+            if report_step_times is not None and self.config.report_every > 0
+            else None
+        )
 
     # ---- public surface -------------------------------------------------------------
 
@@ -227,6 +252,8 @@ class PipelineDriver:
         """End the session on every node that served it (best effort) and close streams."""
         for slot in self._slots:
             slot.close_stream()
+        if self._reporter is not None:
+            await self._reporter.close()
         request = stage_pb2.EndSessionRequest(
             session_id=self.session_id, capability=self._capability
         )
@@ -288,7 +315,10 @@ class PipelineDriver:
         failed_at = time.monotonic()
         try:
             try:
-                return await self._call(slot, start_pos, x, dtype, step, replay, last_only)
+                delay = self._hedge_delay(slot, x, replay)
+                if delay is None:
+                    return await self._call(slot, start_pos, x, dtype, step, replay, last_only)
+                return await self._call_hedged(slot, delay, start_pos, x, dtype, step, last_only)
             except RequestRejected as err:
                 if not slot.parts or err.code not in MERGE_REFUSED_CODES:
                     raise
@@ -413,6 +443,10 @@ class PipelineDriver:
                 raise HopFailure(str(err)) from err
         if tokens == 1 and not replay:
             slot.decode_seconds.append(wall)
+            if self._reporter is not None:
+                self._reporter.add(
+                    slot.hop.node_id, slot.span.start, slot.span.end, int(x.shape[0]), wall * 1e3
+                )
         self.timings.append(
             StageTiming(
                 step=step,
@@ -471,6 +505,97 @@ class PipelineDriver:
         except codec.TensorError as err:
             raise HopFailure(f"sent a malformed output: {err}") from err
         return output[:, -1:] if last_position_only else output
+
+    # ---- hedging --------------------------------------------------------------------
+
+    def _hedge_delay(self, slot: _Slot, x: np.ndarray, replay: bool) -> float | None:
+        """When to hedge this call (None: not at all). Only decode steps of single-stage
+        slots with an alternate, and only while the history is cheap enough to replay."""
+        if replay or x.shape[1] != 1 or slot.parts or not self._hedge_target(slot):
+            return None
+        limit = min(self.config.hedge_max_replay_tokens, self._chunk_tokens(int(x.shape[0])))
+        if self._history.length(slot.span) > limit:
+            return None
+        return hedge_delay(
+            slot.decode_seconds,
+            factor=self.config.hedge_factor,
+            floor_s=self.config.hedge_floor_s,
+            min_samples=self.config.min_samples,
+        )
+
+    def _hedge_target(self, slot: _Slot) -> HopRecord | None:
+        return next((h for h in slot.alternates if h.node_id not in self._excluded), None)
+
+    async def _call_hedged(
+        self,
+        slot: _Slot,
+        delay_s: float,
+        start_pos: int,
+        x: np.ndarray,
+        dtype: str,
+        step: int,
+        last_only: bool,
+    ) -> tuple[np.ndarray, str]:
+        alternate = self._hedge_target(slot)
+        assert alternate is not None
+        slow = slot.hop
+        shadow = _Slot(span=slot.span, hop=alternate, alternates=[],
+                       decode_seconds=deque(maxlen=self.config.window))  # fmt: skip
+        trim = last_only and slot.span.end == self.shape.num_layers
+        replayed = self._history.length(slot.span)
+
+        async def hedge() -> tuple[_Slot, tuple[np.ndarray, str]]:
+            # The alternate has no cache for this session: the whole boundary history goes
+            # in one call, and its tail is this step's output.
+            _, history, history_dtype = self._history.replay_input(slot.span)
+            self._used.setdefault(alternate.node_id, alternate)
+            out, out_dtype = await self._call(
+                shadow, 0, history, history_dtype, self._next_step(), True, trim
+            )
+            return shadow, (out if trim else out[:, start_pos:], out_dtype)
+
+        result = await race(
+            self._call(slot, start_pos, x, dtype, step, False, last_only),
+            hedge,
+            delay_s,
+            hedge_errors=(HopFailure, RequestRejected),
+            primary_errors=(HopFailure,),
+        )
+        if not result.hedged:
+            return result.value
+        if result.alternate_won:
+            # The alternate now serves this hop; the slow node is the last resort.
+            slot.close_stream()
+            slot.hop, slot.call = alternate, shadow.call
+            slot.capability_version_sent = shadow.capability_version_sent
+            slot.alternates = [h for h in slot.alternates if h != alternate] + [slow]
+            slot.decode_seconds.clear()
+            if self._reporter is not None:
+                # A lower bound of the slow call's time: the coordinator's router learns it.
+                self._reporter.add(
+                    slow.node_id, slot.span.start, slot.span.end, int(x.shape[0]),
+                    result.answered_s * 1e3,
+                )  # fmt: skip
+        else:
+            shadow.close_stream()
+        event = HedgeEvent(
+            step=step,
+            start=slot.span.start,
+            end=slot.span.end,
+            slow_node_id=slow.node_id,
+            alternate_node_id=alternate.node_id,
+            winner="alternate" if result.alternate_won else "primary",
+            hedged_after_ms=result.hedged_after_s * 1e3,
+            answered_ms=result.answered_s * 1e3,
+            replayed_tokens=replayed,
+        )
+        self.hedges.append(event)
+        log.info(
+            "layers %s: %s slower than %.0f ms, hedged on %s; %s answered first after %.0f ms",
+            slot.span, slow.node_id, event.hedged_after_ms, alternate.node_id, event.winner,
+            event.answered_ms,
+        )  # fmt: skip
+        return result.value
 
     # ---- fail-over ------------------------------------------------------------------
 
