@@ -122,6 +122,17 @@ class _Slot:
         self.capability_version_sent = -1
 
 
+@dataclass(frozen=True)
+class _Request:
+    """A Forward request and what checking its answer needs."""
+
+    request: stage_pb2.ForwardRequest
+    batch: int
+    tokens: int
+    replay: bool
+    last_position_only: bool
+
+
 class PipelineDriver:
     """Drives one session. Use from one event loop; calls to ``step`` must not overlap."""
 
@@ -167,6 +178,8 @@ class PipelineDriver:
         self.failovers: list[FailoverEvent] = []
         self.receipts: list[Receipt] = []
         self.hedges: list[HedgeEvent] = []
+        # Nodes a hedge found slow: never hedged on or asked to check again this session.
+        self._demoted: set[str] = set()
         self.usage = UsageBook()  # tokens sent per hop and the nodes' usage receipts
         self._reporter = (
             StepReporter(
@@ -386,6 +399,20 @@ class PipelineDriver:
         replay: bool,
         last_only: bool = False,
     ) -> tuple[np.ndarray, str]:
+        call = self._request(slot, start_pos, x, dtype, step, replay, last_only)
+        response, wall = await self._exchange(slot, call)
+        return await self._accept(slot, call, response, wall)
+
+    def _request(
+        self,
+        slot: _Slot,
+        start_pos: int,
+        x: np.ndarray,
+        dtype: str,
+        step: int,
+        replay: bool,
+        last_only: bool,
+    ) -> _Request:
         last_position_only = last_only and slot.span.end == self.shape.num_layers
         request = stage_pb2.ForwardRequest(
             session_id=self.session_id,
@@ -398,9 +425,16 @@ class PipelineDriver:
         )
         if slot.capability_version_sent != self._capability_version:
             request.capability.CopyFrom(self._capability)
-        tokens = int(x.shape[1])
-        timeout = self._deadline(slot, tokens, replay)
-        self.usage.sent(slot.hop.node_id, slot.span.start, slot.span.end, int(x.shape[0]) * tokens)
+        return _Request(request, int(x.shape[0]), int(x.shape[1]), replay, last_position_only)
+
+    async def _exchange(
+        self, slot: _Slot, call: _Request
+    ) -> tuple[stage_pb2.ForwardResponse, float]:
+        """One round trip on the slot's stream: (the answer, its wall time in seconds)."""
+        timeout = self._deadline(slot, call.tokens, call.replay)
+        self.usage.sent(
+            slot.hop.node_id, slot.span.start, slot.span.end, call.batch * call.tokens
+        )
         started = time.monotonic()
         try:
             if slot.call is None:
@@ -409,7 +443,7 @@ class PipelineDriver:
             # asyncio.timeout, unlike wait_for, runs the round trip in this task: no extra
             # task and event-loop pass per hop.
             async with asyncio.timeout(timeout):
-                response = await _round_trip(slot.call, request)
+                response = await _round_trip(slot.call, call.request)
         except TimeoutError:
             slot.close_stream()
             raise HopFailure(f"straggler: no answer within {timeout:.1f} s") from None
@@ -427,15 +461,28 @@ class PipelineDriver:
             slot.close_stream()
             raise HopFailure(f"stream broke: {type(err).__name__}: {err}") from err
         slot.capability_version_sent = self._capability_version
+        return response, time.monotonic() - started
+
+    async def _accept(
+        self,
+        slot: _Slot,
+        call: _Request,
+        response: stage_pb2.ForwardResponse,
+        wall: float,
+    ) -> tuple[np.ndarray, str]:
+        """Check, verify and record an answer; a bad one raises HopFailure."""
+        request, tokens, replay = call.request, call.tokens, call.replay
+        step = request.step
         self.usage.received(slot.hop.node_id, slot.span.start, slot.span.end, response.usage)
-        wall = time.monotonic() - started
         output = self._check_output(
-            slot, response, step, x.shape[0], tokens, start_pos, last_position_only
+            slot, response, step, call.batch, tokens, request.start_pos, call.last_position_only
         )
         if self.verifier is not None:
+            # A node this session found slow is no fit checker: each check would stall a token.
+            checkers = [h for h in slot.alternates if h.node_id not in self._demoted]
             try:
                 output = await self.verifier.verify(
-                    self._capability, slot.hop, slot.alternates, request, response, output,
+                    self._capability, slot.hop, checkers, request, response, output,
                     self._history, replay=replay,
                 )  # fmt: skip
             except NodeRejected as err:
@@ -445,7 +492,7 @@ class PipelineDriver:
             slot.decode_seconds.append(wall)
             if self._reporter is not None:
                 self._reporter.add(
-                    slot.hop.node_id, slot.span.start, slot.span.end, int(x.shape[0]), wall * 1e3
+                    slot.hop.node_id, slot.span.start, slot.span.end, call.batch, wall * 1e3
                 )
         self.timings.append(
             StageTiming(
@@ -524,7 +571,8 @@ class PipelineDriver:
         )
 
     def _hedge_target(self, slot: _Slot) -> HopRecord | None:
-        return next((h for h in slot.alternates if h.node_id not in self._excluded), None)
+        unfit = self._excluded | self._demoted
+        return next((h for h in slot.alternates if h.node_id not in unfit), None)
 
     async def _call_hedged(
         self,
@@ -536,6 +584,9 @@ class PipelineDriver:
         step: int,
         last_only: bool,
     ) -> tuple[np.ndarray, str]:
+        """Race the primary's round trip against a later one on an alternate; the winner's
+        answer is then checked and verified like any other (the race is on the network and
+        the nodes' compute only)."""
         alternate = self._hedge_target(slot)
         assert alternate is not None
         slow = slot.hop
@@ -543,33 +594,33 @@ class PipelineDriver:
                        decode_seconds=deque(maxlen=self.config.window))  # fmt: skip
         trim = last_only and slot.span.end == self.shape.num_layers
         replayed = self._history.length(slot.span)
+        primary = self._request(slot, start_pos, x, dtype, step, False, last_only)
 
-        async def hedge() -> tuple[_Slot, tuple[np.ndarray, str]]:
+        async def hedge() -> tuple[_Request, tuple[stage_pb2.ForwardResponse, float]]:
             # The alternate has no cache for this session: the whole boundary history goes
             # in one call, and its tail is this step's output.
             _, history, history_dtype = self._history.replay_input(slot.span)
             self._used.setdefault(alternate.node_id, alternate)
-            out, out_dtype = await self._call(
-                shadow, 0, history, history_dtype, self._next_step(), True, trim
-            )
-            return shadow, (out if trim else out[:, start_pos:], out_dtype)
+            call = self._request(shadow, 0, history, history_dtype, self._next_step(), True, trim)
+            return call, await self._exchange(shadow, call)
 
         result = await race(
-            self._call(slot, start_pos, x, dtype, step, False, last_only),
+            self._exchange(slot, primary),
             hedge,
             delay_s,
             hedge_errors=(HopFailure, RequestRejected),
             primary_errors=(HopFailure,),
         )
         if not result.hedged:
-            return result.value
+            return await self._accept(slot, primary, *result.value)
         if result.alternate_won:
-            # The alternate now serves this hop; the slow node is the last resort.
+            # The alternate serves this hop from now on; the slow node is the last resort.
             slot.close_stream()
             slot.hop, slot.call = alternate, shadow.call
             slot.capability_version_sent = shadow.capability_version_sent
             slot.alternates = [h for h in slot.alternates if h != alternate] + [slow]
             slot.decode_seconds.clear()
+            self._demoted.add(slow.node_id)
             if self._reporter is not None:
                 # A lower bound of the slow call's time: the coordinator's router learns it.
                 self._reporter.add(
@@ -595,7 +646,11 @@ class PipelineDriver:
             slot.span, slow.node_id, event.hedged_after_ms, alternate.node_id, event.winner,
             event.answered_ms,
         )  # fmt: skip
-        return result.value
+        if not result.alternate_won:
+            return await self._accept(slot, primary, *result.value)
+        assert result.hedge is not None
+        out, out_dtype = await self._accept(slot, result.hedge, *result.value)
+        return (out if trim else out[:, start_pos:]), out_dtype
 
     # ---- fail-over ------------------------------------------------------------------
 
