@@ -49,14 +49,19 @@ def hedge_delay(
     recent_s: Iterable[float], *, factor: float, floor_s: float, min_samples: int
 ) -> float | None:
     """Seconds to wait before hedging a call, or None (hedging off, or too few samples)."""
-    samples = sorted(recent_s)
+    samples = list(recent_s)
     if factor <= 0 or len(samples) < min_samples:
         return None
-    position = (len(samples) - 1) * 0.95
+    return max(floor_s, factor * percentile(samples, 95.0))
+
+
+def percentile(values: Iterable[float], q: float) -> float:
+    """numpy's default (linear) percentile; np.percentile costs ~0.1 ms, this a few us."""
+    ordered = sorted(values)
+    position = (len(ordered) - 1) * q / 100.0
     low = int(position)
-    high = min(low + 1, len(samples) - 1)
-    p95 = samples[low] + (samples[high] - samples[low]) * (position - low)
-    return max(floor_s, factor * p95)
+    high = min(low + 1, len(ordered) - 1)
+    return ordered[low] + (ordered[high] - ordered[low]) * (position - low)
 
 
 @dataclass

@@ -428,7 +428,7 @@ class Placement:
     async def _send_probe_lists(self) -> None:
         for node_id in list(self._nodes):
             peers = tuple(self.probe_peers(node_id))
-            if self._probing.get(node_id) == peers:
+            if self._probing.get(node_id, ()) == peers:  # an empty list goes only to replace one
                 continue
             command = coordinator_pb2.Command(
                 probe=coordinator_pb2.ProbePeers(
