@@ -17,6 +17,7 @@ from data_plane.test_driver import PROMPT, greedy
 from client.driver import DriverConfig, HopFailure, PipelineDriver
 from client.hedging import hedge_delay, race
 from node_agent.stage_server import StageServicer
+from protos.tessera.v1 import client_api_pb2
 
 NEW_TOKENS = 12
 
@@ -37,8 +38,6 @@ class Reports:
         self.steps = []
 
     async def send(self, report):
-        from protos.tessera.v1 import client_api_pb2
-
         self.steps.extend(report.steps)
         return client_api_pb2.StepTimesAck(accepted=len(report.steps))
 
@@ -79,7 +78,7 @@ async def test_a_slow_hop_is_hedged_on_its_alternate_and_demoted(start_node, key
     assert all(s.tokens == 1 for s in reports.steps)
 
 
-async def test_a_fast_hop_is_not_hedged_when_hedging_is_off(start_node, keys, checkpoint):
+async def test_with_hedging_off_a_slow_hop_is_waited_for(start_node, keys, checkpoint):
     a = await start_node([(0, 2)])
     slow = await start_node([(2, 4)], servicer_class=SlowServicer)
     spare = await start_node([(2, 4)])
