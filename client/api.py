@@ -40,6 +40,7 @@ from client.errors import (
     ModelNotFound,
     TesseraError,
 )
+from client.hedging import HedgeEvent
 from client.jobs import JobEvent, JobRunner, JobsApi, TrainingJob, TrainSpec
 from client.records import FailoverEvent, HopRecord, StageTiming
 from client.sampling import Sampler, SamplingParams
@@ -91,6 +92,7 @@ class GenerationResult:
     granted_stages: list[HopRecord] = field(default_factory=list)
     timings: list[StageTiming] = field(default_factory=list)
     failovers: list[FailoverEvent] = field(default_factory=list)
+    hedges: list[HedgeEvent] = field(default_factory=list)  # straggler hedges (hedging.py)
     finish_reason: str = ""  # "length" | "eos" | "error"
     wall_s: float = 0.0
     first_token_s: float = 0.0
@@ -147,6 +149,7 @@ class GenerationResult:
             "stages": self.stage_summary(),
             "timings": [t.to_json() for t in self.timings],
             "failovers": [f.to_json() for f in self.failovers],
+            "hedges": [h.to_json() for h in self.hedges],
             "wall_s": round(self.wall_s, 4),
             "first_token_s": round(self.first_token_s, 4),
             "tokens_per_s": round(self.tokens_per_s, 3),
@@ -271,6 +274,7 @@ class AsyncClient:
             channels=self._stage_channels,
             config=self.driver_config,
             verifier=verifier,
+            report_step_times=self._report_step_times,
         )
         verifier.on_check_sent = driver.usage.checked
         result = GenerationResult(
@@ -286,6 +290,7 @@ class AsyncClient:
         )
         # The driver's own lists, which it appends to: nothing is copied per token.
         result.timings, result.failovers = driver.timings, driver.failovers
+        result.hedges = driver.hedges
         self.last_run = result
         decoder = handle.tokenizer.stream(prompt_ids) if handle.tokenizer else None
         began = time.monotonic()
@@ -429,6 +434,11 @@ class AsyncClient:
         self, request: client_api_pb2.RerouteRequest
     ) -> client_api_pb2.RerouteResponse:
         return await self._stub.Reroute(request, timeout=self.timeout_s)
+
+    async def _report_step_times(
+        self, report: client_api_pb2.StepTimesReport
+    ) -> client_api_pb2.StepTimesAck:
+        return await self._stub.ReportStepTimes(report, timeout=self.timeout_s)
 
     async def _report(
         self, report: verification_pb2.VerificationReport

@@ -30,8 +30,10 @@ import numpy as np
 from client.billing import UsageBook
 from client.channels import ChannelPool
 from client.errors import PipelineError, RequestRejected
+from client.hedging import HedgeEvent, hedge_delay, percentile, race
 from client.records import FailoverEvent, HopRecord, Receipt, StageTiming
 from client.route_history import RouteHistory, Span, covers
+from client.step_reports import SendReport, StepReporter
 from client.verification import NodeRejected, StageVerifier
 from protos import codec
 from protos.tessera.v1 import client_api_pb2, common_pb2, stage_pb2, stage_pb2_grpc
@@ -72,6 +74,17 @@ class DriverConfig:
     end_session_timeout_s: float = 2.0
     # Run consecutive stages served by the same node as one hop.
     merge_same_node_hops: bool = True
+    # Straggler hedging (client/hedging.py, docs/hedging.md): a decode call still running
+    # after max(hedge_floor_s, hedge_factor x p95 of recent steps) is also sent to an
+    # alternate, whose history is replayed first (up to hedge_max_replay_tokens); the first
+    # answer wins. 0 turns hedging off.
+    hedge_factor: float = 3.0
+    # The floor keeps ordinary jitter (GC, a busy CPU) from hedging healthy calls.
+    hedge_floor_s: float = 0.25
+    hedge_max_replay_tokens: int = 512
+    # Report the driver's timings of decode calls to the coordinator every this many calls
+    # (and at close): its measured speed of each node. 0: never.
+    report_every: int = 16
 
 
 @dataclass(frozen=True)
@@ -109,6 +122,17 @@ class _Slot:
         self.capability_version_sent = -1
 
 
+@dataclass(frozen=True)
+class _Request:
+    """A Forward request and what checking its answer needs."""
+
+    request: stage_pb2.ForwardRequest
+    batch: int
+    tokens: int
+    replay: bool
+    last_position_only: bool
+
+
 class PipelineDriver:
     """Drives one session. Use from one event loop; calls to ``step`` must not overlap."""
 
@@ -121,6 +145,7 @@ class PipelineDriver:
         channels: ChannelPool | None = None,
         config: DriverConfig | None = None,
         verifier: StageVerifier | None = None,
+        report_step_times: SendReport | None = None,
     ) -> None:
         self.config = config or DriverConfig()
         # Checks signatures and samples redundant execution (client/verification.py).
@@ -152,7 +177,20 @@ class PipelineDriver:
         self.timings: list[StageTiming] = []
         self.failovers: list[FailoverEvent] = []
         self.receipts: list[Receipt] = []
+        self.hedges: list[HedgeEvent] = []
+        # Nodes a hedge found slow: never hedged on or asked to check again this session.
+        self._demoted: set[str] = set()
         self.usage = UsageBook()  # tokens sent per hop and the nodes' usage receipts
+        self._reporter = (
+            StepReporter(
+                self.session_id,
+                lambda: self._capability,
+                report_step_times,
+                every=self.config.report_every,
+            )
+            if report_step_times is not None and self.config.report_every > 0
+            else None
+        )
 
     # ---- public surface -------------------------------------------------------------
 
@@ -227,6 +265,8 @@ class PipelineDriver:
         """End the session on every node that served it (best effort) and close streams."""
         for slot in self._slots:
             slot.close_stream()
+        if self._reporter is not None:
+            await self._reporter.close()
         request = stage_pb2.EndSessionRequest(
             session_id=self.session_id, capability=self._capability
         )
@@ -288,7 +328,10 @@ class PipelineDriver:
         failed_at = time.monotonic()
         try:
             try:
-                return await self._call(slot, start_pos, x, dtype, step, replay, last_only)
+                delay = self._hedge_delay(slot, x, replay)
+                if delay is None:
+                    return await self._call(slot, start_pos, x, dtype, step, replay, last_only)
+                return await self._call_hedged(slot, delay, start_pos, x, dtype, step, last_only)
             except RequestRejected as err:
                 if not slot.parts or err.code not in MERGE_REFUSED_CODES:
                     raise
@@ -356,6 +399,20 @@ class PipelineDriver:
         replay: bool,
         last_only: bool = False,
     ) -> tuple[np.ndarray, str]:
+        call = self._request(slot, start_pos, x, dtype, step, replay, last_only)
+        response, wall = await self._exchange(slot, call)
+        return await self._accept(slot, call, response, wall)
+
+    def _request(
+        self,
+        slot: _Slot,
+        start_pos: int,
+        x: np.ndarray,
+        dtype: str,
+        step: int,
+        replay: bool,
+        last_only: bool,
+    ) -> _Request:
         last_position_only = last_only and slot.span.end == self.shape.num_layers
         request = stage_pb2.ForwardRequest(
             session_id=self.session_id,
@@ -368,9 +425,16 @@ class PipelineDriver:
         )
         if slot.capability_version_sent != self._capability_version:
             request.capability.CopyFrom(self._capability)
-        tokens = int(x.shape[1])
-        timeout = self._deadline(slot, tokens, replay)
-        self.usage.sent(slot.hop.node_id, slot.span.start, slot.span.end, int(x.shape[0]) * tokens)
+        return _Request(request, int(x.shape[0]), int(x.shape[1]), replay, last_position_only)
+
+    async def _exchange(
+        self, slot: _Slot, call: _Request
+    ) -> tuple[stage_pb2.ForwardResponse, float]:
+        """One round trip on the slot's stream: (the answer, its wall time in seconds)."""
+        timeout = self._deadline(slot, call.tokens, call.replay)
+        self.usage.sent(
+            slot.hop.node_id, slot.span.start, slot.span.end, call.batch * call.tokens
+        )
         started = time.monotonic()
         try:
             if slot.call is None:
@@ -379,7 +443,7 @@ class PipelineDriver:
             # asyncio.timeout, unlike wait_for, runs the round trip in this task: no extra
             # task and event-loop pass per hop.
             async with asyncio.timeout(timeout):
-                response = await _round_trip(slot.call, request)
+                response = await _round_trip(slot.call, call.request)
         except TimeoutError:
             slot.close_stream()
             raise HopFailure(f"straggler: no answer within {timeout:.1f} s") from None
@@ -397,15 +461,28 @@ class PipelineDriver:
             slot.close_stream()
             raise HopFailure(f"stream broke: {type(err).__name__}: {err}") from err
         slot.capability_version_sent = self._capability_version
+        return response, time.monotonic() - started
+
+    async def _accept(
+        self,
+        slot: _Slot,
+        call: _Request,
+        response: stage_pb2.ForwardResponse,
+        wall: float,
+    ) -> tuple[np.ndarray, str]:
+        """Check, verify and record an answer; a bad one raises HopFailure."""
+        request, tokens, replay = call.request, call.tokens, call.replay
+        step = request.step
         self.usage.received(slot.hop.node_id, slot.span.start, slot.span.end, response.usage)
-        wall = time.monotonic() - started
         output = self._check_output(
-            slot, response, step, x.shape[0], tokens, start_pos, last_position_only
+            slot, response, step, call.batch, tokens, request.start_pos, call.last_position_only
         )
         if self.verifier is not None:
+            # A node this session found slow is no fit checker: each check would stall a token.
+            checkers = [h for h in slot.alternates if h.node_id not in self._demoted]
             try:
                 output = await self.verifier.verify(
-                    self._capability, slot.hop, slot.alternates, request, response, output,
+                    self._capability, slot.hop, checkers, request, response, output,
                     self._history, replay=replay,
                 )  # fmt: skip
             except NodeRejected as err:
@@ -413,6 +490,10 @@ class PipelineDriver:
                 raise HopFailure(str(err)) from err
         if tokens == 1 and not replay:
             slot.decode_seconds.append(wall)
+            if self._reporter is not None:
+                self._reporter.add(
+                    slot.hop.node_id, slot.span.start, slot.span.end, call.batch, wall * 1e3
+                )
         self.timings.append(
             StageTiming(
                 step=step,
@@ -471,6 +552,105 @@ class PipelineDriver:
         except codec.TensorError as err:
             raise HopFailure(f"sent a malformed output: {err}") from err
         return output[:, -1:] if last_position_only else output
+
+    # ---- hedging --------------------------------------------------------------------
+
+    def _hedge_delay(self, slot: _Slot, x: np.ndarray, replay: bool) -> float | None:
+        """When to hedge this call (None: not at all). Only decode steps of single-stage
+        slots with an alternate, and only while the history is cheap enough to replay."""
+        if replay or x.shape[1] != 1 or slot.parts or not self._hedge_target(slot):
+            return None
+        limit = min(self.config.hedge_max_replay_tokens, self._chunk_tokens(int(x.shape[0])))
+        if self._history.length(slot.span) > limit:
+            return None
+        return hedge_delay(
+            slot.decode_seconds,
+            factor=self.config.hedge_factor,
+            floor_s=self.config.hedge_floor_s,
+            min_samples=self.config.min_samples,
+        )
+
+    def _hedge_target(self, slot: _Slot) -> HopRecord | None:
+        unfit = self._excluded | self._demoted
+        return next((h for h in slot.alternates if h.node_id not in unfit), None)
+
+    async def _call_hedged(
+        self,
+        slot: _Slot,
+        delay_s: float,
+        start_pos: int,
+        x: np.ndarray,
+        dtype: str,
+        step: int,
+        last_only: bool,
+    ) -> tuple[np.ndarray, str]:
+        """Race the primary's round trip against a later one on an alternate; the winner's
+        answer is then checked and verified like any other (the race is on the network and
+        the nodes' compute only)."""
+        alternate = self._hedge_target(slot)
+        assert alternate is not None
+        slow = slot.hop
+        shadow = _Slot(span=slot.span, hop=alternate, alternates=[],
+                       decode_seconds=deque(maxlen=self.config.window))  # fmt: skip
+        trim = last_only and slot.span.end == self.shape.num_layers
+        replayed = self._history.length(slot.span)
+        primary = self._request(slot, start_pos, x, dtype, step, False, last_only)
+
+        async def hedge() -> tuple[_Request, tuple[stage_pb2.ForwardResponse, float]]:
+            # The alternate has no cache for this session: the whole boundary history goes
+            # in one call, and its tail is this step's output.
+            _, history, history_dtype = self._history.replay_input(slot.span)
+            self._used.setdefault(alternate.node_id, alternate)
+            call = self._request(shadow, 0, history, history_dtype, self._next_step(), True, trim)
+            return call, await self._exchange(shadow, call)
+
+        result = await race(
+            self._exchange(slot, primary),
+            hedge,
+            delay_s,
+            hedge_errors=(HopFailure, RequestRejected),
+            primary_errors=(HopFailure,),
+        )
+        if not result.hedged:
+            return await self._accept(slot, primary, *result.value)
+        if result.alternate_won:
+            # The alternate serves this hop from now on; the slow node is the last resort.
+            slot.close_stream()
+            slot.hop, slot.call = alternate, shadow.call
+            slot.capability_version_sent = shadow.capability_version_sent
+            slot.alternates = [h for h in slot.alternates if h != alternate] + [slow]
+            slot.decode_seconds.clear()
+            self._demoted.add(slow.node_id)
+            if self._reporter is not None:
+                # A lower bound of the slow call's time: the coordinator's router learns it.
+                self._reporter.add(
+                    slow.node_id, slot.span.start, slot.span.end, int(x.shape[0]),
+                    result.answered_s * 1e3,
+                )  # fmt: skip
+        else:
+            shadow.close_stream()
+        event = HedgeEvent(
+            step=step,
+            start=slot.span.start,
+            end=slot.span.end,
+            slow_node_id=slow.node_id,
+            alternate_node_id=alternate.node_id,
+            winner="alternate" if result.alternate_won else "primary",
+            hedged_after_ms=result.hedged_after_s * 1e3,
+            answered_ms=result.answered_s * 1e3,
+            replayed_tokens=replayed,
+        )
+        self.hedges.append(event)
+        log.info(
+            "layers %s: %s slower than %.0f ms, hedged on %s; %s answered first after %.0f ms",
+            slot.span, slow.node_id, event.hedged_after_ms, alternate.node_id, event.winner,
+            event.answered_ms,
+        )  # fmt: skip
+        if not result.alternate_won:
+            return await self._accept(slot, primary, *result.value)
+        assert result.hedge is not None
+        out, out_dtype = await self._accept(slot, result.hedge, *result.value)
+        return (out if trim else out[:, start_pos:]), out_dtype
 
     # ---- fail-over ------------------------------------------------------------------
 
@@ -586,7 +766,7 @@ class PipelineDriver:
         samples = slot.decode_seconds
         if tokens != 1 or replay or len(samples) < self.config.min_samples:
             return self.config.cold_timeout_s
-        p95 = _percentile(samples, 95.0)
+        p95 = percentile(samples, 95.0)
         return max(self.config.deadline_floor_s, self.config.deadline_factor * p95)
 
     def _chunk_tokens(self, batch: int, last_only: bool = False) -> int:
@@ -633,15 +813,6 @@ class PipelineDriver:
                 f"[0, {self.shape.vocab_size})"
             )
         return ids.astype(np.int64)
-
-
-def _percentile(values: Iterable[float], q: float) -> float:
-    """numpy's default (linear) percentile; np.percentile costs ~0.1 ms, this a few us."""
-    ordered = sorted(values)
-    position = (len(ordered) - 1) * q / 100.0
-    low = int(position)
-    high = min(low + 1, len(ordered) - 1)
-    return ordered[low] + (ordered[high] - ordered[low]) * (position - low)
 
 
 def _classify(slot: _Slot, code: grpc.StatusCode, details: str) -> Exception:

@@ -104,6 +104,8 @@ class SessionRpc:
         elif isinstance(event, TelemetryReported):
             t = event.telemetry
             self._placement.update_load(event.node_id, float(t.active_sessions + t.queue_length))
+            if t.rtt_ms:
+                self._placement.observe_rtts(event.node_id, t.rtt_ms)
 
     # ---- RPCs -------------------------------------------------------------------------------
 
@@ -121,6 +123,11 @@ class SessionRpc:
         self, request: client_api_pb2.CloseSessionRequest, context: grpc.aio.ServicerContext
     ) -> client_api_pb2.CloseSessionResponse:
         return await self._answer(context, self.sessions.close_session, request)
+
+    async def report_step_times(
+        self, request: client_api_pb2.StepTimesReport, context: grpc.aio.ServicerContext
+    ) -> client_api_pb2.StepTimesAck:
+        return await self._answer(context, self.sessions.report_step_times, request)
 
     @staticmethod
     async def _answer(context: grpc.aio.ServicerContext, method: Any, request: Any) -> Any:

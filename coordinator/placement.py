@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable, Mapping
 from dataclasses import dataclass, replace
 
 from coordinator.measurements import Measurements
@@ -22,6 +22,8 @@ from protos.tessera.v1 import common_pb2, coordinator_pb2, node_pb2
 log = logging.getLogger("tessera.placement")
 
 MAX_CACHED_SHARDS = 8  # shards remembered per node as being in its disk cache
+MAX_PROBE_PEERS = 16  # peers a node is asked to ping: its likely hand-off partners
+MAX_RTT_MS = 60_000.0  # a reported round trip above this is not a measurement
 # CPU nodes compute in fp32; GPU nodes in fp16/bf16.
 _DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
 
@@ -138,6 +140,9 @@ class Placement:
         self._lock = asyncio.Lock()
         # Training state held on nodes, by holder (e.g. "job/stage"): (node_id, bytes).
         self._training: dict[str, tuple[str, int]] = {}
+        # Peers each node was last told to probe (ProbePeers): RTTs it reports to others
+        # are ignored, so a node cannot make itself look close to nodes it never pinged.
+        self._probing: dict[str, tuple[str, ...]] = {}
         # Cost multiplier per node for the router; the verifier makes failing nodes dearer.
         self.trust_cost: Callable[[str], float] = lambda node_id: 1.0
 
@@ -160,6 +165,7 @@ class Placement:
             self._superseded.pop(key, None)
         for key in [k for k in self._state if k[0] == node_id]:
             del self._state[key]
+        self._probing.pop(node_id, None)
         self.schedule_replan()
 
     def update_load(self, node_id: str, load: float) -> None:
@@ -168,6 +174,46 @@ class Placement:
             self._nodes[node_id] = PlacementNode(
                 node.node_id, node.address, node.capabilities, load
             )
+
+    def observe_step(
+        self, node_id: str, model: str, layers: int, tokens: int, wall_ms: float
+    ) -> bool:
+        """A driver's timing of one stage call of real traffic (ReportStepTimes). The
+        driver's wall time includes the client-node round trip, so the estimate is a little
+        pessimistic for far nodes, which is what a route through them costs anyway."""
+        spec = self._models.get(model)
+        if spec is None:
+            return False
+        self.measurements.observe_step(
+            node_id,
+            layers=layers,
+            params_per_layer=spec.params_per_layer,
+            tokens=tokens,
+            compute_ms=wall_ms,
+        )
+        return True
+
+    def observe_rtts(self, node_id: str, rtts: Mapping[str, float]) -> int:
+        """Round trips a node reported in telemetry; only to peers it was asked to probe."""
+        asked = self._probing.get(node_id, ())
+        kept = {p: float(ms) for p, ms in rtts.items() if p in asked and 0.0 <= ms <= MAX_RTT_MS}
+        self.measurements.observe_rtts(node_id, kept)
+        return len(kept)
+
+    def speed(self, node_id: str) -> node_pb2.NodeSpeed | None:
+        """The node's claimed and measured speed, as ListNodes shows it."""
+        node = self._nodes.get(node_id)
+        if node is None:
+            return None
+        claimed = claimed_ms_per_gparam(node.capabilities)
+        seen = self.measurements.of(node_id, 1_000_000_000, claimed)
+        return node_pb2.NodeSpeed(
+            claimed_ms_per_gparam=claimed,
+            ms_per_gparam=seen.layer_ms,
+            samples=seen.samples,
+            measured=seen.measured,
+            rtt_ms=seen.rtt_ms,
+        )
 
     async def shard_status(self, node_id: str, status: node_pb2.ShardStatus) -> None:
         shard = Shard(status.model, status.layers.start, status.layers.end)
@@ -391,6 +437,43 @@ class Placement:
         for key in [k for k in self._assigned if k not in wanted]:
             shard = self._assigned.pop(key)
             await self._drop(key[0], shard)
+        await self._send_probe_lists()
+
+    def probe_peers(self, node_id: str) -> list[str]:
+        """Nodes `node_id` might hand off to or receive from: holders of a model it holds
+        whose shard starts where one of its shards ends or ends where one starts (then any
+        other holder of those models), at most MAX_PROBE_PEERS, by node id."""
+        mine = [s for (n, _), s in self._assigned.items() if n == node_id]
+        adjacent: set[str] = set()
+        others: set[str] = set()
+        for (other, model), shard in self._assigned.items():
+            if other == node_id or other not in self._nodes:
+                continue
+            for own in mine:
+                if own.model != model:
+                    continue
+                if shard.start == own.end or shard.end == own.start:
+                    adjacent.add(other)
+                else:
+                    others.add(other)
+        ranked = sorted(adjacent) + sorted(others - adjacent)
+        return ranked[:MAX_PROBE_PEERS]
+
+    async def _send_probe_lists(self) -> None:
+        for node_id in list(self._nodes):
+            peers = tuple(self.probe_peers(node_id))
+            if self._probing.get(node_id, ()) == peers:  # an empty list goes only to replace one
+                continue
+            command = coordinator_pb2.Command(
+                probe=coordinator_pb2.ProbePeers(
+                    peers=[
+                        coordinator_pb2.Peer(node_id=p, address=self._nodes[p].address)
+                        for p in peers
+                    ]
+                )
+            )
+            if await self._send(node_id, command):
+                self._probing[node_id] = peers
 
     async def _assign(self, node_id: str, shard: Shard, spec: ModelSpec) -> bool:
         node = self._nodes[node_id]

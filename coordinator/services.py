@@ -171,6 +171,12 @@ class ClientApiService(client_api_pb2_grpc.ClientApiServicer):
         if self.ctx.verifier is not None:
             for info in nodes:
                 info.trust.CopyFrom(self.ctx.verifier.trust(info.node_id))
+        speed_of = getattr(self.ctx.planner, "speed", None)
+        if speed_of is not None:  # claimed vs measured speed (coordinator/placement.py)
+            for info in nodes:
+                speed = speed_of(info.node_id)
+                if speed is not None:
+                    info.speed.CopyFrom(speed)
         return client_api_pb2.ListNodesResponse(nodes=nodes)
 
     async def ListModels(self, request: Any, context: Any) -> Any:
@@ -192,6 +198,10 @@ class ClientApiService(client_api_pb2_grpc.ClientApiServicer):
     async def CloseSession(self, request: Any, context: Any) -> Any:
         sessions = await _component(self.ctx, "sessions", context)
         return await sessions.close_session(request, context)
+
+    async def ReportStepTimes(self, request: Any, context: Any) -> Any:
+        sessions = await _component(self.ctx, "sessions", context)
+        return await sessions.report_step_times(request, context)
 
 
 class AdminService(admin_pb2_grpc.AdminServicer):

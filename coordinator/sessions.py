@@ -8,8 +8,10 @@ whose session began before a coordinator restart can still fail over after it.
 from __future__ import annotations
 
 import logging
+import math
 import secrets
 import time
+from collections import Counter, OrderedDict
 from collections.abc import Callable
 from typing import Any
 
@@ -24,6 +26,11 @@ from protos.tessera.v1 import client_api_pb2, common_pb2
 log = logging.getLogger("tessera.sessions")
 
 MAX_SESSION_TOKENS = 1 << 20
+MAX_STEP_TIMES = 256  # entries per ReportStepTimes (drivers batch every few tokens)
+MAX_STEP_WALL_MS = 600_000.0  # a stage call slower than this is a hang, not a speed
+# Sessions whose accepted step reports are counted (a client may report each granted node
+# at most max_tokens times per session); the oldest are forgotten first.
+MAX_COUNTED_SESSIONS = 10_000
 TOKEN_TTL_S = 3600.0
 _MAX_NAME = 256
 
@@ -59,6 +66,8 @@ class Sessions:
         # The ledger component (coordinator/ledger/service.py): quotes and escrows at open,
         # settles at close. None: every session is free.
         self._billing = billing
+        # session id -> step reports accepted per node (bounds what one session can report)
+        self._reported: OrderedDict[str, Counter[str]] = OrderedDict()
 
     # ---- RPCs (the server maps SessionError to a gRPC status) -----------------------------
 
@@ -83,7 +92,7 @@ class Sessions:
             )
         try:
             if self._billing is None:
-                stages, amount = route(boundaries, holders), 0
+                stages, amount = route(boundaries, holders, rtt_ms=self._placement.rtt_ms), 0
             else:
                 stages, amount = self._billing.plan(boundaries, holders, request)
         except NoRouteError as e:
@@ -133,7 +142,11 @@ class Sessions:
         exclude = set(request.exclude_node_ids)
         try:
             hops = cover_span(
-                span.start, span.end, self._placement.ready_holders(info.name), exclude
+                span.start,
+                span.end,
+                self._placement.ready_holders(info.name),
+                exclude,
+                rtt_ms=self._placement.rtt_ms,
             )
         except NoRouteError as e:
             raise SessionError(grpc.StatusCode.UNAVAILABLE, f"cannot reroute: {e}") from None
@@ -174,6 +187,50 @@ class Sessions:
                 response.settlement.CopyFrom(settlement)
         log.info("session %s closed", claims.session_id)
         return response
+
+    def report_step_times(
+        self, request: client_api_pb2.StepTimesReport
+    ) -> client_api_pb2.StepTimesAck:
+        """A driver's timings of its stage calls: the measured speed of the nodes it used.
+
+        Only the session holder can report (its capability), only about nodes and layers
+        its capability grants, and at most `max_tokens` calls per node per session, so one
+        client cannot drown a node's average; each sample moves an established average by
+        at most 4x (coordinator/measurements.py). Any bad entry refuses the whole report.
+        """
+        claims = self._verified(request.session_id, request.capability)
+        if len(request.steps) > MAX_STEP_TIMES:
+            raise SessionError(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"{len(request.steps)} step times in one report; send at most {MAX_STEP_TIMES} "
+                "per call (batch every few tokens)",
+            )
+        granted: dict[str, list[tuple[int, int]]] = {}
+        for grant in claims.grants:
+            granted.setdefault(grant.node_id, []).append((grant.layers.start, grant.layers.end))
+        for i, step in enumerate(request.steps):
+            _check_step(i, step, granted, claims.max_tokens)
+        counted = self._reported.setdefault(claims.session_id, Counter())
+        self._reported.move_to_end(claims.session_id)
+        while len(self._reported) > MAX_COUNTED_SESSIONS:
+            self._reported.popitem(last=False)
+        per_node = Counter(step.node_id for step in request.steps)
+        over = [n for n, k in per_node.items() if counted[n] + k > claims.max_tokens]
+        if over:
+            raise SessionError(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"this session already reported {claims.max_tokens} calls to node {over[0]} "
+                "(its token budget); later reports are not needed",
+            )
+        accepted = 0
+        for step in request.steps:
+            layers = step.layers.end - step.layers.start
+            if self._placement.observe_step(
+                step.node_id, claims.model, layers, step.tokens, step.wall_ms
+            ):
+                counted[step.node_id] += 1
+                accepted += 1
+        return client_api_pb2.StepTimesAck(accepted=accepted)
 
     # ---- helpers ----------------------------------------------------------------------------
 
@@ -229,6 +286,39 @@ class Sessions:
             expires_unix_ms=now + self._ttl_ms,
             max_tokens=max_tokens,
             account=account,
+        )
+
+
+def _check_step(
+    index: int,
+    step: client_api_pb2.StepTime,
+    granted: dict[str, list[tuple[int, int]]],
+    max_tokens: int,
+) -> None:
+    spans = granted.get(step.node_id)
+    if spans is None:
+        raise SessionError(
+            grpc.StatusCode.PERMISSION_DENIED,
+            f"step {index}: node {step.node_id[:64]!r} is not in this session's route; report "
+            "only nodes the session's capability grants",
+        )
+    a, b = step.layers.start, step.layers.end
+    if not any(start <= a < b <= end for start, end in spans):
+        raise SessionError(
+            grpc.StatusCode.INVALID_ARGUMENT,
+            f"step {index}: layers [{a}, {b}) are not granted to node {step.node_id}",
+        )
+    if not 1 <= step.tokens <= max_tokens:
+        raise SessionError(
+            grpc.StatusCode.INVALID_ARGUMENT,
+            f"step {index}: tokens must be between 1 and the session's {max_tokens}, "
+            f"got {step.tokens}",
+        )
+    if not (math.isfinite(step.wall_ms) and 0.0 < step.wall_ms <= MAX_STEP_WALL_MS):
+        raise SessionError(
+            grpc.StatusCode.INVALID_ARGUMENT,
+            f"step {index}: wall_ms must be a time in (0, {MAX_STEP_WALL_MS:.0f}] ms, "
+            f"got {step.wall_ms}",
         )
 
 

@@ -1,7 +1,7 @@
 """The control loop: register with the coordinator, stay attached, obey its commands.
 
     GetChallenge -> Register (signed) -> Attach: hello, then a heartbeat every interval
-                                          <- welcome, heartbeat_ack, command(drain|assign|drop)
+                                        <- welcome, heartbeat_ack, command(drain|assign|drop|probe)
 
 Whenever the coordinator is unreachable, restarts or the stream breaks, the agent waits
 (exponential back-off, full jitter) and registers again from scratch: a restarted
@@ -27,6 +27,7 @@ from node_agent.backoff import Backoff
 from node_agent.context import AgentContext
 from node_agent.data_plane import advertised_address, split_host_port, start_server
 from node_agent.mqtt_presence import MqttPresence
+from node_agent.rtt_probe import RttProber
 from protos import codec, identity
 from protos.tessera.v1 import coordinator_pb2, coordinator_pb2_grpc, node_pb2, stage_pb2_grpc
 
@@ -140,6 +141,9 @@ class NodeAgent:
         self._shard_reports: dict[tuple[str, int, int], node_pb2.ShardStatus] = {}
         self._command_tasks: set[asyncio.Task[None]] = set()
         self._heartbeat_seq = 0
+        # Round trips to the peers the coordinator names (ProbePeers), in every telemetry.
+        self.rtt_probe = RttProber(CHANNEL_OPTIONS)
+        ctx.telemetry_sources.append(self.rtt_probe)
 
     # ----- public -------------------------------------------------------------------
 
@@ -163,12 +167,15 @@ class NodeAgent:
         )
         if self.mqtt is not None:
             self.mqtt.start()
+        probing = asyncio.create_task(self.rtt_probe.run(), name="rtt probe")
         channel = grpc.aio.insecure_channel(
             self.config.coordinator, options=CHANNEL_OPTIONS + keepalive_options(self.config)
         )
         try:
             return await self._control_loop(coordinator_pb2_grpc.CoordinatorStub(channel))
         finally:
+            probing.cancel()
+            await asyncio.gather(probing, return_exceptions=True)
             await self._cancel_commands()
             await _close_quietly(self.ctx.shard_handler)
             if self.mqtt is not None:
@@ -499,6 +506,8 @@ class NodeAgent:
             cmd = command.drop
             log.info("dropping %s layers [%d, %d)", cmd.model, cmd.layers.start, cmd.layers.end)
             self._spawn(self._run_drop(cmd), f"drop {cmd.model}")
+        elif kind == "probe":
+            self.rtt_probe.set_peers(command.probe.peers)
         else:
             log.warning("ignoring a command this agent does not know (%s); upgrade it", kind)
 

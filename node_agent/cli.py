@@ -13,7 +13,15 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from node_agent import __version__, backoff, data_plane, earnings_cli, hardware_probe, identity
+from node_agent import (
+    __version__,
+    backoff,
+    data_plane,
+    earnings_cli,
+    failpoints,
+    hardware_probe,
+    identity,
+)
 from node_agent.agent import CHANNEL_OPTIONS, AgentConfig, ExitCode, NodeAgent
 from node_agent.context import AgentContext
 from node_agent.data_dir import DataDirBusyError, DataDirLock, default_data_dir
@@ -296,6 +304,7 @@ def _join(args: argparse.Namespace) -> int:
         )
         tflops = measure_tflops(hw.torch_device, args.benchmark_s)
         log.info("benchmark: %.3f TFLOPS (matmul on %s)", tflops, hw.torch_device)
+        tflops *= failpoints.benchmark_factor()  # 1.0 unless a test makes the node lie
         config = AgentConfig(
             coordinator=args.coordinator,
             name=args.name,

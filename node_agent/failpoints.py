@@ -9,6 +9,8 @@ Set ``TESSERA_FAILPOINTS`` in the node agent's environment to a comma-separated 
     delay_ms=N       wait N ms before every answer (a straggler)
     crash_after=N    kill the whole process (SIGKILL) on call N+1
     seed=N           seed of the random choices, for reproducible runs
+    inflate_benchmark=F  report F x the measured matmul TFLOPS at registration (a node
+                     that lies about its speed; measured traffic must correct it)
 
 for example ``TESSERA_FAILPOINTS=corrupt=0.05,seed=3``. Unset or empty: no effect at all
 (``from_env`` returns None and the stage server never calls in here). When set, the node
@@ -36,7 +38,14 @@ log = logging.getLogger("tessera.failpoints")
 ENV_VAR = "TESSERA_FAILPOINTS"
 CORRUPTION_SCALE = 0.5  # relative size of a `corrupt` perturbation: far above any tolerance
 _FLAGS = frozenset({"zeros", "echo"})
-_VALUES = {"corrupt": float, "noise": float, "delay_ms": int, "crash_after": int, "seed": int}
+_VALUES = {
+    "corrupt": float,
+    "noise": float,
+    "delay_ms": int,
+    "crash_after": int,
+    "seed": int,
+    "inflate_benchmark": float,
+}
 
 
 class FailpointError(ValueError):
@@ -52,6 +61,11 @@ class FailpointSpec:
     delay_ms: int = 0
     crash_after: int = 0
     seed: int | None = None
+    inflate_benchmark: float = 0.0
+
+    @property
+    def touches_outputs(self) -> bool:
+        return bool(self.zeros or self.echo or self.noise or self.corrupt)
 
     def describe(self) -> str:
         parts = [f"{k}={v}" for k, v in self.__dict__.items() if v not in (0, 0.0, False, None)]
@@ -75,13 +89,16 @@ def parse(text: str) -> FailpointSpec:
         else:
             raise FailpointError(
                 f"{ENV_VAR}: cannot read {entry!r}; use a comma-separated list of "
-                "corrupt=Q, noise=S, zeros, echo, delay_ms=N, crash_after=N, seed=N"
+                "corrupt=Q, noise=S, zeros, echo, delay_ms=N, crash_after=N, seed=N, "
+                "inflate_benchmark=F"
             )
     spec = FailpointSpec(**values)  # type: ignore[arg-type]
     if not 0.0 <= spec.corrupt <= 1.0:
         raise FailpointError(f"{ENV_VAR}: corrupt is a probability in [0, 1], got {spec.corrupt}")
-    if spec.noise < 0 or spec.delay_ms < 0 or spec.crash_after < 0:
-        raise FailpointError(f"{ENV_VAR}: noise, delay_ms and crash_after cannot be negative")
+    if spec.noise < 0 or spec.delay_ms < 0 or spec.crash_after < 0 or spec.inflate_benchmark < 0:
+        raise FailpointError(
+            f"{ENV_VAR}: noise, delay_ms, crash_after and inflate_benchmark cannot be negative"
+        )
     return spec
 
 
@@ -104,6 +121,8 @@ class Failpoints:
             os.kill(os.getpid(), signal.SIGKILL)
         if spec.delay_ms:
             await asyncio.sleep(spec.delay_ms / 1000.0)
+        if not spec.touches_outputs:
+            return output
         values = as_float32(codec.decode(output, finite=False), output.dtype)
         changed = self._tamper(values, request_input)
         if changed is None:
@@ -143,3 +162,17 @@ def from_env(environ: Mapping[str, str] | None = None) -> Failpoints | None:
         banner, ENV_VAR, text, spec.describe(), banner,
     )  # fmt: skip
     return Failpoints(spec)
+
+
+def benchmark_factor(environ: Mapping[str, str] | None = None) -> float:
+    """What the node multiplies its measured TFLOPS by before it reports them: 1.0 unless
+    TESSERA_FAILPOINTS sets inflate_benchmark (then a loud warning says so)."""
+    text = (environ if environ is not None else os.environ).get(ENV_VAR, "").strip()
+    factor = parse(text).inflate_benchmark if text else 0.0
+    if not factor:
+        return 1.0
+    log.warning(
+        "FAILPOINT inflate_benchmark=%g: this node REPORTS %g x ITS MEASURED SPEED (a lie, "
+        "for tests of the coordinator's measured speeds)", factor, factor,
+    )  # fmt: skip
+    return factor

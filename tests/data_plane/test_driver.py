@@ -134,7 +134,10 @@ async def test_a_straggler_is_replaced_after_its_deadline(start_node, keys, chec
     spare = await start_node([(2, 4)])
     grant = session_grant(keys, [(0, 2, a, []), (2, 4, slow, [spare])])
     # The floor keeps a busy test machine from making a healthy hop look like a straggler.
-    config = DriverConfig(deadline_floor_s=1.5, deadline_factor=3.0, min_samples=2)
+    # Hedging off: this is the deadline's fail-over (test_hedging.py covers hedges).
+    config = DriverConfig(
+        deadline_floor_s=1.5, deadline_factor=3.0, min_samples=2, hedge_factor=0.0
+    )
     driver = PipelineDriver(grant, MODEL, config=config)
 
     async def stall() -> None:

@@ -37,10 +37,14 @@ class Swarm:
 
     def __init__(self) -> None:
         self.commands: list[tuple[str, str, int, int]] = []
+        self.probes: dict[str, list[tuple[str, str]]] = {}  # node -> (peer id, address)
 
     async def send(self, node_id: str, command) -> bool:
         kind = command.WhichOneof("kind")
         body = getattr(command, kind)
+        if kind == "probe":
+            self.probes[node_id] = [(p.node_id, p.address) for p in body.peers]
+            return True
         self.commands.append((node_id, kind, body.layers.start, body.layers.end))
         return True
 

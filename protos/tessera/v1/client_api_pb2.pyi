@@ -198,3 +198,31 @@ class CloseSessionResponse(_message.Message):
     SETTLEMENT_FIELD_NUMBER: _ClassVar[int]
     settlement: _ledger_pb2.Settlement
     def __init__(self, settlement: _Optional[_Union[_ledger_pb2.Settlement, _Mapping]] = ...) -> None: ...
+
+class StepTime(_message.Message):
+    __slots__ = ("node_id", "layers", "tokens", "wall_ms")
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    LAYERS_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    WALL_MS_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    layers: _common_pb2.LayerRange
+    tokens: int
+    wall_ms: float
+    def __init__(self, node_id: _Optional[str] = ..., layers: _Optional[_Union[_common_pb2.LayerRange, _Mapping]] = ..., tokens: _Optional[int] = ..., wall_ms: _Optional[float] = ...) -> None: ...
+
+class StepTimesReport(_message.Message):
+    __slots__ = ("session_id", "capability", "steps")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    CAPABILITY_FIELD_NUMBER: _ClassVar[int]
+    STEPS_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    capability: SignedCapability
+    steps: _containers.RepeatedCompositeFieldContainer[StepTime]
+    def __init__(self, session_id: _Optional[str] = ..., capability: _Optional[_Union[SignedCapability, _Mapping]] = ..., steps: _Optional[_Iterable[_Union[StepTime, _Mapping]]] = ...) -> None: ...
+
+class StepTimesAck(_message.Message):
+    __slots__ = ("accepted",)
+    ACCEPTED_FIELD_NUMBER: _ClassVar[int]
+    accepted: int
+    def __init__(self, accepted: _Optional[int] = ...) -> None: ...

@@ -66,6 +66,11 @@ class ClientApiStub:
                 request_serializer=tessera_dot_v1_dot_client__api__pb2.CloseSessionRequest.SerializeToString,
                 response_deserializer=tessera_dot_v1_dot_client__api__pb2.CloseSessionResponse.FromString,
                 _registered_method=True)
+        self.ReportStepTimes = channel.unary_unary(
+                '/tessera.v1.ClientApi/ReportStepTimes',
+                request_serializer=tessera_dot_v1_dot_client__api__pb2.StepTimesReport.SerializeToString,
+                response_deserializer=tessera_dot_v1_dot_client__api__pb2.StepTimesAck.FromString,
+                _registered_method=True)
 
 
 class ClientApiServicer:
@@ -110,6 +115,15 @@ class ClientApiServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ReportStepTimes(self, request, context):
+        """The driver's own timings of real traffic, per stage call: the coordinator's measured
+        speed of each node (replaces the node's self-reported benchmark). Batched, e.g. every
+        few tokens and at close.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ClientApiServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -142,6 +156,11 @@ def add_ClientApiServicer_to_server(servicer, server):
                     servicer.CloseSession,
                     request_deserializer=tessera_dot_v1_dot_client__api__pb2.CloseSessionRequest.FromString,
                     response_serializer=tessera_dot_v1_dot_client__api__pb2.CloseSessionResponse.SerializeToString,
+            ),
+            'ReportStepTimes': grpc.unary_unary_rpc_method_handler(
+                    servicer.ReportStepTimes,
+                    request_deserializer=tessera_dot_v1_dot_client__api__pb2.StepTimesReport.FromString,
+                    response_serializer=tessera_dot_v1_dot_client__api__pb2.StepTimesAck.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -307,6 +326,33 @@ class ClientApi:
             '/tessera.v1.ClientApi/CloseSession',
             tessera_dot_v1_dot_client__api__pb2.CloseSessionRequest.SerializeToString,
             tessera_dot_v1_dot_client__api__pb2.CloseSessionResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReportStepTimes(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tessera.v1.ClientApi/ReportStepTimes',
+            tessera_dot_v1_dot_client__api__pb2.StepTimesReport.SerializeToString,
+            tessera_dot_v1_dot_client__api__pb2.StepTimesAck.FromString,
             options,
             channel_credentials,
             insecure,

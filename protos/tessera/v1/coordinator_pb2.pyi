@@ -129,14 +129,16 @@ class HeartbeatAck(_message.Message):
     def __init__(self, seq: _Optional[int] = ..., state: _Optional[_Union[_node_pb2.NodeState, str]] = ...) -> None: ...
 
 class Command(_message.Message):
-    __slots__ = ("drain", "assign", "drop")
+    __slots__ = ("drain", "assign", "drop", "probe")
     DRAIN_FIELD_NUMBER: _ClassVar[int]
     ASSIGN_FIELD_NUMBER: _ClassVar[int]
     DROP_FIELD_NUMBER: _ClassVar[int]
+    PROBE_FIELD_NUMBER: _ClassVar[int]
     drain: Drain
     assign: AssignShard
     drop: DropShard
-    def __init__(self, drain: _Optional[_Union[Drain, _Mapping]] = ..., assign: _Optional[_Union[AssignShard, _Mapping]] = ..., drop: _Optional[_Union[DropShard, _Mapping]] = ...) -> None: ...
+    probe: ProbePeers
+    def __init__(self, drain: _Optional[_Union[Drain, _Mapping]] = ..., assign: _Optional[_Union[AssignShard, _Mapping]] = ..., drop: _Optional[_Union[DropShard, _Mapping]] = ..., probe: _Optional[_Union[ProbePeers, _Mapping]] = ...) -> None: ...
 
 class Drain(_message.Message):
     __slots__ = ("reason", "deadline_ms")
@@ -167,6 +169,20 @@ class DropShard(_message.Message):
     model: str
     layers: _common_pb2.LayerRange
     def __init__(self, model: _Optional[str] = ..., layers: _Optional[_Union[_common_pb2.LayerRange, _Mapping]] = ...) -> None: ...
+
+class ProbePeers(_message.Message):
+    __slots__ = ("peers",)
+    PEERS_FIELD_NUMBER: _ClassVar[int]
+    peers: _containers.RepeatedCompositeFieldContainer[Peer]
+    def __init__(self, peers: _Optional[_Iterable[_Union[Peer, _Mapping]]] = ...) -> None: ...
+
+class Peer(_message.Message):
+    __slots__ = ("node_id", "address")
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    address: str
+    def __init__(self, node_id: _Optional[str] = ..., address: _Optional[str] = ...) -> None: ...
 
 class Manifest(_message.Message):
     __slots__ = ("name", "config_json", "tensors", "num_layers")

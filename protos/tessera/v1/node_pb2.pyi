@@ -112,7 +112,7 @@ class Telemetry(_message.Message):
     def __init__(self, memory_used_bytes: _Optional[int] = ..., utilization: _Optional[float] = ..., queue_length: _Optional[int] = ..., active_sessions: _Optional[int] = ..., kv_tokens_used: _Optional[int] = ..., kv_tokens_budget: _Optional[int] = ..., rtt_ms: _Optional[_Mapping[str, float]] = ...) -> None: ...
 
 class NodeInfo(_message.Message):
-    __slots__ = ("node_id", "name", "account", "state", "capabilities", "telemetry", "registered_unix_ms", "last_seen_unix_ms", "state_changed_unix_ms", "data_address", "shards", "trust")
+    __slots__ = ("node_id", "name", "account", "state", "capabilities", "telemetry", "registered_unix_ms", "last_seen_unix_ms", "state_changed_unix_ms", "data_address", "shards", "trust", "speed")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     NAME_FIELD_NUMBER: _ClassVar[int]
     ACCOUNT_FIELD_NUMBER: _ClassVar[int]
@@ -125,6 +125,7 @@ class NodeInfo(_message.Message):
     DATA_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     SHARDS_FIELD_NUMBER: _ClassVar[int]
     TRUST_FIELD_NUMBER: _ClassVar[int]
+    SPEED_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     name: str
     account: str
@@ -137,7 +138,22 @@ class NodeInfo(_message.Message):
     data_address: str
     shards: _containers.RepeatedCompositeFieldContainer[ShardStatus]
     trust: NodeTrust
-    def __init__(self, node_id: _Optional[str] = ..., name: _Optional[str] = ..., account: _Optional[str] = ..., state: _Optional[_Union[NodeState, str]] = ..., capabilities: _Optional[_Union[Capabilities, _Mapping]] = ..., telemetry: _Optional[_Union[Telemetry, _Mapping]] = ..., registered_unix_ms: _Optional[int] = ..., last_seen_unix_ms: _Optional[int] = ..., state_changed_unix_ms: _Optional[int] = ..., data_address: _Optional[str] = ..., shards: _Optional[_Iterable[_Union[ShardStatus, _Mapping]]] = ..., trust: _Optional[_Union[NodeTrust, _Mapping]] = ...) -> None: ...
+    speed: NodeSpeed
+    def __init__(self, node_id: _Optional[str] = ..., name: _Optional[str] = ..., account: _Optional[str] = ..., state: _Optional[_Union[NodeState, str]] = ..., capabilities: _Optional[_Union[Capabilities, _Mapping]] = ..., telemetry: _Optional[_Union[Telemetry, _Mapping]] = ..., registered_unix_ms: _Optional[int] = ..., last_seen_unix_ms: _Optional[int] = ..., state_changed_unix_ms: _Optional[int] = ..., data_address: _Optional[str] = ..., shards: _Optional[_Iterable[_Union[ShardStatus, _Mapping]]] = ..., trust: _Optional[_Union[NodeTrust, _Mapping]] = ..., speed: _Optional[_Union[NodeSpeed, _Mapping]] = ...) -> None: ...
+
+class NodeSpeed(_message.Message):
+    __slots__ = ("claimed_ms_per_gparam", "ms_per_gparam", "samples", "measured", "rtt_ms")
+    CLAIMED_MS_PER_GPARAM_FIELD_NUMBER: _ClassVar[int]
+    MS_PER_GPARAM_FIELD_NUMBER: _ClassVar[int]
+    SAMPLES_FIELD_NUMBER: _ClassVar[int]
+    MEASURED_FIELD_NUMBER: _ClassVar[int]
+    RTT_MS_FIELD_NUMBER: _ClassVar[int]
+    claimed_ms_per_gparam: float
+    ms_per_gparam: float
+    samples: int
+    measured: bool
+    rtt_ms: float
+    def __init__(self, claimed_ms_per_gparam: _Optional[float] = ..., ms_per_gparam: _Optional[float] = ..., samples: _Optional[int] = ..., measured: _Optional[bool] = ..., rtt_ms: _Optional[float] = ...) -> None: ...
 
 class NodeTrust(_message.Message):
     __slots__ = ("trust", "check_probability", "consecutive_verified", "verified", "failures", "canary_passed", "canary_failed")

@@ -1,0 +1,77 @@
+"""Reports the driver's own timings of stage calls to the coordinator (ReportStepTimes).
+
+They are the coordinator's measured speed of each node: a node's self-reported benchmark
+is only a prior until real traffic has been timed on the client's clock, so a node cannot
+make itself look faster than it is. Reports are batched (every `every` calls and at close),
+sent in the background so a decode step never waits on the coordinator, and best effort: a
+report that fails is dropped, never retried into a growing backlog.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable
+
+import grpc
+
+from protos.tessera.v1 import client_api_pb2, common_pb2
+
+log = logging.getLogger(__name__)
+
+MAX_BATCH = 256  # the coordinator's limit per report (coordinator/sessions.py)
+
+SendReport = Callable[[client_api_pb2.StepTimesReport], Awaitable[client_api_pb2.StepTimesAck]]
+
+
+class StepReporter:
+    def __init__(
+        self,
+        session_id: str,
+        capability: Callable[[], client_api_pb2.SignedCapability],
+        send: SendReport,
+        *,
+        every: int = 16,
+    ) -> None:
+        self._session_id = session_id
+        self._capability = capability  # the latest one: a reroute replaces it
+        self._send = send
+        self.every = max(1, min(every, MAX_BATCH))
+        self._pending: list[client_api_pb2.StepTime] = []
+        self._tasks: set[asyncio.Task[None]] = set()
+        self.sent = 0  # entries the coordinator accepted
+
+    def add(self, node_id: str, start: int, end: int, tokens: int, wall_ms: float) -> None:
+        self._pending.append(
+            client_api_pb2.StepTime(
+                node_id=node_id,
+                layers=common_pb2.LayerRange(start=start, end=end),
+                tokens=tokens,
+                wall_ms=wall_ms,
+            )
+        )
+        if len(self._pending) >= self.every:
+            task = asyncio.get_running_loop().create_task(self._flush())
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+
+    async def close(self) -> None:
+        """Send what is left and wait for the reports in flight."""
+        await self._flush()
+        if self._tasks:
+            await asyncio.gather(*self._tasks, return_exceptions=True)
+
+    async def _flush(self) -> None:
+        batch, self._pending = self._pending[:MAX_BATCH], self._pending[MAX_BATCH:]
+        if not batch:
+            return
+        report = client_api_pb2.StepTimesReport(
+            session_id=self._session_id, capability=self._capability(), steps=batch
+        )
+        try:
+            ack = await self._send(report)
+        except grpc.aio.AioRpcError as err:
+            # UNIMPLEMENTED: an older coordinator. Others: it will learn from the next one.
+            log.info("step times not reported (%s: %s)", err.code().name, err.details())
+            return
+        self.sent += ack.accepted

@@ -1,0 +1,160 @@
+"""Measurement wiring: driver step reports and node RTT probes reach placement and routing.
+
+ReportStepTimes (Sessions.report_step_times) feeds Placement.measurements.observe_step
+for nodes the capability grants, refusing malformed, oversized and hostile reports; RTTs
+reported in telemetry count only for peers the coordinator asked the node to probe; and
+sessions route with the measured pair RTTs.
+"""
+
+from __future__ import annotations
+
+import time
+
+import grpc
+import pytest
+from planner.test_placement_and_sessions import caps, make, ready_all
+
+from coordinator.placement import MAX_PROBE_PEERS, PlacementNode
+from coordinator.sessions import MAX_STEP_TIMES, SessionError
+from protos import identity
+from protos.tessera.v1 import client_api_pb2, common_pb2
+
+
+async def three_node_session(max_length: int = 32):
+    swarm, placement, sessions, key = make()
+    for i in range(3):
+        placement.node_up(PlacementNode(f"n{i}", f"127.0.0.1:{9000 + i}", caps()))
+    await placement.replan()
+    await ready_all(placement, swarm)
+    grant = sessions.open_session(
+        client_api_pb2.OpenSessionRequest(model="m", max_length=max_length)
+    )
+    return swarm, placement, sessions, key, grant
+
+
+def report(grant, steps) -> client_api_pb2.StepTimesReport:
+    return client_api_pb2.StepTimesReport(
+        session_id=grant.session_id, capability=grant.capability, steps=steps
+    )
+
+
+def step_of(stage: client_api_pb2.RouteStage, wall_ms: float = 5.0, tokens: int = 1):
+    return client_api_pb2.StepTime(
+        node_id=stage.primary.node_id, layers=stage.layers, tokens=tokens, wall_ms=wall_ms
+    )
+
+
+async def test_step_reports_replace_the_claimed_speed():
+    _, placement, sessions, _, grant = await three_node_session()
+    stage = grant.stages[0]
+    node = stage.primary.node_id
+    claimed = placement.speed(node).claimed_ms_per_gparam
+    before = {h.node_id: h.ms_per_layer for h in placement.ready_holders("m")}[node]
+    ack = sessions.report_step_times(report(grant, [step_of(stage, 50.0)] * 8))
+    assert ack.accepted == 8
+    speed = placement.speed(node)
+    assert speed.samples == 8 and speed.measured
+    # 50 ms for 2 layers of the tiny model is far slower than the 1-TFLOPS claim.
+    assert speed.ms_per_gparam > 100 * claimed
+    after = {h.node_id: h.ms_per_layer for h in placement.ready_holders("m")}[node]
+    assert after > 100 * before, "the router must see the measured speed"
+
+
+async def test_bad_step_reports_are_refused_with_the_right_codes():
+    _, placement, sessions, _, grant = await three_node_session(max_length=4)
+    stage = grant.stages[0]
+    cases = [
+        ([step_of(stage)] * (MAX_STEP_TIMES + 1), grpc.StatusCode.RESOURCE_EXHAUSTED),
+        (
+            [client_api_pb2.StepTime(node_id="stranger", layers=stage.layers, tokens=1,
+                                     wall_ms=1.0)],  # fmt: skip
+            grpc.StatusCode.PERMISSION_DENIED,
+        ),
+        (
+            [client_api_pb2.StepTime(node_id=stage.primary.node_id, tokens=1, wall_ms=1.0,
+                                     layers=common_pb2.LayerRange(start=0, end=6))],  # fmt: skip
+            grpc.StatusCode.INVALID_ARGUMENT,
+        ),
+        ([step_of(stage, tokens=0)], grpc.StatusCode.INVALID_ARGUMENT),
+        ([step_of(stage, tokens=5)], grpc.StatusCode.INVALID_ARGUMENT),  # over max_length
+        ([step_of(stage, wall_ms=float("nan"))], grpc.StatusCode.INVALID_ARGUMENT),
+        ([step_of(stage, wall_ms=-1.0)], grpc.StatusCode.INVALID_ARGUMENT),
+        ([step_of(stage, wall_ms=float("inf"))], grpc.StatusCode.INVALID_ARGUMENT),
+        ([step_of(stage, wall_ms=1e12)], grpc.StatusCode.INVALID_ARGUMENT),
+    ]
+    for steps, code in cases:
+        with pytest.raises(SessionError) as err:
+            sessions.report_step_times(report(grant, steps))
+        assert err.value.code == code, (steps[:1], err.value.message)
+        assert err.value.message
+    assert placement.speed(stage.primary.node_id).samples == 0, "a refused report counts nothing"
+    # Another session's capability and a forged one.
+    with pytest.raises(SessionError) as err:
+        sessions.report_step_times(
+            client_api_pb2.StepTimesReport(session_id="other", capability=grant.capability)
+        )
+    assert err.value.code == grpc.StatusCode.PERMISSION_DENIED
+    forged = identity.sign_capability(
+        identity.generate_private_key(),
+        client_api_pb2.CapabilityClaims(
+            session_id=grant.session_id, model="m", expires_unix_ms=int(time.time() * 1e3) + 9000
+        ),
+    )
+    with pytest.raises(SessionError) as err:
+        sessions.report_step_times(
+            client_api_pb2.StepTimesReport(session_id=grant.session_id, capability=forged)
+        )
+    assert err.value.code == grpc.StatusCode.UNAUTHENTICATED
+    # A session reports each node at most max_length times: one client cannot drown a node.
+    sessions.report_step_times(report(grant, [step_of(stage)] * 4))
+    with pytest.raises(SessionError) as err:
+        sessions.report_step_times(report(grant, [step_of(stage)]))
+    assert err.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert placement.speed(stage.primary.node_id).samples == 4
+
+
+async def test_nodes_are_told_their_neighbours_and_only_those_rtts_count():
+    swarm, placement, _, _, grant = await three_node_session()
+    ids = {f"n{i}" for i in range(3)}
+    for node_id in ids:
+        peers = dict(swarm.probes[node_id])
+        assert node_id not in peers and set(peers) <= ids and peers
+        assert all(address.startswith("127.0.0.1:") for address in peers.values())
+        assert len(peers) <= MAX_PROBE_PEERS
+    a = grant.stages[0].primary.node_id
+    b = next(p for p, _ in swarm.probes[a])
+    kept = placement.observe_rtts(a, {b: 40.0, "stranger": 1.0, a: 0.0})
+    assert kept == 1 and placement.rtt_ms(a, b) == pytest.approx(40.0)
+    assert placement.rtt_ms(a, "stranger") == 0.0
+    # Hostile values are dropped, not averaged in.
+    assert placement.observe_rtts(a, {b: -5.0}) == 0
+    assert placement.observe_rtts(a, {b: float("nan")}) == 0
+    assert placement.observe_rtts(a, {b: 1e9}) == 0
+    assert placement.rtt_ms(a, b) == pytest.approx(40.0)
+    # A node that leaves is no longer asked about, and its list is resent when it returns.
+    placement.node_down(b)
+    await placement.replan()
+    assert all(b not in dict(swarm.probes[n]) for n in ids - {b})
+
+
+async def test_sessions_route_around_a_measured_slow_link():
+    """Two full replicas of each stage; the link from the first stage to one replica of the
+    second is measured slow, so the route takes the other replica."""
+    swarm, placement, sessions, _ = make()
+    for i in range(6):
+        placement.node_up(PlacementNode(f"n{i}", f"127.0.0.1:{9000 + i}", caps()))
+    await placement.replan()
+    await ready_all(placement, swarm)
+    grant = sessions.open_session(client_api_pb2.OpenSessionRequest(model="m", max_length=8))
+    first, second = grant.stages[0].primary.node_id, grant.stages[1].primary.node_id
+    others = [a.node_id for a in grant.stages[1].alternates]
+    assert others, "the test needs an alternate for the second stage"
+    placement.measurements.observe_rtts(first, {second: 500.0, **{o: 1.0 for o in others}})
+    again = sessions.open_session(client_api_pb2.OpenSessionRequest(model="m", max_length=8))
+    if again.stages[0].primary.node_id == first:
+        assert again.stages[1].primary.node_id != second
+    else:  # the route moved its first stage instead: it avoids the slow pair either way
+        assert (again.stages[0].primary.node_id, again.stages[1].primary.node_id) != (
+            first,
+            second,
+        )
