@@ -94,7 +94,9 @@ class Sessions:
             if self._billing is None:
                 stages, amount = route(boundaries, holders, rtt_ms=self._placement.rtt_ms), 0
             else:
-                stages, amount = self._billing.plan(boundaries, holders, request)
+                stages, amount = self._billing.plan(
+                    boundaries, holders, request, rtt_ms=self._placement.rtt_ms
+                )
         except NoRouteError as e:
             raise SessionError(
                 grpc.StatusCode.UNAVAILABLE, f"model {info.name!r} is unavailable: {e}"

@@ -18,7 +18,7 @@ from coordinator.ledger.amounts import LedgerError
 from coordinator.ledger.book import Ledger, SettlementResult
 from coordinator.ledger.pricing import PriceOf, plan_route, stage_nodes
 from coordinator.ledger.receipts import verify_usage
-from coordinator.router import Holder, Stage
+from coordinator.router import Holder, RttMs, Stage
 from protos import identity
 from protos.tessera.v1 import client_api_pb2, ledger_pb2
 
@@ -41,6 +41,7 @@ class Billing:
         boundaries: Sequence[int],
         holders: Sequence[Holder],
         request: client_api_pb2.OpenSessionRequest,
+        rtt_ms: RttMs | None = None,
     ) -> tuple[list[Stage], int]:
         return plan_route(
             boundaries,
@@ -49,6 +50,7 @@ class Billing:
             max_price=request.max_price,
             prefer=request.prefer,
             price_of=self._price_of,
+            rtt_ms=rtt_ms,
         )
 
     def client_of(self, request: client_api_pb2.OpenSessionRequest) -> str:

@@ -17,7 +17,7 @@ import grpc
 
 from coordinator.ledger.amounts import INT64_MAX, LedgerError, quote_amount
 from coordinator.ledger.book import NodeQuote
-from coordinator.router import Holder, Stage, route
+from coordinator.router import Holder, RttMs, Stage, route
 
 PREFERENCES = ("fast", "cheap")
 
@@ -71,6 +71,7 @@ def plan_route(
     max_price: int,
     prefer: str,
     price_of: PriceOf,
+    rtt_ms: RttMs | None = None,
 ) -> tuple[list[Stage], int]:
     """The route for a session and its quote, within `max_price` (0 = no cap) if any
     route is. Raises NoRouteError (no replica) or LedgerError (over budget)."""
@@ -79,18 +80,21 @@ def plan_route(
             grpc.StatusCode.INVALID_ARGUMENT, f"max_price must be >= 0, got {max_price}"
         )
     prefer = check_preference(prefer)
+
+    def cheapest() -> list[Stage]:
+        return route(boundaries, cheap_first(holders, price_of), rtt_ms=rtt_ms)
+
     if prefer == "cheap":
         # Price over speed, fail-over included: no alternate may cost more than its primary.
-        stages = within_primary_price(route(boundaries, cheap_first(holders, price_of)), price_of)
+        stages = within_primary_price(cheapest(), price_of)
     else:
-        stages = route(boundaries, holders)
+        stages = route(boundaries, holders, rtt_ms=rtt_ms)
     amount = quote_for(stages, max_tokens, price_of)
     if not max_price or amount <= max_price:
         return stages, amount
     candidates = [within_primary_price(stages, price_of)]
     if prefer != "cheap":
-        candidates.append(within_primary_price(route(boundaries, cheap_first(holders, price_of)),
-                                               price_of))  # fmt: skip
+        candidates.append(within_primary_price(cheapest(), price_of))
     for candidate in candidates:
         amount = quote_for(candidate, max_tokens, price_of)
         if amount <= max_price:
