@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 from support.checkpoints import make_checkpoint
 from support.link_emulator import LinkEmulator
-from support.ports import free_port
+from support.ports import reserved_ports
 
 from client.api import Client, GenerationResult
 from client.driver import DriverConfig
@@ -69,11 +69,15 @@ def swarm(tmp_path_factory: pytest.TempPathFactory, links) -> Iterator[LocalSwar
     ) as s:
         s.start_coordinator()
         nodes = []
-        for name in NODES:
-            port = free_port()
-            link = LinkEmulator("127.0.0.1", port, name=f"link->{name}")
-            links[name] = link
-            address = link.start_in_thread()
+        advertised = {}
+        # The proxies listen on port 0: hold the nodes' ports until every proxy is up, or
+        # one proxy could be given a port a node is about to listen on.
+        with reserved_ports(len(NODES)) as ports:
+            for name, port in zip(NODES, ports, strict=True):
+                link = LinkEmulator("127.0.0.1", port, name=f"link->{name}")
+                links[name] = link
+                advertised[name] = (port, link.start_in_thread())
+        for name, (port, address) in advertised.items():
             args = ["--listen", f"127.0.0.1:{port}", "--advertise", address]
             nodes.append(s.start_node(name, args))
         s.wait_registered(nodes)

@@ -19,6 +19,7 @@ from support.checkpoints import make_checkpoint
 
 from client import billing
 from client.api import Client, GenerationResult
+from client.driver import DriverConfig
 from client.local_swarm import LocalSwarm
 from protos.tessera.v1 import node_pb2
 
@@ -171,8 +172,12 @@ def audit_cli(market: LocalSwarm, *where: str) -> subprocess.CompletedProcess[st
     return run_cli("coordinator.cli", "ledger", "audit", *where, check=False)
 
 
-def generate(market: LocalSwarm, key, settle_every: int = 0) -> GenerationResult:
-    with Client(market.address, key=key, settle_every=settle_every) as client:
+def generate(
+    market: LocalSwarm, key, settle_every: int = 0, config: DriverConfig | None = None
+) -> GenerationResult:
+    with Client(
+        market.address, key=key, settle_every=settle_every, driver_config=config
+    ) as client:
         wait_for(lambda: available(client), "the model to be served")
         return client.generate_all(
             MODEL, token_ids=PROMPT, max_new_tokens=NEW_TOKENS, stop_at_eos=False

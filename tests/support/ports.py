@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import socket
 import time
+from collections.abc import Iterator
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -12,6 +14,19 @@ def free_port(host: str = "127.0.0.1") -> int:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind((host, 0))
         return sock.getsockname()[1]
+
+
+@contextlib.contextmanager
+def reserved_ports(count: int, host: str = "127.0.0.1") -> Iterator[list[int]]:
+    """`count` distinct free ports, held (bound, not listening) until the block ends, so
+    nothing else started inside the block (e.g. a proxy on port 0) can take one of them."""
+    with contextlib.ExitStack() as stack:
+        ports = []
+        for _ in range(count):
+            sock = stack.enter_context(socket.socket(socket.AF_INET, socket.SOCK_STREAM))
+            sock.bind((host, 0))
+            ports.append(sock.getsockname()[1])
+        yield ports
 
 
 def port_accepts(host: str, port: int, timeout: float = 0.2) -> bool:
