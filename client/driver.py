@@ -371,6 +371,15 @@ class PipelineDriver:
         tokens = int(x.shape[1])
         timeout = self._deadline(slot, tokens, replay)
         self.usage.sent(slot.hop.node_id, slot.span.start, slot.span.end, int(x.shape[0]) * tokens)
+        # A sampled redundant check starts now, so the checker computes alongside the node
+        # (a check whose call fails below runs out unused; the verifier keeps it apart).
+        pending = (
+            self.verifier.begin(
+                self._capability, slot.hop, slot.alternates, request, self._history, replay=replay
+            )
+            if self.verifier is not None
+            else None
+        )
         started = time.monotonic()
         try:
             if slot.call is None:
@@ -406,7 +415,7 @@ class PipelineDriver:
             try:
                 output = await self.verifier.verify(
                     self._capability, slot.hop, slot.alternates, request, response, output,
-                    self._history, replay=replay,
+                    self._history, replay=replay, pending=pending,
                 )  # fmt: skip
             except NodeRejected as err:
                 slot.close_stream()

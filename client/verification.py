@@ -26,6 +26,7 @@ import logging
 import random
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
+from typing import Literal
 
 import grpc
 import numpy as np
@@ -51,6 +52,9 @@ Outcome = verification_pb2.Verdict.Outcome
 
 
 END_SESSION_TIMEOUT_S = 2.0
+# A checker's catch-up goes in chunks of at most this many positions (the driver's prefill
+# chunk), far below what a node accepts in one request.
+CATCH_UP_CHUNK_TOKENS = 512
 
 
 @dataclass
@@ -58,6 +62,27 @@ class _CheckerStream:
     address: str
     call: grpc.aio.StreamStreamCall
     capability_sent: bytes = b""
+
+
+class PendingCheck:
+    """A redundant check under way: the checker runs the primary's call meanwhile."""
+
+    def __init__(
+        self,
+        verifier: StageVerifier,
+        checker: HopRecord,
+        task: asyncio.Future[stage_pb2.ForwardResponse],
+    ) -> None:
+        self._verifier = verifier
+        self.checker = checker
+        self.task = task
+
+    def cancel(self) -> None:
+        """The primary's call failed: its check is moot. An answer may be in flight on
+        the checker's stream, so the stream goes too (the next check opens another)."""
+        if not self.task.done():
+            self.task.cancel()
+            self._verifier._close_stream(self.checker.node_id)
 
 
 class NodeRejected(Exception):
@@ -118,9 +143,56 @@ class StageVerifier:
         self._unfit_checkers: set[str] = set()
         self._streams: dict[str, _CheckerStream] = {}
         self._pending: list[verification_pb2.Comparison] = []
+        # Checks under way, per checker node: at most one call at a time on its stream.
+        self._inflight: dict[str, PendingCheck] = {}
         self.stats = VerificationStats()
 
-    # ---- the hook the driver calls after every good reply ----------------------------
+    # ---- the hooks the driver calls around every call -------------------------------
+
+    def begin(
+        self,
+        capability: client_api_pb2.SignedCapability,
+        hop: HopRecord,
+        alternates: list[HopRecord],
+        request: stage_pb2.ForwardRequest,
+        history: RouteHistory,
+        *,
+        replay: bool = False,
+    ) -> PendingCheck | None:
+        """Decide whether to check this call and, if so, send it to a checker now.
+
+        Called as the request goes to the primary: the checker needs only the request and
+        the history, so it computes while the primary does (on another machine, a check
+        then costs the client almost no time) instead of after it. The draw is the same
+        as after the reply would be: it does not depend on the reply.
+        """
+        self._load_grants(capability)
+        if not self._keyed:
+            return None
+        span = Span(request.layers.start, request.layers.end)
+        for key in [k for k in self._synced if k[1] == span]:
+            self._synced[key] = min(self._synced[key], request.start_pos)
+        if replay:
+            return None  # replays rebuild a cache after a fail-over; they are not sampled
+        grant = self._grants.get(hop.node_id)
+        if grant is None or self._rng.random() >= grant.check_probability:
+            return None
+        checker = self._pick_checker(hop, alternates)
+        if checker is None:
+            return None
+        earlier = self._inflight.get(checker.node_id)
+        if earlier is not None:
+            earlier.cancel()  # its primary's call failed; never two calls on one stream
+        task = asyncio.ensure_future(self._run_checker(checker, span, request, history))
+        pending = self._inflight[checker.node_id] = PendingCheck(self, checker, task)
+        task.add_done_callback(lambda _: self._done(pending))
+        return pending
+
+    def _done(self, pending: PendingCheck) -> None:
+        if self._inflight.get(pending.checker.node_id) is pending:
+            del self._inflight[pending.checker.node_id]
+        if not pending.task.cancelled():
+            pending.task.exception()  # retrieved: a check nobody awaits is not "lost"
 
     async def verify(
         self,
@@ -133,25 +205,37 @@ class StageVerifier:
         history: RouteHistory,
         *,
         replay: bool = False,
+        pending: PendingCheck | None | Literal["draw"] = "draw",
     ) -> np.ndarray:
-        """The output to use; raises NodeRejected when the primary must not be trusted."""
-        self._load_grants(capability)
-        if not self._keyed:
-            return output  # a coordinator without verification: nothing to check against
-        span = Span(request.layers.start, request.layers.end)
-        for key in [k for k in self._synced if k[1] == span]:
-            self._synced[key] = min(self._synced[key], request.start_pos)
-        grant = self._check_signature(hop.node_id, request, response)
-        if replay:
-            return output  # replays rebuild a cache after a fail-over; they are not sampled
-        self.stats.calls[hop.node_id] = self.stats.calls.get(hop.node_id, 0) + 1
-        if self._rng.random() >= grant.check_probability:
-            return output
-        checker = self._pick_checker(hop, alternates)
-        if checker is None:
-            return output
+        """The output to use; raises NodeRejected when the primary must not be trusted.
+
+        ``pending`` is what ``begin`` returned for this call; by default the draw (and
+        the check) happens here, after the reply.
+        """
+        if pending == "draw":
+            pending = self.begin(capability, hop, alternates, request, history, replay=replay)
         try:
-            checked = await self._run_checker(checker, span, request, response, history)
+            self._load_grants(capability)
+            if not self._keyed:
+                return output  # a coordinator without verification: nothing to check against
+            self._check_signature(hop.node_id, request, response)
+        except BaseException:
+            if pending is not None:
+                pending.cancel()
+            raise
+        if replay:
+            return output
+        self.stats.calls[hop.node_id] = self.stats.calls.get(hop.node_id, 0) + 1
+        if pending is None:
+            return output
+        checker = pending.checker
+        try:
+            checked = await pending.task
+            if list(checked.output.shape) != list(response.output.shape):
+                raise NodeRejected(
+                    f"checker answered shape {list(checked.output.shape)}, the primary "
+                    f"{list(response.output.shape)}"
+                )
         except Exception as err:  # a broken stream surfaces in several shapes
             # An unusable checker says nothing about the primary; don't ask it again.
             log.warning("checker %s could not check %s: %s", checker.node_id, hop.node_id, err)
@@ -179,6 +263,8 @@ class StageVerifier:
         return verdict.risk
 
     async def _end_checker_sessions(self) -> None:
+        for pending in list(self._inflight.values()):
+            pending.cancel()
         streams, self._streams = self._streams, {}
         request = stage_pb2.EndSessionRequest(
             session_id=self.session_id, capability=self._capability
@@ -255,7 +341,6 @@ class StageVerifier:
         checker: HopRecord,
         span: Span,
         request: stage_pb2.ForwardRequest,
-        response: stage_pb2.ForwardResponse,
         history: RouteHistory,
     ) -> stage_pb2.ForwardResponse:
         key = (checker.node_id, span)
@@ -277,11 +362,6 @@ class StageVerifier:
                 raise NodeRejected(f"checker {checker.node_id} did not answer") from None
             self._synced[key] = request.start_pos + request.input.shape[1]
             self._check_signature(checker.node_id, request, answer)
-            if list(answer.output.shape) != list(response.output.shape):
-                raise NodeRejected(
-                    f"checker answered shape {list(answer.output.shape)}, the primary "
-                    f"{list(response.output.shape)}"
-                )
             return answer
         raise AssertionError("unreachable")
 
@@ -330,7 +410,7 @@ class StageVerifier:
                 input=codec.encode(array, dtype),
                 last_position_only=last_only,
             )
-            for start, array, dtype in history.inputs(span, synced, request.start_pos)
+            for start, array, dtype in _joined(history.inputs(span, synced, request.start_pos))
         ]
         final = stage_pb2.ForwardRequest()
         final.CopyFrom(request)
@@ -437,6 +517,35 @@ class StageVerifier:
         if verdict.HasField("risk"):
             self.stats.risk = verdict.risk
         return verdict
+
+
+def _joined(chunks: list[tuple[int, np.ndarray, str]]) -> list[tuple[int, np.ndarray, str]]:
+    """Consecutive chunks of one dtype as one, up to CATCH_UP_CHUNK_TOKENS positions each.
+
+    A checker that skipped k decode steps catches up in one forward pass instead of k round
+    trips, each reading all of its weights again; it then answers the checked call about
+    as fast as the primary does. The input digest chains position by position, so it is
+    the same however the positions are grouped; the cache differs from the primary's by
+    float rounding only, far inside the comparison's tolerance.
+    """
+    groups: list[list[tuple[int, np.ndarray, str]]] = []
+    for chunk in chunks:
+        start, array, dtype = chunk
+        group = groups[-1] if groups else []
+        length = sum(a.shape[1] for _, a, _ in group)
+        if (
+            group
+            and dtype == group[0][2]
+            and start == group[0][0] + length
+            and length + array.shape[1] <= CATCH_UP_CHUNK_TOKENS
+        ):
+            group.append(chunk)
+        else:
+            groups.append([chunk])
+    return [
+        (g[0][0], np.concatenate([a for _, a, _ in g], axis=1) if len(g) > 1 else g[0][1], g[0][2])
+        for g in groups
+    ]
 
 
 def independent(account_a: str, account_b: str) -> bool:
