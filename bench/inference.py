@@ -454,7 +454,7 @@ def bench(args: argparse.Namespace, workdir: Path) -> int:
                         f"{floor.tokens_per_s:6.2f} ({floor.tokens_per_s / local.tokens_per_s:.2f}"
                         f"), swarm {plain.tokens_per_s:6.2f} "
                         f"({plain.tokens_per_s / local.tokens_per_s:.2f}) over "
-                        f"{len(plain.result.initial_route)} hops"
+                        f"{len(plain.result.initial_route)} hops; {checked_text(plain)}"
                     )
             finally:
                 pipes.close()
@@ -489,6 +489,7 @@ def bench(args: argparse.Namespace, workdir: Path) -> int:
         f"{(hops_wall_ms - compute_ms) / hops:.2f} ms on the wire and in the node; the "
         f"client {plain.median_token_ms - hops_wall_ms:.1f} ms"
     )
+    say(f"verification in that round: {checked_text(plain)}; every reply's signature checked")
     say(
         f"swarm/pipes tokens/s: {plain.tokens_per_s / floor.tokens_per_s:.2f} (what Tessera's "
         "data path costs over plain pipes between the same processes)"
@@ -518,6 +519,15 @@ def bench(args: argparse.Namespace, workdir: Path) -> int:
     say(f"total time {time.monotonic() - t0:.0f} s")
     say(f"swarm/local tokens/s ratio: {plain.tokens_per_s / local.tokens_per_s:.2f}")
     return 0 if same else 1
+
+
+def checked_text(run: Run) -> str:
+    """How many of the run's calls the client also sent to a checker (the coordinator sets
+    the rate per node: every call of a new node, falling as it earns trust)."""
+    assert run.result is not None
+    stats = run.result.verification
+    calls, checked = sum(stats.calls.values()), sum(stats.checked.values())
+    return f"{checked} of {calls} calls checked on a second node"
 
 
 def route_text(result: GenerationResult, names: dict[str, str]) -> str:
