@@ -26,7 +26,7 @@ import logging
 import random
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Literal, TypeVar
 
 import grpc
 import numpy as np
@@ -51,6 +51,7 @@ Reporter = Callable[
 Outcome = verification_pb2.Verdict.Outcome
 
 
+T = TypeVar("T")
 END_SESSION_TIMEOUT_S = 2.0
 # A checker's catch-up goes in chunks of at most this many positions (the driver's prefill
 # chunk), far below what a node accepts in one request.
@@ -71,7 +72,7 @@ class PendingCheck:
         self,
         verifier: StageVerifier,
         checker: HopRecord,
-        task: asyncio.Future[stage_pb2.ForwardResponse],
+        task: asyncio.Task[stage_pb2.ForwardResponse],
     ) -> None:
         self._verifier = verifier
         self.checker = checker
@@ -143,8 +144,12 @@ class StageVerifier:
         self._unfit_checkers: set[str] = set()
         self._streams: dict[str, _CheckerStream] = {}
         self._pending: list[verification_pb2.Comparison] = []
-        # Checks under way, per checker node: at most one call at a time on its stream.
-        self._inflight: dict[str, PendingCheck] = {}
+        # Work queued on each checker's stream (checks, catch-ups): the newest per node,
+        # and all of it, so that the session's end can cancel what is left.
+        self._inflight: dict[str, asyncio.Task[object]] = {}
+        self._tasks: set[asyncio.Task[object]] = set()
+        # Per span: (primary, checker or None) drawn for the span's next call.
+        self._drawn: dict[Span, tuple[str, HopRecord | None]] = {}
         self.stats = VerificationStats()
 
     # ---- the hooks the driver calls around every call -------------------------------
@@ -162,9 +167,11 @@ class StageVerifier:
         """Decide whether to check this call and, if so, send it to a checker now.
 
         Called as the request goes to the primary: the checker needs only the request and
-        the history, so it computes while the primary does (on another machine, a check
-        then costs the client almost no time) instead of after it. The draw is the same
-        as after the reply would be: it does not depend on the reply.
+        the history, so it computes while the primary does instead of after it. The draw
+        does not depend on the reply, so it may come early: the draw for a span's NEXT
+        call is made now too, and that checker catches up on the inputs its cache lacks,
+        this call's included, while the pipeline runs. When the check comes, the checker
+        runs one call, about as fast as the primary, instead of a catch-up first.
         """
         self._load_grants(capability)
         if not self._keyed:
@@ -174,25 +181,56 @@ class StageVerifier:
             self._synced[key] = min(self._synced[key], request.start_pos)
         if replay:
             return None  # replays rebuild a cache after a fail-over; they are not sampled
+        drawn = self._drawn.pop(span, None)
+        if drawn is None or drawn[0] != hop.node_id:
+            checker = self._draw(hop, alternates)  # a span's first call, or a new primary
+        else:
+            checker = drawn[1]
+            if checker is not None and checker.node_id in self._unfit_checkers:
+                checker = None
+        pending = None
+        if checker is not None:
+            check = checker
+            task = self._queue(check, lambda: self._run_checker(check, span, request, history))
+            pending = PendingCheck(self, check, task)
+        upcoming = self._draw(hop, alternates)
+        self._drawn[span] = (hop.node_id, upcoming)
+        if upcoming is not None and upcoming != checker:
+            warm = upcoming
+            self._queue(warm, lambda: self._warm_up(warm, span, request, history))
+        return pending
+
+    def _draw(self, hop: HopRecord, alternates: list[HopRecord]) -> HopRecord | None:
+        """With the node's checking probability, a checker for one of its calls."""
         grant = self._grants.get(hop.node_id)
         if grant is None or self._rng.random() >= grant.check_probability:
             return None
-        checker = self._pick_checker(hop, alternates)
-        if checker is None:
-            return None
-        earlier = self._inflight.get(checker.node_id)
-        if earlier is not None:
-            earlier.cancel()  # its primary's call failed; never two calls on one stream
-        task = asyncio.ensure_future(self._run_checker(checker, span, request, history))
-        pending = self._inflight[checker.node_id] = PendingCheck(self, checker, task)
-        task.add_done_callback(lambda _: self._done(pending))
-        return pending
+        return self._pick_checker(hop, alternates)
 
-    def _done(self, pending: PendingCheck) -> None:
-        if self._inflight.get(pending.checker.node_id) is pending:
-            del self._inflight[pending.checker.node_id]
-        if not pending.task.cancelled():
-            pending.task.exception()  # retrieved: a check nobody awaits is not "lost"
+    def _queue(self, checker: HopRecord, work: Callable[[], Awaitable[T]]) -> asyncio.Task[T]:
+        """Run ``work`` on the checker's stream once the work queued before it is done:
+        one call at a time on a stream."""
+        node_id = checker.node_id
+        previous = self._inflight.get(node_id)
+
+        async def run() -> T:
+            if previous is not None and not previous.done():
+                await asyncio.wait([previous])  # its outcome is its own business
+            return await work()
+
+        task = asyncio.ensure_future(run())
+        self._inflight[node_id] = task  # type: ignore[assignment]
+        self._tasks.add(task)  # type: ignore[arg-type]
+
+        def settled(done: asyncio.Task[T]) -> None:
+            self._tasks.discard(done)  # type: ignore[arg-type]
+            if self._inflight.get(node_id) is done:
+                del self._inflight[node_id]
+            if not done.cancelled():
+                done.exception()  # retrieved: a check nobody awaits is not "lost"
+
+        task.add_done_callback(settled)
+        return task
 
     async def verify(
         self,
@@ -263,8 +301,8 @@ class StageVerifier:
         return verdict.risk
 
     async def _end_checker_sessions(self) -> None:
-        for pending in list(self._inflight.values()):
-            pending.cancel()
+        for task in list(self._tasks):
+            task.cancel()
         streams, self._streams = self._streams, {}
         request = stage_pb2.EndSessionRequest(
             session_id=self.session_id, capability=self._capability
@@ -365,6 +403,30 @@ class StageVerifier:
             return answer
         raise AssertionError("unreachable")
 
+    async def _warm_up(
+        self,
+        checker: HopRecord,
+        span: Span,
+        request: stage_pb2.ForwardRequest,
+        history: RouteHistory,
+    ) -> None:
+        """Bring the checker's cache up to the end of ``request``'s input, for the check
+        drawn for the span's next call."""
+        key = (checker.node_id, span)
+        messages = self._catch_up(span, self._synced.get(key, 0), request, history, final=False)
+        if not messages:
+            return
+        try:
+            async with asyncio.timeout(self._timeout_s):
+                await self._send(checker, messages)
+        except Exception as err:  # a broken stream surfaces in several shapes
+            # The check that needed it catches up from position 0 on a new stream.
+            log.info("checker %s could not catch up: %s", checker.node_id, err)
+            self._close_stream(checker.node_id)
+            self._synced.pop(key, None)
+            return
+        self._synced[key] = request.start_pos + request.input.shape[1]
+
     async def _send(
         self, checker: HopRecord, messages: list[stage_pb2.ForwardRequest]
     ) -> stage_pb2.ForwardResponse:
@@ -396,10 +458,17 @@ class StageVerifier:
 
     @staticmethod
     def _catch_up(
-        span: Span, synced: int, request: stage_pb2.ForwardRequest, history: RouteHistory
+        span: Span,
+        synced: int,
+        request: stage_pb2.ForwardRequest,
+        history: RouteHistory,
+        *,
+        final: bool = True,
     ) -> list[stage_pb2.ForwardRequest]:
-        """The inputs the checker's cache lacks before this call, then the call itself."""
+        """The inputs the checker's cache lacks before this call, then the call itself;
+        without ``final``, every input up to the call's end instead (a catch-up only)."""
         last_only = request.last_position_only
+        end = request.start_pos + (0 if final else request.input.shape[1])
         messages = [
             stage_pb2.ForwardRequest(
                 session_id=request.session_id,
@@ -410,12 +479,14 @@ class StageVerifier:
                 input=codec.encode(array, dtype),
                 last_position_only=last_only,
             )
-            for start, array, dtype in _joined(history.inputs(span, synced, request.start_pos))
+            for start, array, dtype in _joined(history.inputs(span, synced, end))
         ]
-        final = stage_pb2.ForwardRequest()
-        final.CopyFrom(request)
-        final.ClearField("capability")
-        return [*messages, final]
+        if not final:
+            return messages
+        call = stage_pb2.ForwardRequest()
+        call.CopyFrom(request)
+        call.ClearField("capability")
+        return [*messages, call]
 
     async def _compare(
         self,
