@@ -6,7 +6,10 @@ In ONE run, on this machine, with the same weights, prompt and greedy decoding:
           last) with its KV cache, greedy decoding in a plain loop in this process: the
           "one machine" baseline, fp32 on CPU.
   swarm   a coordinator and three node agents on loopback (`--min-stages 3 --replicas 2`,
-          so every stage has an alternate), driven by `client.Client.generate`.
+          so every stage has an alternate), driven by `client.Client.generate`, with all
+          of the product's verification: every reply's signature is checked, and some calls
+          also run on a second node and are compared (every call of a node that is new to
+          the coordinator, fewer as it earns trust; each round prints how many).
   pipes   for reference, the floor of any 3-process pipeline on this machine: the same
           three layer spans in three plain Python processes joined by multiprocessing
           pipes (no gRPC, no validation, no signatures, no fail-over). swarm/pipes shows
