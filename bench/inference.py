@@ -6,7 +6,10 @@ In ONE run, on this machine, with the same weights, prompt and greedy decoding:
           last) with its KV cache, greedy decoding in a plain loop in this process: the
           "one machine" baseline, fp32 on CPU.
   swarm   a coordinator and three node agents on loopback (`--min-stages 3 --replicas 2`,
-          so every stage has an alternate), driven by `client.Client.generate`.
+          so every stage has an alternate), driven by `client.Client.generate`, with all
+          of the product's verification: every reply's signature is checked, and some calls
+          also run on a second node and are compared (every call of a node that is new to
+          the coordinator, fewer as it earns trust; each round prints how many).
   pipes   for reference, the floor of any 3-process pipeline on this machine: the same
           three layer spans in three plain Python processes joined by multiprocessing
           pipes (no gRPC, no validation, no signatures, no fail-over). swarm/pipes shows
@@ -454,7 +457,7 @@ def bench(args: argparse.Namespace, workdir: Path) -> int:
                         f"{floor.tokens_per_s:6.2f} ({floor.tokens_per_s / local.tokens_per_s:.2f}"
                         f"), swarm {plain.tokens_per_s:6.2f} "
                         f"({plain.tokens_per_s / local.tokens_per_s:.2f}) over "
-                        f"{len(plain.result.initial_route)} hops"
+                        f"{len(plain.result.initial_route)} hops; {checked_text(plain)}"
                     )
             finally:
                 pipes.close()
@@ -489,6 +492,7 @@ def bench(args: argparse.Namespace, workdir: Path) -> int:
         f"{(hops_wall_ms - compute_ms) / hops:.2f} ms on the wire and in the node; the "
         f"client {plain.median_token_ms - hops_wall_ms:.1f} ms"
     )
+    say(f"verification in that round: {checked_text(plain)}; every reply's signature checked")
     say(
         f"swarm/pipes tokens/s: {plain.tokens_per_s / floor.tokens_per_s:.2f} (what Tessera's "
         "data path costs over plain pipes between the same processes)"
@@ -518,6 +522,15 @@ def bench(args: argparse.Namespace, workdir: Path) -> int:
     say(f"total time {time.monotonic() - t0:.0f} s")
     say(f"swarm/local tokens/s ratio: {plain.tokens_per_s / local.tokens_per_s:.2f}")
     return 0 if same else 1
+
+
+def checked_text(run: Run) -> str:
+    """How many of the run's calls the client also sent to a checker (the coordinator sets
+    the rate per node: every call of a new node, falling as it earns trust)."""
+    assert run.result is not None
+    stats = run.result.verification
+    calls, checked = sum(stats.calls.values()), sum(stats.checked.values())
+    return f"{checked} of {calls} calls checked on a second node"
 
 
 def route_text(result: GenerationResult, names: dict[str, str]) -> str:

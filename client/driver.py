@@ -34,7 +34,7 @@ from client.hedging import HedgeEvent, hedge_delay, percentile, race
 from client.records import FailoverEvent, HopRecord, Receipt, StageTiming
 from client.route_history import RouteHistory, Span, covers
 from client.step_reports import SendReport, StepReporter
-from client.verification import NodeRejected, StageVerifier
+from client.verification import NodeRejected, PendingCheck, StageVerifier
 from protos import codec
 from protos.tessera.v1 import client_api_pb2, common_pb2, stage_pb2, stage_pb2_grpc
 
@@ -122,7 +122,7 @@ class _Slot:
         self.capability_version_sent = -1
 
 
-@dataclass(frozen=True)
+@dataclass
 class _Request:
     """A Forward request and what checking its answer needs."""
 
@@ -131,6 +131,7 @@ class _Request:
     tokens: int
     replay: bool
     last_position_only: bool
+    pending: PendingCheck | None = None  # a redundant check started with the call
 
 
 class PipelineDriver:
@@ -432,6 +433,14 @@ class PipelineDriver:
     ) -> tuple[stage_pb2.ForwardResponse, float]:
         """One round trip on the slot's stream: (the answer, its wall time in seconds)."""
         timeout = self._deadline(slot, call.tokens, call.replay)
+        if self.verifier is not None and call.pending is None:
+            # A sampled redundant check starts now, so the checker computes alongside the
+            # node (a check whose call fails below runs out unused; the verifier keeps it
+            # apart).
+            call.pending = self.verifier.begin(
+                self._capability, slot.hop, self._checkers(slot), call.request, self._history,
+                replay=call.replay,
+            )  # fmt: skip
         self.usage.sent(
             slot.hop.node_id, slot.span.start, slot.span.end, call.batch * call.tokens
         )
@@ -463,6 +472,10 @@ class PipelineDriver:
         slot.capability_version_sent = self._capability_version
         return response, time.monotonic() - started
 
+    def _checkers(self, slot: _Slot) -> list[HopRecord]:
+        # A node this session found slow is no fit checker: each check would stall a token.
+        return [h for h in slot.alternates if h.node_id not in self._demoted]
+
     async def _accept(
         self,
         slot: _Slot,
@@ -478,12 +491,11 @@ class PipelineDriver:
             slot, response, step, call.batch, tokens, request.start_pos, call.last_position_only
         )
         if self.verifier is not None:
-            # A node this session found slow is no fit checker: each check would stall a token.
-            checkers = [h for h in slot.alternates if h.node_id not in self._demoted]
+            checkers = self._checkers(slot)
             try:
                 output = await self.verifier.verify(
                     self._capability, slot.hop, checkers, request, response, output,
-                    self._history, replay=replay,
+                    self._history, replay=replay, pending=call.pending,
                 )  # fmt: skip
             except NodeRejected as err:
                 slot.close_stream()

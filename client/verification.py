@@ -26,6 +26,7 @@ import logging
 import random
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
+from typing import Literal, TypeVar
 
 import grpc
 import numpy as np
@@ -50,7 +51,11 @@ Reporter = Callable[
 Outcome = verification_pb2.Verdict.Outcome
 
 
+T = TypeVar("T")
 END_SESSION_TIMEOUT_S = 2.0
+# A checker's catch-up goes in chunks of at most this many positions (the driver's prefill
+# chunk), far below what a node accepts in one request.
+CATCH_UP_CHUNK_TOKENS = 512
 
 
 @dataclass
@@ -58,6 +63,27 @@ class _CheckerStream:
     address: str
     call: grpc.aio.StreamStreamCall
     capability_sent: bytes = b""
+
+
+class PendingCheck:
+    """A redundant check under way: the checker runs the primary's call meanwhile."""
+
+    def __init__(
+        self,
+        verifier: StageVerifier,
+        checker: HopRecord,
+        task: asyncio.Task[stage_pb2.ForwardResponse],
+    ) -> None:
+        self._verifier = verifier
+        self.checker = checker
+        self.task = task
+
+    def cancel(self) -> None:
+        """The primary's call failed: its check is moot. An answer may be in flight on
+        the checker's stream, so the stream goes too (the next check opens another)."""
+        if not self.task.done():
+            self.task.cancel()
+            self._verifier._close_stream(self.checker.node_id)
 
 
 class NodeRejected(Exception):
@@ -118,12 +144,96 @@ class StageVerifier:
         self._unfit_checkers: set[str] = set()
         self._streams: dict[str, _CheckerStream] = {}
         self._pending: list[verification_pb2.Comparison] = []
+        # Work queued on each checker's stream (checks, catch-ups): the newest per node,
+        # and all of it, so that the session's end can cancel what is left.
+        self._inflight: dict[str, asyncio.Task[object]] = {}
+        self._tasks: set[asyncio.Task[object]] = set()
+        # Per span: (primary, checker or None) drawn for the span's next call.
+        self._drawn: dict[Span, tuple[str, HopRecord | None]] = {}
         self.stats = VerificationStats()
         # Told (node, layer start, layer end, tokens) of every check sent: the checker's
         # usage receipt counts them, and the client does not pay for them (client/billing).
         self.on_check_sent: Callable[[str, int, int, int], None] | None = None
 
-    # ---- the hook the driver calls after every good reply ----------------------------
+    # ---- the hooks the driver calls around every call -------------------------------
+
+    def begin(
+        self,
+        capability: client_api_pb2.SignedCapability,
+        hop: HopRecord,
+        alternates: list[HopRecord],
+        request: stage_pb2.ForwardRequest,
+        history: RouteHistory,
+        *,
+        replay: bool = False,
+    ) -> PendingCheck | None:
+        """Decide whether to check this call and, if so, send it to a checker now.
+
+        Called as the request goes to the primary: the checker needs only the request and
+        the history, so it computes while the primary does instead of after it. The draw
+        does not depend on the reply, so it may come early: the draw for a span's NEXT
+        call is made now too, and that checker catches up on the inputs its cache lacks,
+        this call's included, while the pipeline runs. When the check comes, the checker
+        runs one call, about as fast as the primary, instead of a catch-up first.
+        """
+        self._load_grants(capability)
+        if not self._keyed:
+            return None
+        span = Span(request.layers.start, request.layers.end)
+        for key in [k for k in self._synced if k[1] == span]:
+            self._synced[key] = min(self._synced[key], request.start_pos)
+        if replay:
+            return None  # replays rebuild a cache after a fail-over; they are not sampled
+        drawn = self._drawn.pop(span, None)
+        if drawn is None or drawn[0] != hop.node_id:
+            checker = self._draw(hop, alternates)  # a span's first call, or a new primary
+        else:
+            checker = drawn[1]
+            if checker is not None and checker.node_id in self._unfit_checkers:
+                checker = None
+        pending = None
+        if checker is not None:
+            check = checker
+            task = self._queue(check, lambda: self._run_checker(check, span, request, history))
+            pending = PendingCheck(self, check, task)
+        upcoming = self._draw(hop, alternates)
+        self._drawn[span] = (hop.node_id, upcoming)
+        if upcoming is not None and upcoming != checker:
+            warm = upcoming
+            self._queue(warm, lambda: self._warm_up(warm, span, request, history))
+        return pending
+
+    def _draw(self, hop: HopRecord, alternates: list[HopRecord]) -> HopRecord | None:
+        """With the node's checking probability, a checker for one of its calls."""
+        grant = self._grants.get(hop.node_id)
+        if grant is None or self._rng.random() >= grant.check_probability:
+            return None
+        return self._pick_checker(hop, alternates)
+
+    def _queue(self, checker: HopRecord, work: Callable[[], Awaitable[T]]) -> asyncio.Task[T]:
+        """Run ``work`` on the checker's stream once the work queued before it is done:
+        one call at a time on a stream."""
+        node_id = checker.node_id
+        previous = self._inflight.get(node_id)
+
+        async def run() -> T:
+            if previous is not None and not previous.done():
+                await asyncio.wait([previous])  # its outcome is its own business
+            return await work()
+
+        task = asyncio.ensure_future(run())
+        self._inflight[node_id] = task  # type: ignore[assignment]
+        self._tasks.add(task)  # type: ignore[arg-type]
+
+        def settled(done: asyncio.Task[T]) -> None:
+            self._tasks.discard(done)  # type: ignore[arg-type]
+            if self._inflight.get(node_id) is done:
+                del self._inflight[node_id]
+            if not done.cancelled():
+                done.exception()  # retrieved: a check nobody awaits is not "lost"
+
+        task.add_done_callback(settled)
+        return task
 
     async def verify(
         self,
@@ -136,25 +246,37 @@ class StageVerifier:
         history: RouteHistory,
         *,
         replay: bool = False,
+        pending: PendingCheck | None | Literal["draw"] = "draw",
     ) -> np.ndarray:
-        """The output to use; raises NodeRejected when the primary must not be trusted."""
-        self._load_grants(capability)
-        if not self._keyed:
-            return output  # a coordinator without verification: nothing to check against
-        span = Span(request.layers.start, request.layers.end)
-        for key in [k for k in self._synced if k[1] == span]:
-            self._synced[key] = min(self._synced[key], request.start_pos)
-        grant = self._check_signature(hop.node_id, request, response)
-        if replay:
-            return output  # replays rebuild a cache after a fail-over; they are not sampled
-        self.stats.calls[hop.node_id] = self.stats.calls.get(hop.node_id, 0) + 1
-        if self._rng.random() >= grant.check_probability:
-            return output
-        checker = self._pick_checker(hop, alternates)
-        if checker is None:
-            return output
+        """The output to use; raises NodeRejected when the primary must not be trusted.
+
+        ``pending`` is what ``begin`` returned for this call; by default the draw (and
+        the check) happens here, after the reply.
+        """
+        if pending == "draw":
+            pending = self.begin(capability, hop, alternates, request, history, replay=replay)
         try:
-            checked = await self._run_checker(checker, span, request, response, history)
+            self._load_grants(capability)
+            if not self._keyed:
+                return output  # a coordinator without verification: nothing to check against
+            self._check_signature(hop.node_id, request, response)
+        except BaseException:
+            if pending is not None:
+                pending.cancel()
+            raise
+        if replay:
+            return output
+        self.stats.calls[hop.node_id] = self.stats.calls.get(hop.node_id, 0) + 1
+        if pending is None:
+            return output
+        checker = pending.checker
+        try:
+            checked = await pending.task
+            if list(checked.output.shape) != list(response.output.shape):
+                raise NodeRejected(
+                    f"checker answered shape {list(checked.output.shape)}, the primary "
+                    f"{list(response.output.shape)}"
+                )
         except Exception as err:  # a broken stream surfaces in several shapes
             # An unusable checker says nothing about the primary; don't ask it again.
             log.warning("checker %s could not check %s: %s", checker.node_id, hop.node_id, err)
@@ -182,6 +304,8 @@ class StageVerifier:
         return verdict.risk
 
     async def _end_checker_sessions(self) -> None:
+        for task in list(self._tasks):
+            task.cancel()
         streams, self._streams = self._streams, {}
         request = stage_pb2.EndSessionRequest(
             session_id=self.session_id, capability=self._capability
@@ -258,7 +382,6 @@ class StageVerifier:
         checker: HopRecord,
         span: Span,
         request: stage_pb2.ForwardRequest,
-        response: stage_pb2.ForwardResponse,
         history: RouteHistory,
     ) -> stage_pb2.ForwardResponse:
         key = (checker.node_id, span)
@@ -280,13 +403,32 @@ class StageVerifier:
                 raise NodeRejected(f"checker {checker.node_id} did not answer") from None
             self._synced[key] = request.start_pos + request.input.shape[1]
             self._check_signature(checker.node_id, request, answer)
-            if list(answer.output.shape) != list(response.output.shape):
-                raise NodeRejected(
-                    f"checker answered shape {list(answer.output.shape)}, the primary "
-                    f"{list(response.output.shape)}"
-                )
             return answer
         raise AssertionError("unreachable")
+
+    async def _warm_up(
+        self,
+        checker: HopRecord,
+        span: Span,
+        request: stage_pb2.ForwardRequest,
+        history: RouteHistory,
+    ) -> None:
+        """Bring the checker's cache up to the end of ``request``'s input, for the check
+        drawn for the span's next call."""
+        key = (checker.node_id, span)
+        messages = self._catch_up(span, self._synced.get(key, 0), request, history, final=False)
+        if not messages:
+            return
+        try:
+            async with asyncio.timeout(self._timeout_s):
+                await self._send(checker, messages)
+        except Exception as err:  # a broken stream surfaces in several shapes
+            # The check that needed it catches up from position 0 on a new stream.
+            log.info("checker %s could not catch up: %s", checker.node_id, err)
+            self._close_stream(checker.node_id)
+            self._synced.pop(key, None)
+            return
+        self._synced[key] = request.start_pos + request.input.shape[1]
 
     async def _send(
         self, checker: HopRecord, messages: list[stage_pb2.ForwardRequest]
@@ -323,10 +465,17 @@ class StageVerifier:
 
     @staticmethod
     def _catch_up(
-        span: Span, synced: int, request: stage_pb2.ForwardRequest, history: RouteHistory
+        span: Span,
+        synced: int,
+        request: stage_pb2.ForwardRequest,
+        history: RouteHistory,
+        *,
+        final: bool = True,
     ) -> list[stage_pb2.ForwardRequest]:
-        """The inputs the checker's cache lacks before this call, then the call itself."""
+        """The inputs the checker's cache lacks before this call, then the call itself;
+        without ``final``, every input up to the call's end instead (a catch-up only)."""
         last_only = request.last_position_only
+        end = request.start_pos + (0 if final else request.input.shape[1])
         messages = [
             stage_pb2.ForwardRequest(
                 session_id=request.session_id,
@@ -337,12 +486,14 @@ class StageVerifier:
                 input=codec.encode(array, dtype),
                 last_position_only=last_only,
             )
-            for start, array, dtype in history.inputs(span, synced, request.start_pos)
+            for start, array, dtype in _joined(history.inputs(span, synced, end))
         ]
-        final = stage_pb2.ForwardRequest()
-        final.CopyFrom(request)
-        final.ClearField("capability")
-        return [*messages, final]
+        if not final:
+            return messages
+        call = stage_pb2.ForwardRequest()
+        call.CopyFrom(request)
+        call.ClearField("capability")
+        return [*messages, call]
 
     async def _compare(
         self,
@@ -444,6 +595,35 @@ class StageVerifier:
         if verdict.HasField("risk"):
             self.stats.risk = verdict.risk
         return verdict
+
+
+def _joined(chunks: list[tuple[int, np.ndarray, str]]) -> list[tuple[int, np.ndarray, str]]:
+    """Consecutive chunks of one dtype as one, up to CATCH_UP_CHUNK_TOKENS positions each.
+
+    A checker that skipped k decode steps catches up in one forward pass instead of k round
+    trips, each reading all of its weights again; it then answers the checked call about
+    as fast as the primary does. The input digest chains position by position, so it is
+    the same however the positions are grouped; the cache differs from the primary's by
+    float rounding only, far inside the comparison's tolerance.
+    """
+    groups: list[list[tuple[int, np.ndarray, str]]] = []
+    for chunk in chunks:
+        start, array, dtype = chunk
+        group = groups[-1] if groups else []
+        length = sum(a.shape[1] for _, a, _ in group)
+        if (
+            group
+            and dtype == group[0][2]
+            and start == group[0][0] + length
+            and length + array.shape[1] <= CATCH_UP_CHUNK_TOKENS
+        ):
+            group.append(chunk)
+        else:
+            groups.append([chunk])
+    return [
+        (g[0][0], np.concatenate([a for _, a, _ in g], axis=1) if len(g) > 1 else g[0][1], g[0][2])
+        for g in groups
+    ]
 
 
 def independent(account_a: str, account_b: str) -> bool:
