@@ -184,6 +184,7 @@ class JobRunner:
     key: Ed25519PrivateKey | None = None
     max_price: int = 0
     usage: UsageBook = field(default_factory=UsageBook, init=False)
+    _seeded: bool = field(default=False, init=False)
     _session: jobs_pb2.TrainingSession | None = field(default=None, init=False)
     recoveries: int = field(default=0, init=False)
 
@@ -302,6 +303,13 @@ class JobRunner:
         self._session = await self._with_patience(
             "opening the training session", self.api.stub.OpenTrainingSession, request
         )
+        if not self._seeded:
+            # A resumed job: what earlier runners settled counts as sent (the nodes'
+            # cumulative receipts include it). Samples computed after the last settlement
+            # by a runner that died unannounced are not signed for (docs/ledger.md).
+            for usage in self._session.settled:
+                self.usage.sent(usage.node_id, usage.layer_start, usage.layer_end, usage.tokens)
+            self._seeded = True
         return self._session
 
     async def _with_patience(self, what: str, method: Any, request: Any) -> Any:

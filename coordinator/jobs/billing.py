@@ -128,6 +128,15 @@ class JobBilling:
             )
         return identity.client_account(key)
 
+    def settled(self, job_id: str) -> list[ledger_pb2.UsageReceipt]:
+        return [
+            ledger_pb2.UsageReceipt(
+                session_id=job_id, node_id=u.node_id, layer_start=u.layer_start,
+                layer_end=u.layer_end, tokens=u.tokens,
+            )  # fmt: skip
+            for u in self.ledger.usage_settled(hold_id(job_id))
+        ]
+
     def replanned(self, job_id: str, node_id: str, expires_ms: int) -> None:
         """A re-planned stage's node bills at its own price (the escrow still caps)."""
         self.ledger.add_prices(

@@ -242,8 +242,9 @@ class JobManager:
         )  # fmt: skip
         self._publish(job, "state")
         session = self._session(job)
-        if quote is not None:
+        if quote is not None and self.billing is not None:
             session.quote.CopyFrom(quote)
+            session.settled.extend(self.billing.settled(job.id))
         return session
 
     def report_step(self, request: jobs_pb2.ReportStepRequest) -> JobRecord:

@@ -221,7 +221,7 @@ class OpenTrainingSessionRequest(_message.Message):
     def __init__(self, job_id: _Optional[str] = ..., client_public_key: _Optional[bytes] = ..., client_signature: _Optional[bytes] = ..., request_unix_ms: _Optional[int] = ..., max_price: _Optional[int] = ...) -> None: ...
 
 class TrainingSession(_message.Message):
-    __slots__ = ("job_id", "model", "hops", "capability", "restore_step", "restore", "job", "replaced_stage", "quote")
+    __slots__ = ("job_id", "model", "hops", "capability", "restore_step", "restore", "job", "replaced_stage", "quote", "settled")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     HOPS_FIELD_NUMBER: _ClassVar[int]
@@ -231,6 +231,7 @@ class TrainingSession(_message.Message):
     JOB_FIELD_NUMBER: _ClassVar[int]
     REPLACED_STAGE_FIELD_NUMBER: _ClassVar[int]
     QUOTE_FIELD_NUMBER: _ClassVar[int]
+    SETTLED_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     model: str
     hops: _containers.RepeatedCompositeFieldContainer[_client_api_pb2.Hop]
@@ -240,7 +241,8 @@ class TrainingSession(_message.Message):
     job: JobInfo
     replaced_stage: int
     quote: _ledger_pb2.Quote
-    def __init__(self, job_id: _Optional[str] = ..., model: _Optional[str] = ..., hops: _Optional[_Iterable[_Union[_client_api_pb2.Hop, _Mapping]]] = ..., capability: _Optional[_Union[_client_api_pb2.SignedCapability, _Mapping]] = ..., restore_step: _Optional[int] = ..., restore: _Optional[_Iterable[_Union[CheckpointPart, _Mapping]]] = ..., job: _Optional[_Union[JobInfo, _Mapping]] = ..., replaced_stage: _Optional[int] = ..., quote: _Optional[_Union[_ledger_pb2.Quote, _Mapping]] = ...) -> None: ...
+    settled: _containers.RepeatedCompositeFieldContainer[_ledger_pb2.UsageReceipt]
+    def __init__(self, job_id: _Optional[str] = ..., model: _Optional[str] = ..., hops: _Optional[_Iterable[_Union[_client_api_pb2.Hop, _Mapping]]] = ..., capability: _Optional[_Union[_client_api_pb2.SignedCapability, _Mapping]] = ..., restore_step: _Optional[int] = ..., restore: _Optional[_Iterable[_Union[CheckpointPart, _Mapping]]] = ..., job: _Optional[_Union[JobInfo, _Mapping]] = ..., replaced_stage: _Optional[int] = ..., quote: _Optional[_Union[_ledger_pb2.Quote, _Mapping]] = ..., settled: _Optional[_Iterable[_Union[_ledger_pb2.UsageReceipt, _Mapping]]] = ...) -> None: ...
 
 class CheckpointPart(_message.Message):
     __slots__ = ("layers", "sha256", "total_bytes")
