@@ -76,6 +76,14 @@ class JobBilling:
     ) -> ledger_pb2.Quote:
         prices = {s.node_id: self._price_of(s.node_id) for s in stages}
         held = self.ledger.hold(hold_id(job.id))
+        if held is not None and held["state"] != "open":
+            # Its escrow expired (paused past the capability's life) or was settled: the
+            # nodes would train unpaid, so the job does not run again.
+            raise LedgerError(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"job {job.id}'s escrow is {held['state']} and the unused part went back to "
+                "the client; submit a new job to train again",
+            )
         if held is not None:
             self.ledger.add_prices(hold_id(job.id), prices, expires_ms + HOLD_GRACE_MS)
             return ledger_pb2.Quote(amount=int(held["amount"]), account=str(held["account"]))  # type: ignore[call-overload]

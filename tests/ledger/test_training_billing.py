@@ -188,6 +188,20 @@ async def test_a_client_cannot_start_a_job_past_its_balance_or_budget(
     assert audit(market.coordinator.ctx.db).ok
 
 
+async def test_a_job_whose_escrow_expired_does_not_run_unpaid(market: JobsCoordinator) -> None:
+    job = await _job(market)
+    client = _funded(market, 10_000_000)
+    session = await market.stub.OpenTrainingSession(_open_request(job.job_id, client))
+    ledger = _ledger(market)
+    # Paused longer than the hold lives: the sweep refunds it.
+    assert ledger.expire_holds(now_ms=2**62) == [f"job:{job.job_id}"]
+    balance = ledger.client_balance(billing.account_of(client))
+    assert (balance.available, balance.escrowed) == (10_000_000, 0)
+    call = market.stub.OpenTrainingSession(_open_request(job.job_id, client))
+    assert await _code(call) == grpc.StatusCode.FAILED_PRECONDITION
+    assert session.quote.amount > 0 and audit(market.coordinator.ctx.db).ok
+
+
 async def test_a_free_job_needs_no_key(jc: JobsCoordinator) -> None:  # noqa: F811
     job = await _job(jc)
     session = await jc.stub.OpenTrainingSession(_open_request(job.job_id))
