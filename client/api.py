@@ -371,7 +371,8 @@ class AsyncClient:
     ) -> jobs_pb2.JobInfo:
         """Drive the job to the end from its last consistent checkpoint (also --resume)."""
         runner = JobRunner(self.jobs_api, job_id, self._stage_channels, dataset=dataset,
-                           after_step=after_step)  # fmt: skip
+                           after_step=after_step, key=self.key,
+                           max_price=self.max_price)  # fmt: skip
         if on_event is not None:
             runner.on_event = on_event
         return await runner.run()

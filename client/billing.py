@@ -18,7 +18,7 @@ from pathlib import Path
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from protos import identity
-from protos.tessera.v1 import client_api_pb2, ledger_pb2
+from protos.tessera.v1 import client_api_pb2, jobs_pb2, ledger_pb2
 
 log = logging.getLogger(__name__)
 
@@ -55,6 +55,16 @@ def sign_open(request: client_api_pb2.OpenSessionRequest, key: Ed25519PrivateKey
     request.account = account_of(key)
     request.request_unix_ms = int(time.time() * 1000)
     request.client_signature = key.sign(identity.open_session_payload(request))
+
+
+def sign_open_training(
+    request: jobs_pb2.OpenTrainingSessionRequest, key: Ed25519PrivateKey
+) -> None:
+    """Sign a training job's open: the coordinator escrows the job's quote from this key's
+    account (docs/ledger.md, "Jobs")."""
+    request.client_public_key = identity.public_key_bytes(key)
+    request.request_unix_ms = int(time.time() * 1000)
+    request.client_signature = key.sign(identity.open_training_payload(request))
 
 
 def balance_query(key: Ed25519PrivateKey) -> ledger_pb2.SignedQuery:

@@ -31,7 +31,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import grpc
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
+from client import billing
+from client.billing import UsageBook
 from client.channels import ChannelPool
 from client.datasets import BatchSampler, TokenDataset, tokens_from_chunks, upload_messages
 from client.errors import CoordinatorError, TesseraError
@@ -42,7 +45,7 @@ from client.training_driver import (
     TrainingDriver,
     TrainingHop,
 )
-from protos.tessera.v1 import jobs_pb2, jobs_pb2_grpc, training_pb2
+from protos.tessera.v1 import jobs_pb2, jobs_pb2_grpc, ledger_pb2, training_pb2
 
 log = logging.getLogger("tessera.jobs")
 
@@ -175,6 +178,13 @@ class JobRunner:
     on_event: Callable[[JobEvent], None] = lambda event: None
     # Test and demo hook: called after every applied step with the stages' new step.
     after_step: Callable[[int], Any] | None = None
+    # With a key the job is paid: it signs the open (the coordinator escrows the quote,
+    # refused above max_price) and counter-signs the nodes' usage receipts, which settle
+    # at every checkpoint and at the end (docs/ledger.md, "Jobs").
+    key: Ed25519PrivateKey | None = None
+    max_price: int = 0
+    usage: UsageBook = field(default_factory=UsageBook, init=False)
+    _seeded: bool = field(default=False, init=False)
     _session: jobs_pb2.TrainingSession | None = field(default=None, init=False)
     recoveries: int = field(default=0, init=False)
 
@@ -191,6 +201,7 @@ class JobRunner:
             capability=session.capability,
             hyper=job.hyper,
             channels=self.channels,
+            usage=self.usage,
         )
         try:
             failure: StageFailed | None = None
@@ -226,7 +237,8 @@ class JobRunner:
             inputs, labels = sampler.batch(step)
             result = await driver.train_step(step, inputs, labels)
             tokens_per_s = result.tokens / result.wall_s if result.wall_s > 0 else 0.0
-            await self._report(result, tokens_per_s)
+            checkpoint = step + 1 == job.steps or bool(every and (step + 1) % every == 0)
+            await self._report(result, tokens_per_s, settle=checkpoint)
             step += 1
             self.on_event(
                 JobEvent(
@@ -285,10 +297,19 @@ class JobRunner:
         return step
 
     async def _open_session(self) -> jobs_pb2.TrainingSession:
-        request = jobs_pb2.OpenTrainingSessionRequest(job_id=self.job_id)
+        request = jobs_pb2.OpenTrainingSessionRequest(job_id=self.job_id, max_price=self.max_price)
+        if self.key is not None:
+            billing.sign_open_training(request, self.key)
         self._session = await self._with_patience(
             "opening the training session", self.api.stub.OpenTrainingSession, request
         )
+        if not self._seeded:
+            # A resumed job: what earlier runners settled counts as sent (the nodes'
+            # cumulative receipts include it). Samples computed after the last settlement
+            # by a runner that died unannounced are not signed for (docs/ledger.md).
+            for usage in self._session.settled:
+                self.usage.sent(usage.node_id, usage.layer_start, usage.layer_end, usage.tokens)
+            self._seeded = True
         return self._session
 
     async def _with_patience(self, what: str, method: Any, request: Any) -> Any:
@@ -305,7 +326,10 @@ class JobRunner:
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, 5.0)
 
-    async def _report(self, result: StepResult, tokens_per_s: float) -> None:
+    def _receipts(self) -> list[ledger_pb2.SignedUsage]:
+        return self.usage.countersign(self.job_id, self.key) if self.key is not None else []
+
+    async def _report(self, result: StepResult, tokens_per_s: float, *, settle: bool) -> None:
         assert self._session is not None
         request = jobs_pb2.ReportStepRequest(
             job_id=self.job_id,
@@ -317,13 +341,18 @@ class JobRunner:
             tokens_per_s=tokens_per_s,
             stage_ms=result.stage_ms,
             wall_s=result.wall_s,
+            usage=self._receipts() if settle else [],
         )
         await self.api.call(f"reporting step {result.step}", self.api.stub.ReportStep, request)
 
     async def _finish(self, state: int, error: str = "") -> jobs_pb2.JobInfo:
         assert self._session is not None
         request = jobs_pb2.FinishJobRequest(
-            job_id=self.job_id, capability=self._session.capability, state=state, error=error[:4000]
+            job_id=self.job_id,
+            capability=self._session.capability,
+            state=state,
+            error=error[:4000],
+            usage=self._receipts(),
         )
         return await self.api.call("finishing the job", self.api.stub.FinishJob, request)
 

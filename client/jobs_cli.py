@@ -7,10 +7,12 @@ import json
 import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from google.protobuf import json_format
 
+from client import billing
 from client.api import COORDINATOR_ENV, Client, default_coordinator
 from client.jobs import JobEvent, TrainingJob
 from protos.tessera.v1 import jobs_pb2
@@ -33,9 +35,14 @@ examples:
       --seq-len 128 --lr 1e-3 --mode lora --output-model llama-tiny-lora
   # the runner died (Ctrl-C, a crash): continue from the last consistent checkpoint
   tessera train --resume j0123456789abcdef
+  # nodes that ask a training price: pay from ~/.tessera/client.key, at most 50000 units
+  tessera train --model llama-tiny --data tokens.npy --steps 200 --batch-size 8 \\
+      --seq-len 64 --lr 3e-4 --max-price 50000
 
 The dataset is uploaded once and kept by the coordinator, so --resume needs no file.
 If a stage node fails, the job re-plans that stage and rolls back to the last checkpoint.
+A priced job escrows its quote when it opens, pays per sample-layer at every checkpoint
+from receipts both sides signed, and refunds the rest at the end (docs/ledger.md).
 """
 
 
@@ -91,6 +98,22 @@ def add_training_commands(commands: Any) -> None:
         help="register the trained weights as a new model when done",
     )
     train.add_argument("--account", default="", help="account billed for the job")
+    train.add_argument(
+        "--key",
+        type=Path,
+        default=None,
+        metavar="PATH",
+        help=f"client key that pays for a priced job (default: ${billing.KEY_ENV} or "
+        "~/.tessera/client.key when it exists; `tessera balance` creates it)",
+    )
+    train.add_argument(
+        "--max-price",
+        type=int,
+        default=0,
+        metavar="UNITS",
+        help="refuse the job if its quote (steps x batch x layers x the nodes' prices) is "
+        "above this many credit units (default: no cap)",
+    )
     train.add_argument("--json", action="store_true", help="print the final job as JSON")
 
     jobs = commands.add_parser(
@@ -122,7 +145,13 @@ def train_command(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
         ]
         if missing:
             parser.error(f"train needs {', '.join(missing)} (or --resume JOB_ID)")
-    with Client(args.coordinator, account=args.account) as client:
+    if args.max_price < 0:
+        parser.error("--max-price must be 0 (no cap) or more")
+    key_path = args.key or billing.default_key_path()
+    key = billing.load_key(key_path) if args.key or key_path.exists() else None
+    with Client(
+        args.coordinator, account=args.account, key=key, max_price=args.max_price
+    ) as client:
         if args.resume:
             info = client.job(args.resume)
             handle = client.resume(args.resume)

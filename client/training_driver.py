@@ -36,6 +36,7 @@ from typing import Any, TypeVar
 import grpc
 import numpy as np
 
+from client.billing import UsageBook
 from client.channels import ChannelPool
 from client.driver import CLIENT_FAULT_CODES
 from client.errors import RequestRejected, TesseraError
@@ -121,6 +122,7 @@ class TrainingDriver:
         checkers: list[TrainingHop] | None = None,
         check_probability: float | None = None,
         check_seed: int | None = None,
+        usage: UsageBook | None = None,
     ) -> None:
         """``checkers``: independent replicas (another node, of another operator, granted
         by the capability) that re-run a fraction of the forward calls of the stage with
@@ -136,6 +138,10 @@ class TrainingDriver:
         self.hyper = hyper
         self.config = config or TrainingDriverConfig()
         self._capability = capability
+        # Samples sent to each (node, layers) and the nodes' signed receipts: the job runner
+        # counter-signs them for the coordinator (client/billing.py). Shared across the
+        # drivers of one run so the counts stay cumulative like the nodes' receipts.
+        self.usage = usage if usage is not None else UsageBook()
         # Every ForwardTrain / BackwardTrain reply must be signed by the granted node.
         self.signatures = TrainingReplyChecker(capability)
         self._checkers = _checker_stages(hops, checkers or [])
@@ -338,8 +344,11 @@ class TrainingDriver:
             request.input.CopyFrom(x)
             if index == last:
                 request.labels.CopyFrom(codec.encode(labels, "int64"))
+            hop = self.hops[index]
+            self.usage.sent(hop.node_id, hop.start, hop.end, int(tokens.shape[0]))
             reply = await self._call(index, "ForwardTrain", request)
             self._check_signature(index, self.signatures.forward, request, reply)
+            self.usage.received(hop.node_id, hop.start, hop.end, reply.usage)
             trust_p = self.signatures.check_probability.get(self.hops[index].node_id, 1.0)
             if self.shadows.should_check(index, step, trust_p):
                 await self._shadow_check(index, request, reply)
@@ -410,9 +419,12 @@ class TrainingDriver:
         the job re-plans the stage and restores the last checkpoint (nothing of the
         disputed micro-batch is ever applied)."""
         checker = self._checkers[index]
+        samples = int(request.input.shape[0]) if request.input.shape else 0
+        self.usage.checked(checker.node_id, checker.start, checker.end, samples)
         try:
             shadow = await self._call_hop(index, checker, "ForwardTrain", request)
             self._check_signature(index, self.signatures.forward, request, shadow, checker)
+            self.usage.received(checker.node_id, checker.start, checker.end, shadow.usage)
         except (StageFailed, RequestRejected) as err:
             self.shadows.drop(index, str(err))
             return

@@ -40,6 +40,7 @@ import torch
 from node_agent import failpoints
 from node_agent.checkpoint_client import CheckpointClient, CheckpointRef, CheckpointTransferError
 from node_agent.context import AgentContext
+from node_agent.receipts import UsageMeter
 from node_agent.runtime import StageModel, tensor_names_for_stage
 from node_agent.runtime.training import (
     NonFiniteGradientError,
@@ -138,6 +139,10 @@ class TrainingStageServicer(training_pb2_grpc.TrainingStageServicer):
         self._expiry_task: asyncio.Task[None] | None = None
         # None unless TESSERA_FAILPOINTS is set: tampers with ForwardTrain hidden states.
         self._failpoints = failpoints.from_env()
+        # Samples computed per (job, layers), signed on every forward reply: what the job's
+        # client pays for per sample-layer (docs/ledger.md, "Jobs"). Kept after a job
+        # closes, so a resumed job's receipts stay cumulative.
+        self._usage = UsageMeter(ctx.private_key)
 
     # ---- RPCs -----------------------------------------------------------------------
 
@@ -442,6 +447,10 @@ class TrainingStageServicer(training_pb2_grpc.TrainingStageServicer):
             payload = response.output.data
         labels_sent = request.labels if request.HasField("labels") else None
         self._sign(response, "forward", job, mb, payload, request.input, labels_sent)
+        samples = int(x.shape[0])
+        response.usage.CopyFrom(
+            self._usage.record(job.job_id, job.start, job.end, request.step, samples)
+        )
         return response
 
     def _activation_plan(self, job: _Job, tokens: int) -> tuple[bool, int, int]:

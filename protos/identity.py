@@ -16,7 +16,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import (
     Ed25519PublicKey,
 )
 
-from protos.tessera.v1 import client_api_pb2, coordinator_pb2, ledger_pb2
+from protos.tessera.v1 import client_api_pb2, coordinator_pb2, jobs_pb2, ledger_pb2
 
 PUBLIC_KEY_BYTES = 32
 SIGNATURE_BYTES = 64
@@ -28,6 +28,7 @@ _OUTPUT_DOMAIN = b"tessera/v1/stage-output\n"
 _USAGE_DOMAIN = b"tessera/v1/usage-receipt\n"
 _USAGE_COUNTERSIGN_DOMAIN = b"tessera/v1/usage-countersign\n"
 _OPEN_SESSION_DOMAIN = b"tessera/v1/open-session\n"
+_OPEN_TRAINING_DOMAIN = b"tessera/v1/open-training-session\n"
 _LEDGER_QUERY_DOMAIN = b"tessera/v1/ledger-query\n"
 
 
@@ -200,6 +201,14 @@ def open_session_payload(request: client_api_pb2.OpenSessionRequest) -> bytes:
     unsigned.CopyFrom(request)
     unsigned.ClearField("client_signature")
     return _OPEN_SESSION_DOMAIN + unsigned.SerializeToString(deterministic=True)
+
+
+def open_training_payload(request: jobs_pb2.OpenTrainingSessionRequest) -> bytes:
+    """What a paying client signs to open (and escrow) a training job's session."""
+    unsigned = jobs_pb2.OpenTrainingSessionRequest()
+    unsigned.CopyFrom(request)
+    unsigned.ClearField("client_signature")
+    return _OPEN_TRAINING_DOMAIN + unsigned.SerializeToString(deterministic=True)
 
 
 def ledger_query_payload(purpose: str, public_key: bytes, unix_ms: int) -> bytes:

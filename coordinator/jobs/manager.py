@@ -23,6 +23,7 @@ import grpc
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from coordinator.events import EventBus
+from coordinator.jobs.billing import JobBilling
 from coordinator.jobs.limits import JobLimits, shown
 from coordinator.jobs.memory import training_state_bytes
 from coordinator.jobs.repository import (
@@ -98,8 +99,10 @@ class JobManager:
         model_names: Callable[[], list[str]],
         limits: JobLimits | None = None,
         hop_details: Callable[[client_api_pb2.Hop], None] | None = None,
+        billing: JobBilling | None = None,
     ) -> None:
         self.repo = repo
+        self.billing = billing  # None: no ledger installed, every job is free
         # Fills each hop's public_key (and trust facts) so the driver can check the
         # signatures of training replies; the verifier component provides it.
         self._hop_details = hop_details
@@ -197,7 +200,9 @@ class JobManager:
 
     # ---- the driver's session -----------------------------------------------------------
 
-    def open_session(self, job_id: str) -> jobs_pb2.TrainingSession:
+    def open_session(
+        self, job_id: str, request: jobs_pb2.OpenTrainingSessionRequest | None = None
+    ) -> jobs_pb2.TrainingSession:
         job = self.require_job(job_id)
         if job.state in FINISHED:
             raise StoreError(
@@ -210,13 +215,23 @@ class JobManager:
             stages = self._keep_or_replace(job, facts, hyper)
         else:
             stages = self._first_layout(job, facts, hyper)
+        issued_ms = self._next_issue_ms()
+        quote = None
+        if self.billing is not None:
+            # Escrow before the capability exists: a job the client cannot pay never runs.
+            quote = self.billing.open(
+                job,
+                stages,
+                request or jobs_pb2.OpenTrainingSessionRequest(job_id=job.id),
+                issued_ms + int(TRAINING_TOKEN_TTL_S * 1000),
+            )
         # Every stage rolls back to the last consistent checkpoint (or the model's weights).
         job = job.with_(
             stages=tuple(stages),
             state="running",
             step=job.checkpoint_step,
             error="",
-            session_issued_ms=self._next_issue_ms(),
+            session_issued_ms=issued_ms,
             updated_ms=_now_ms(),
         )
         self._reserve(job, facts, hyper)
@@ -226,7 +241,11 @@ class JobManager:
             job.id, job.step, " -> ".join(f"{s.node_id}[{s.start},{s.end})" for s in stages),
         )  # fmt: skip
         self._publish(job, "state")
-        return self._session(job)
+        session = self._session(job)
+        if quote is not None and self.billing is not None:
+            session.quote.CopyFrom(quote)
+            session.settled.extend(self.billing.settled(job.id))
+        return session
 
     def report_step(self, request: jobs_pb2.ReportStepRequest) -> JobRecord:
         job = self._driven_job(request.job_id, request.capability)
@@ -238,6 +257,10 @@ class JobManager:
             )
         if request.step >= job.steps:
             raise invalid(f"job {job.id} has only {job.steps} steps")
+        if request.usage and self.billing is not None:
+            # Periodic settlement (the driver sends receipts at checkpoints); a refused
+            # receipt refuses the report, so the driver learns of it.
+            self.billing.settle(job.id, request.usage, close=False)
         numbers = [request.loss, request.grad_norm, request.tokens_per_s, request.wall_s]
         if not all(math.isfinite(x) and x >= 0 for x in [*numbers, *request.stage_ms]):
             raise invalid("loss, grad_norm, tokens_per_s, wall_s and stage_ms must be finite, >= 0")
@@ -306,6 +329,11 @@ class JobManager:
             updated_ms=_now_ms(),
         )
         self._reserve(job, facts, hyper)
+        if self.billing is not None:
+            self.billing.replanned(
+                job.id, replacement.node_id,
+                job.session_issued_ms + int(TRAINING_TOKEN_TTL_S * 1000),
+            )  # fmt: skip
         self.repo.put_job(job)
         self._publish(
             job,
@@ -333,6 +361,9 @@ class JobManager:
                 grpc.StatusCode.FAILED_PRECONDITION,
                 f"job {job.id} is at step {job.step} of {job.steps}; it is not done yet",
             )
+        if self.billing is not None:
+            # Done or failed: pay the receipts and refund the rest. Paused: pay, keep the hold.
+            self.billing.settle(job.id, request.usage, close=state != "paused")
         return job.with_(state=state, error=request.error)
 
     def record_finish(self, job: JobRecord) -> JobRecord:

@@ -21,6 +21,7 @@ import grpc
 
 from coordinator.context import CoordinatorContext
 from coordinator.jobs import datasets, export
+from coordinator.jobs.billing import JobBilling
 from coordinator.jobs.blob_io import read_blob
 from coordinator.jobs.limits import JobLimits, shown
 from coordinator.jobs.manager import (
@@ -102,6 +103,7 @@ class Jobs:
             ),
             limits=self.limits,
             hop_details=self._hop_details,
+            billing=_billing(ctx),
         )
         # Publishing a blob and recording the row that references it happen under this
         # lock, and so does collecting unreferenced blobs: neither can undo the other.
@@ -433,7 +435,7 @@ class JobsServicer(jobs_pb2_grpc.JobsServicer):
             yield event
 
     async def OpenTrainingSession(self, request: Any, context: Any) -> Any:
-        return await _answer(context, lambda: self.manager.open_session(request.job_id))
+        return await _answer(context, lambda: self.manager.open_session(request.job_id, request))
 
     async def ReportStep(self, request: jobs_pb2.ReportStepRequest, context: Any) -> Any:
         await _answer(context, lambda: self.manager.report_step(request))
@@ -471,6 +473,11 @@ class TrainingStoreServicer(training_pb2_grpc.TrainingStoreServicer):
                 f"checkpoint of job {request.job_id} at step {request.step} is missing from "
                 "the coordinator's store",
             )
+
+
+def _billing(ctx: CoordinatorContext) -> JobBilling | None:
+    ledger = getattr(ctx, "ledger", None)
+    return JobBilling(ledger.ledger, ledger.training_price_of) if ledger is not None else None
 
 
 def build(ctx: CoordinatorContext) -> Jobs:

@@ -242,6 +242,15 @@ class Ledger:
 
     # ---- grants and stakes ----------------------------------------------------------------
 
+    def usage_settled(self, hold_id: str) -> list[Usage]:
+        """The cumulative usage settled so far per (node, layers) of a hold."""
+        rows = self.db.execute(
+            "SELECT node_id, layer_start, layer_end, tokens FROM ledger_usage_paid "
+            "WHERE hold_id = ? ORDER BY node_id, layer_start",
+            [hold_id],
+        ).fetchall()
+        return [Usage("", n, start, end, tokens) for n, start, end, tokens in rows]
+
     def grant(self, client_id: str, amount: int, request_id: str) -> int:
         """Mint `amount` into a client account (admin); returns its balance."""
         _check_name(client_id, "account")

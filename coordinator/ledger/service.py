@@ -82,6 +82,16 @@ class LedgerComponent:
         asked = view.capabilities.price_per_1k_token_layers_units
         return NodeQuote(min(asked, INT64_MAX) if asked else default, view.account or node_id)
 
+    def training_price_of(self, node_id: str) -> NodeQuote:
+        """A node's training price per sample-layer, as the ledger's per-1,000 unit (so a
+        receipt's samples bill like tokens). 0 (not asked) trains for free: the
+        coordinator's --default-price is an inference price."""
+        view = self._ctx.registry.node(node_id)
+        if view is None:
+            return NodeQuote(0, node_id)
+        asked = min(view.capabilities.price_per_sample_layer_units, INT64_MAX // 1000)
+        return NodeQuote(asked * 1000, view.account or node_id)
+
     # ---- the verifier's outcomes (the verifier calls these; see docs/ledger.md) -------------
 
     def on_work_rejected(self, node_id: str, session_id: str, reason: str) -> int:

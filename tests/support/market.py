@@ -71,11 +71,13 @@ def running_market(
     window_s: float = WINDOW_S,
     coordinator_args: tuple[str, ...] = (),
     node_env: dict[str, dict[str, str]] | None = None,
+    training_prices: dict[str, int] | None = None,
 ) -> Iterator[LocalSwarm]:
     """A coordinator (short challenge window) and the three PRICES nodes, the model added
     once all three are registered (by default in three stages). `scripts` runs a node
     through another entry point (a cheating agent) with the same arguments; `node_env`
-    adds environment variables to one node's process only (e.g. TESSERA_FAILPOINTS)."""
+    adds environment variables to one node's process only (e.g. TESSERA_FAILPOINTS);
+    `training_prices` gives nodes a price per sample-layer (--training-price)."""
     args = [*layout, "--heartbeat-interval", "1", "--challenge-window", str(window_s),
             *coordinator_args]  # fmt: skip
     with pytest.MonkeyPatch.context() as env, LocalSwarm(work, coordinator_args=args) as swarm:
@@ -86,6 +88,8 @@ def running_market(
         nodes = []
         for name, price in PRICES.items():
             extra = ["--price", str(price), "--account", f"op-{name}"]
+            if name in (training_prices or {}):
+                extra += ["--training-price", str((training_prices or {})[name])]
             script = (scripts or {}).get(name)
             with pytest.MonkeyPatch.context() as own:  # the swarm copies os.environ
                 for variable, value in (node_env or {}).get(name, {}).items():

@@ -25,57 +25,58 @@ _sym_db = _symbol_database.Default()
 from protos.tessera.v1 import common_pb2 as tessera_dot_v1_dot_common__pb2
 from protos.tessera.v1 import client_api_pb2 as tessera_dot_v1_dot_client__api__pb2
 from protos.tessera.v1 import training_pb2 as tessera_dot_v1_dot_training__pb2
+from protos.tessera.v1 import ledger_pb2 as tessera_dot_v1_dot_ledger__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15tessera/v1/jobs.proto\x12\ntessera.v1\x1a\x17tessera/v1/common.proto\x1a\x1btessera/v1/client_api.proto\x1a\x19tessera/v1/training.proto\"2\n\x0c\x44\x61tasetShard\x12\x0e\n\x06sha256\x18\x01 \x01(\t\x12\x12\n\nnum_tokens\x18\x02 \x01(\x04\"\\\n\rDatasetHeader\x12\x0c\n\x04name\x18\x01 \x01(\t\x12(\n\x06shards\x18\x02 \x03(\x0b\x32\x18.tessera.v1.DatasetShard\x12\x13\n\x0b\x65xample_len\x18\x03 \x01(\r\":\n\x0b\x44\x61tasetData\x12\r\n\x05shard\x18\x01 \x01(\r\x12\x0e\n\x06offset\x18\x02 \x01(\x04\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\"l\n\x0c\x44\x61tasetChunk\x12+\n\x06header\x18\x01 \x01(\x0b\x32\x19.tessera.v1.DatasetHeaderH\x00\x12\'\n\x04\x64\x61ta\x18\x02 \x01(\x0b\x32\x17.tessera.v1.DatasetDataH\x00\x42\x06\n\x04kind\"\x18\n\nDatasetRef\x12\n\n\x02id\x18\x01 \x01(\t\"\xa9\x01\n\x0b\x44\x61tasetInfo\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x12\n\nnum_tokens\x18\x03 \x01(\x04\x12\x14\n\x0cmax_token_id\x18\x04 \x01(\r\x12\x13\n\x0b\x65xample_len\x18\x05 \x01(\r\x12(\n\x06shards\x18\x06 \x03(\x0b\x32\x18.tessera.v1.DatasetShard\x12\x17\n\x0f\x63reated_unix_ms\x18\x07 \x01(\x03\"\xd4\x01\n\x10SubmitJobRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x12\n\ndataset_id\x18\x02 \x01(\t\x12(\n\x05hyper\x18\x03 \x01(\x0b\x32\x19.tessera.v1.TrainingHyper\x12\r\n\x05steps\x18\x04 \x01(\x04\x12\x12\n\nbatch_size\x18\x05 \x01(\r\x12\x0f\n\x07seq_len\x18\x06 \x01(\r\x12\x18\n\x10\x63heckpoint_every\x18\x07 \x01(\r\x12\x14\n\x0coutput_model\x18\x08 \x01(\t\x12\x0f\n\x07\x61\x63\x63ount\x18\t \x01(\t\"\x18\n\x06JobRef\x12\x0e\n\x06job_id\x18\x01 \x01(\t\" \n\x0fListJobsRequest\x12\r\n\x05limit\x18\x01 \x01(\r\"U\n\tStagePlan\x12&\n\x06layers\x18\x01 \x01(\x0b\x32\x16.tessera.v1.LayerRange\x12\x0f\n\x07node_id\x18\x02 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x03 \x01(\t\"\xf0\x03\n\x07JobInfo\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x12\n\ndataset_id\x18\x03 \x01(\t\x12(\n\x05hyper\x18\x04 \x01(\x0b\x32\x19.tessera.v1.TrainingHyper\x12\r\n\x05steps\x18\x05 \x01(\x04\x12\x12\n\nbatch_size\x18\x06 \x01(\r\x12\x0f\n\x07seq_len\x18\x07 \x01(\r\x12\x18\n\x10\x63heckpoint_every\x18\x08 \x01(\r\x12\x14\n\x0coutput_model\x18\t \x01(\t\x12\x0f\n\x07\x61\x63\x63ount\x18\n \x01(\t\x12#\n\x05state\x18\x0b \x01(\x0e\x32\x14.tessera.v1.JobState\x12\x0c\n\x04step\x18\x0c \x01(\x04\x12\x11\n\tlast_loss\x18\r \x01(\x01\x12\x14\n\x0ctokens_per_s\x18\x0e \x01(\x01\x12\x17\n\x0f\x63heckpoint_step\x18\x0f \x01(\x04\x12%\n\x06stages\x18\x10 \x03(\x0b\x32\x15.tessera.v1.StagePlan\x12\r\n\x05\x65rror\x18\x11 \x01(\t\x12\x17\n\x0f\x63reated_unix_ms\x18\x12 \x01(\x03\x12\x17\n\x0fupdated_unix_ms\x18\x13 \x01(\x03\x12%\n\x06losses\x18\x14 \x03(\x0b\x32\x15.tessera.v1.LossPoint\x12\x0f\n\x07replans\x18\x15 \x01(\r\"\'\n\tLossPoint\x12\x0c\n\x04step\x18\x01 \x01(\x04\x12\x0c\n\x04loss\x18\x02 \x01(\x01\"5\n\x10ListJobsResponse\x12!\n\x04jobs\x18\x01 \x03(\x0b\x32\x13.tessera.v1.JobInfo\"z\n\x08JobEvent\x12\x0c\n\x04kind\x18\x01 \x01(\t\x12 \n\x03job\x18\x02 \x01(\x0b\x32\x13.tessera.v1.JobInfo\x12\x0c\n\x04step\x18\x03 \x01(\x04\x12\x0c\n\x04loss\x18\x04 \x01(\x01\x12\x14\n\x0ctokens_per_s\x18\x05 \x01(\x01\x12\x0c\n\x04json\x18\x06 \x01(\t\",\n\x1aOpenTrainingSessionRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\"\xfe\x01\n\x0fTrainingSession\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x1d\n\x04hops\x18\x03 \x03(\x0b\x32\x0f.tessera.v1.Hop\x12\x30\n\ncapability\x18\x04 \x01(\x0b\x32\x1c.tessera.v1.SignedCapability\x12\x14\n\x0crestore_step\x18\x05 \x01(\x04\x12+\n\x07restore\x18\x06 \x03(\x0b\x32\x1a.tessera.v1.CheckpointPart\x12 \n\x03job\x18\x07 \x01(\x0b\x32\x13.tessera.v1.JobInfo\x12\x16\n\x0ereplaced_stage\x18\x08 \x01(\r\"]\n\x0e\x43heckpointPart\x12&\n\x06layers\x18\x01 \x01(\x0b\x32\x16.tessera.v1.LayerRange\x12\x0e\n\x06sha256\x18\x02 \x01(\t\x12\x13\n\x0btotal_bytes\x18\x03 \x01(\x04\"\xcc\x01\n\x11ReportStepRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x30\n\ncapability\x18\x02 \x01(\x0b\x32\x1c.tessera.v1.SignedCapability\x12\x0c\n\x04step\x18\x03 \x01(\x04\x12\x0c\n\x04loss\x18\x04 \x01(\x01\x12\x11\n\tgrad_norm\x18\x05 \x01(\x01\x12\x0e\n\x06tokens\x18\x06 \x01(\x04\x12\x14\n\x0ctokens_per_s\x18\x07 \x01(\x01\x12\x10\n\x08stage_ms\x18\x08 \x03(\x01\x12\x0e\n\x06wall_s\x18\t \x01(\x01\"\x86\x01\n\x13StageFailureRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x30\n\ncapability\x18\x02 \x01(\x0b\x32\x1c.tessera.v1.SignedCapability\x12\r\n\x05stage\x18\x03 \x01(\r\x12\x0f\n\x07node_id\x18\x04 \x01(\t\x12\r\n\x05\x63\x61use\x18\x05 \x01(\t\"\x88\x01\n\x10\x46inishJobRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x30\n\ncapability\x18\x02 \x01(\x0b\x32\x1c.tessera.v1.SignedCapability\x12#\n\x05state\x18\x03 \x01(\x0e\x32\x14.tessera.v1.JobState\x12\r\n\x05\x65rror\x18\x04 \x01(\t*\x92\x01\n\x08JobState\x12\x19\n\x15JOB_STATE_UNSPECIFIED\x10\x00\x12\x14\n\x10JOB_STATE_QUEUED\x10\x01\x12\x15\n\x11JOB_STATE_RUNNING\x10\x02\x12\x14\n\x10JOB_STATE_PAUSED\x10\x03\x12\x14\n\x10JOB_STATE_FAILED\x10\x04\x12\x12\n\x0eJOB_STATE_DONE\x10\x05\x32\xf4\x05\n\x04Jobs\x12\x44\n\rUploadDataset\x12\x18.tessera.v1.DatasetChunk\x1a\x17.tessera.v1.DatasetInfo(\x01\x12=\n\nGetDataset\x12\x16.tessera.v1.DatasetRef\x1a\x17.tessera.v1.DatasetInfo\x12\x45\n\x0f\x44ownloadDataset\x12\x16.tessera.v1.DatasetRef\x1a\x18.tessera.v1.DatasetChunk0\x01\x12>\n\tSubmitJob\x12\x1c.tessera.v1.SubmitJobRequest\x1a\x13.tessera.v1.JobInfo\x12\x31\n\x06GetJob\x12\x12.tessera.v1.JobRef\x1a\x13.tessera.v1.JobInfo\x12\x45\n\x08ListJobs\x12\x1b.tessera.v1.ListJobsRequest\x1a\x1c.tessera.v1.ListJobsResponse\x12\x36\n\x08WatchJob\x12\x12.tessera.v1.JobRef\x1a\x14.tessera.v1.JobEvent0\x01\x12Z\n\x13OpenTrainingSession\x12&.tessera.v1.OpenTrainingSessionRequest\x1a\x1b.tessera.v1.TrainingSession\x12>\n\nReportStep\x12\x1d.tessera.v1.ReportStepRequest\x1a\x11.tessera.v1.Empty\x12R\n\x12ReportStageFailure\x12\x1f.tessera.v1.StageFailureRequest\x1a\x1b.tessera.v1.TrainingSession\x12>\n\tFinishJob\x12\x1c.tessera.v1.FinishJobRequest\x1a\x13.tessera.v1.JobInfob\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15tessera/v1/jobs.proto\x12\ntessera.v1\x1a\x17tessera/v1/common.proto\x1a\x1btessera/v1/client_api.proto\x1a\x19tessera/v1/training.proto\x1a\x17tessera/v1/ledger.proto\"2\n\x0c\x44\x61tasetShard\x12\x0e\n\x06sha256\x18\x01 \x01(\t\x12\x12\n\nnum_tokens\x18\x02 \x01(\x04\"\\\n\rDatasetHeader\x12\x0c\n\x04name\x18\x01 \x01(\t\x12(\n\x06shards\x18\x02 \x03(\x0b\x32\x18.tessera.v1.DatasetShard\x12\x13\n\x0b\x65xample_len\x18\x03 \x01(\r\":\n\x0b\x44\x61tasetData\x12\r\n\x05shard\x18\x01 \x01(\r\x12\x0e\n\x06offset\x18\x02 \x01(\x04\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\"l\n\x0c\x44\x61tasetChunk\x12+\n\x06header\x18\x01 \x01(\x0b\x32\x19.tessera.v1.DatasetHeaderH\x00\x12\'\n\x04\x64\x61ta\x18\x02 \x01(\x0b\x32\x17.tessera.v1.DatasetDataH\x00\x42\x06\n\x04kind\"\x18\n\nDatasetRef\x12\n\n\x02id\x18\x01 \x01(\t\"\xa9\x01\n\x0b\x44\x61tasetInfo\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x12\n\nnum_tokens\x18\x03 \x01(\x04\x12\x14\n\x0cmax_token_id\x18\x04 \x01(\r\x12\x13\n\x0b\x65xample_len\x18\x05 \x01(\r\x12(\n\x06shards\x18\x06 \x03(\x0b\x32\x18.tessera.v1.DatasetShard\x12\x17\n\x0f\x63reated_unix_ms\x18\x07 \x01(\x03\"\xd4\x01\n\x10SubmitJobRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x12\n\ndataset_id\x18\x02 \x01(\t\x12(\n\x05hyper\x18\x03 \x01(\x0b\x32\x19.tessera.v1.TrainingHyper\x12\r\n\x05steps\x18\x04 \x01(\x04\x12\x12\n\nbatch_size\x18\x05 \x01(\r\x12\x0f\n\x07seq_len\x18\x06 \x01(\r\x12\x18\n\x10\x63heckpoint_every\x18\x07 \x01(\r\x12\x14\n\x0coutput_model\x18\x08 \x01(\t\x12\x0f\n\x07\x61\x63\x63ount\x18\t \x01(\t\"\x18\n\x06JobRef\x12\x0e\n\x06job_id\x18\x01 \x01(\t\" \n\x0fListJobsRequest\x12\r\n\x05limit\x18\x01 \x01(\r\"U\n\tStagePlan\x12&\n\x06layers\x18\x01 \x01(\x0b\x32\x16.tessera.v1.LayerRange\x12\x0f\n\x07node_id\x18\x02 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x03 \x01(\t\"\xf0\x03\n\x07JobInfo\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x12\n\ndataset_id\x18\x03 \x01(\t\x12(\n\x05hyper\x18\x04 \x01(\x0b\x32\x19.tessera.v1.TrainingHyper\x12\r\n\x05steps\x18\x05 \x01(\x04\x12\x12\n\nbatch_size\x18\x06 \x01(\r\x12\x0f\n\x07seq_len\x18\x07 \x01(\r\x12\x18\n\x10\x63heckpoint_every\x18\x08 \x01(\r\x12\x14\n\x0coutput_model\x18\t \x01(\t\x12\x0f\n\x07\x61\x63\x63ount\x18\n \x01(\t\x12#\n\x05state\x18\x0b \x01(\x0e\x32\x14.tessera.v1.JobState\x12\x0c\n\x04step\x18\x0c \x01(\x04\x12\x11\n\tlast_loss\x18\r \x01(\x01\x12\x14\n\x0ctokens_per_s\x18\x0e \x01(\x01\x12\x17\n\x0f\x63heckpoint_step\x18\x0f \x01(\x04\x12%\n\x06stages\x18\x10 \x03(\x0b\x32\x15.tessera.v1.StagePlan\x12\r\n\x05\x65rror\x18\x11 \x01(\t\x12\x17\n\x0f\x63reated_unix_ms\x18\x12 \x01(\x03\x12\x17\n\x0fupdated_unix_ms\x18\x13 \x01(\x03\x12%\n\x06losses\x18\x14 \x03(\x0b\x32\x15.tessera.v1.LossPoint\x12\x0f\n\x07replans\x18\x15 \x01(\r\"\'\n\tLossPoint\x12\x0c\n\x04step\x18\x01 \x01(\x04\x12\x0c\n\x04loss\x18\x02 \x01(\x01\"5\n\x10ListJobsResponse\x12!\n\x04jobs\x18\x01 \x03(\x0b\x32\x13.tessera.v1.JobInfo\"z\n\x08JobEvent\x12\x0c\n\x04kind\x18\x01 \x01(\t\x12 \n\x03job\x18\x02 \x01(\x0b\x32\x13.tessera.v1.JobInfo\x12\x0c\n\x04step\x18\x03 \x01(\x04\x12\x0c\n\x04loss\x18\x04 \x01(\x01\x12\x14\n\x0ctokens_per_s\x18\x05 \x01(\x01\x12\x0c\n\x04json\x18\x06 \x01(\t\"\x8d\x01\n\x1aOpenTrainingSessionRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x19\n\x11\x63lient_public_key\x18\x02 \x01(\x0c\x12\x18\n\x10\x63lient_signature\x18\x03 \x01(\x0c\x12\x17\n\x0frequest_unix_ms\x18\x04 \x01(\x03\x12\x11\n\tmax_price\x18\x05 \x01(\x04\"\xcb\x02\n\x0fTrainingSession\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x1d\n\x04hops\x18\x03 \x03(\x0b\x32\x0f.tessera.v1.Hop\x12\x30\n\ncapability\x18\x04 \x01(\x0b\x32\x1c.tessera.v1.SignedCapability\x12\x14\n\x0crestore_step\x18\x05 \x01(\x04\x12+\n\x07restore\x18\x06 \x03(\x0b\x32\x1a.tessera.v1.CheckpointPart\x12 \n\x03job\x18\x07 \x01(\x0b\x32\x13.tessera.v1.JobInfo\x12\x16\n\x0ereplaced_stage\x18\x08 \x01(\r\x12 \n\x05quote\x18\t \x01(\x0b\x32\x11.tessera.v1.Quote\x12)\n\x07settled\x18\n \x03(\x0b\x32\x18.tessera.v1.UsageReceipt\"]\n\x0e\x43heckpointPart\x12&\n\x06layers\x18\x01 \x01(\x0b\x32\x16.tessera.v1.LayerRange\x12\x0e\n\x06sha256\x18\x02 \x01(\t\x12\x13\n\x0btotal_bytes\x18\x03 \x01(\x04\"\xf4\x01\n\x11ReportStepRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x30\n\ncapability\x18\x02 \x01(\x0b\x32\x1c.tessera.v1.SignedCapability\x12\x0c\n\x04step\x18\x03 \x01(\x04\x12\x0c\n\x04loss\x18\x04 \x01(\x01\x12\x11\n\tgrad_norm\x18\x05 \x01(\x01\x12\x0e\n\x06tokens\x18\x06 \x01(\x04\x12\x14\n\x0ctokens_per_s\x18\x07 \x01(\x01\x12\x10\n\x08stage_ms\x18\x08 \x03(\x01\x12\x0e\n\x06wall_s\x18\t \x01(\x01\x12&\n\x05usage\x18\n \x03(\x0b\x32\x17.tessera.v1.SignedUsage\"\x86\x01\n\x13StageFailureRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x30\n\ncapability\x18\x02 \x01(\x0b\x32\x1c.tessera.v1.SignedCapability\x12\r\n\x05stage\x18\x03 \x01(\r\x12\x0f\n\x07node_id\x18\x04 \x01(\t\x12\r\n\x05\x63\x61use\x18\x05 \x01(\t\"\xb0\x01\n\x10\x46inishJobRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x30\n\ncapability\x18\x02 \x01(\x0b\x32\x1c.tessera.v1.SignedCapability\x12#\n\x05state\x18\x03 \x01(\x0e\x32\x14.tessera.v1.JobState\x12\r\n\x05\x65rror\x18\x04 \x01(\t\x12&\n\x05usage\x18\x05 \x03(\x0b\x32\x17.tessera.v1.SignedUsage*\x92\x01\n\x08JobState\x12\x19\n\x15JOB_STATE_UNSPECIFIED\x10\x00\x12\x14\n\x10JOB_STATE_QUEUED\x10\x01\x12\x15\n\x11JOB_STATE_RUNNING\x10\x02\x12\x14\n\x10JOB_STATE_PAUSED\x10\x03\x12\x14\n\x10JOB_STATE_FAILED\x10\x04\x12\x12\n\x0eJOB_STATE_DONE\x10\x05\x32\xf4\x05\n\x04Jobs\x12\x44\n\rUploadDataset\x12\x18.tessera.v1.DatasetChunk\x1a\x17.tessera.v1.DatasetInfo(\x01\x12=\n\nGetDataset\x12\x16.tessera.v1.DatasetRef\x1a\x17.tessera.v1.DatasetInfo\x12\x45\n\x0f\x44ownloadDataset\x12\x16.tessera.v1.DatasetRef\x1a\x18.tessera.v1.DatasetChunk0\x01\x12>\n\tSubmitJob\x12\x1c.tessera.v1.SubmitJobRequest\x1a\x13.tessera.v1.JobInfo\x12\x31\n\x06GetJob\x12\x12.tessera.v1.JobRef\x1a\x13.tessera.v1.JobInfo\x12\x45\n\x08ListJobs\x12\x1b.tessera.v1.ListJobsRequest\x1a\x1c.tessera.v1.ListJobsResponse\x12\x36\n\x08WatchJob\x12\x12.tessera.v1.JobRef\x1a\x14.tessera.v1.JobEvent0\x01\x12Z\n\x13OpenTrainingSession\x12&.tessera.v1.OpenTrainingSessionRequest\x1a\x1b.tessera.v1.TrainingSession\x12>\n\nReportStep\x12\x1d.tessera.v1.ReportStepRequest\x1a\x11.tessera.v1.Empty\x12R\n\x12ReportStageFailure\x12\x1f.tessera.v1.StageFailureRequest\x1a\x1b.tessera.v1.TrainingSession\x12>\n\tFinishJob\x12\x1c.tessera.v1.FinishJobRequest\x1a\x13.tessera.v1.JobInfob\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'tessera.v1.jobs_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_JOBSTATE']._serialized_start=2595
-  _globals['_JOBSTATE']._serialized_end=2741
-  _globals['_DATASETSHARD']._serialized_start=118
-  _globals['_DATASETSHARD']._serialized_end=168
-  _globals['_DATASETHEADER']._serialized_start=170
-  _globals['_DATASETHEADER']._serialized_end=262
-  _globals['_DATASETDATA']._serialized_start=264
-  _globals['_DATASETDATA']._serialized_end=322
-  _globals['_DATASETCHUNK']._serialized_start=324
-  _globals['_DATASETCHUNK']._serialized_end=432
-  _globals['_DATASETREF']._serialized_start=434
-  _globals['_DATASETREF']._serialized_end=458
-  _globals['_DATASETINFO']._serialized_start=461
-  _globals['_DATASETINFO']._serialized_end=630
-  _globals['_SUBMITJOBREQUEST']._serialized_start=633
-  _globals['_SUBMITJOBREQUEST']._serialized_end=845
-  _globals['_JOBREF']._serialized_start=847
-  _globals['_JOBREF']._serialized_end=871
-  _globals['_LISTJOBSREQUEST']._serialized_start=873
-  _globals['_LISTJOBSREQUEST']._serialized_end=905
-  _globals['_STAGEPLAN']._serialized_start=907
-  _globals['_STAGEPLAN']._serialized_end=992
-  _globals['_JOBINFO']._serialized_start=995
-  _globals['_JOBINFO']._serialized_end=1491
-  _globals['_LOSSPOINT']._serialized_start=1493
-  _globals['_LOSSPOINT']._serialized_end=1532
-  _globals['_LISTJOBSRESPONSE']._serialized_start=1534
-  _globals['_LISTJOBSRESPONSE']._serialized_end=1587
-  _globals['_JOBEVENT']._serialized_start=1589
-  _globals['_JOBEVENT']._serialized_end=1711
-  _globals['_OPENTRAININGSESSIONREQUEST']._serialized_start=1713
-  _globals['_OPENTRAININGSESSIONREQUEST']._serialized_end=1757
-  _globals['_TRAININGSESSION']._serialized_start=1760
-  _globals['_TRAININGSESSION']._serialized_end=2014
-  _globals['_CHECKPOINTPART']._serialized_start=2016
-  _globals['_CHECKPOINTPART']._serialized_end=2109
-  _globals['_REPORTSTEPREQUEST']._serialized_start=2112
-  _globals['_REPORTSTEPREQUEST']._serialized_end=2316
-  _globals['_STAGEFAILUREREQUEST']._serialized_start=2319
-  _globals['_STAGEFAILUREREQUEST']._serialized_end=2453
-  _globals['_FINISHJOBREQUEST']._serialized_start=2456
-  _globals['_FINISHJOBREQUEST']._serialized_end=2592
-  _globals['_JOBS']._serialized_start=2744
-  _globals['_JOBS']._serialized_end=3500
+  _globals['_JOBSTATE']._serialized_start=2875
+  _globals['_JOBSTATE']._serialized_end=3021
+  _globals['_DATASETSHARD']._serialized_start=143
+  _globals['_DATASETSHARD']._serialized_end=193
+  _globals['_DATASETHEADER']._serialized_start=195
+  _globals['_DATASETHEADER']._serialized_end=287
+  _globals['_DATASETDATA']._serialized_start=289
+  _globals['_DATASETDATA']._serialized_end=347
+  _globals['_DATASETCHUNK']._serialized_start=349
+  _globals['_DATASETCHUNK']._serialized_end=457
+  _globals['_DATASETREF']._serialized_start=459
+  _globals['_DATASETREF']._serialized_end=483
+  _globals['_DATASETINFO']._serialized_start=486
+  _globals['_DATASETINFO']._serialized_end=655
+  _globals['_SUBMITJOBREQUEST']._serialized_start=658
+  _globals['_SUBMITJOBREQUEST']._serialized_end=870
+  _globals['_JOBREF']._serialized_start=872
+  _globals['_JOBREF']._serialized_end=896
+  _globals['_LISTJOBSREQUEST']._serialized_start=898
+  _globals['_LISTJOBSREQUEST']._serialized_end=930
+  _globals['_STAGEPLAN']._serialized_start=932
+  _globals['_STAGEPLAN']._serialized_end=1017
+  _globals['_JOBINFO']._serialized_start=1020
+  _globals['_JOBINFO']._serialized_end=1516
+  _globals['_LOSSPOINT']._serialized_start=1518
+  _globals['_LOSSPOINT']._serialized_end=1557
+  _globals['_LISTJOBSRESPONSE']._serialized_start=1559
+  _globals['_LISTJOBSRESPONSE']._serialized_end=1612
+  _globals['_JOBEVENT']._serialized_start=1614
+  _globals['_JOBEVENT']._serialized_end=1736
+  _globals['_OPENTRAININGSESSIONREQUEST']._serialized_start=1739
+  _globals['_OPENTRAININGSESSIONREQUEST']._serialized_end=1880
+  _globals['_TRAININGSESSION']._serialized_start=1883
+  _globals['_TRAININGSESSION']._serialized_end=2214
+  _globals['_CHECKPOINTPART']._serialized_start=2216
+  _globals['_CHECKPOINTPART']._serialized_end=2309
+  _globals['_REPORTSTEPREQUEST']._serialized_start=2312
+  _globals['_REPORTSTEPREQUEST']._serialized_end=2556
+  _globals['_STAGEFAILUREREQUEST']._serialized_start=2559
+  _globals['_STAGEFAILUREREQUEST']._serialized_end=2693
+  _globals['_FINISHJOBREQUEST']._serialized_start=2696
+  _globals['_FINISHJOBREQUEST']._serialized_end=2872
+  _globals['_JOBS']._serialized_start=3024
+  _globals['_JOBS']._serialized_end=3780
 # @@protoc_insertion_point(module_scope)

@@ -1,6 +1,7 @@
 from protos.tessera.v1 import common_pb2 as _common_pb2
 from protos.tessera.v1 import client_api_pb2 as _client_api_pb2
 from protos.tessera.v1 import training_pb2 as _training_pb2
+from protos.tessera.v1 import ledger_pb2 as _ledger_pb2
 from google.protobuf.internal import containers as _containers
 from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from google.protobuf import descriptor as _descriptor
@@ -206,13 +207,21 @@ class JobEvent(_message.Message):
     def __init__(self, kind: _Optional[str] = ..., job: _Optional[_Union[JobInfo, _Mapping]] = ..., step: _Optional[int] = ..., loss: _Optional[float] = ..., tokens_per_s: _Optional[float] = ..., json: _Optional[str] = ...) -> None: ...
 
 class OpenTrainingSessionRequest(_message.Message):
-    __slots__ = ("job_id",)
+    __slots__ = ("job_id", "client_public_key", "client_signature", "request_unix_ms", "max_price")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    CLIENT_PUBLIC_KEY_FIELD_NUMBER: _ClassVar[int]
+    CLIENT_SIGNATURE_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
+    MAX_PRICE_FIELD_NUMBER: _ClassVar[int]
     job_id: str
-    def __init__(self, job_id: _Optional[str] = ...) -> None: ...
+    client_public_key: bytes
+    client_signature: bytes
+    request_unix_ms: int
+    max_price: int
+    def __init__(self, job_id: _Optional[str] = ..., client_public_key: _Optional[bytes] = ..., client_signature: _Optional[bytes] = ..., request_unix_ms: _Optional[int] = ..., max_price: _Optional[int] = ...) -> None: ...
 
 class TrainingSession(_message.Message):
-    __slots__ = ("job_id", "model", "hops", "capability", "restore_step", "restore", "job", "replaced_stage")
+    __slots__ = ("job_id", "model", "hops", "capability", "restore_step", "restore", "job", "replaced_stage", "quote", "settled")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     HOPS_FIELD_NUMBER: _ClassVar[int]
@@ -221,6 +230,8 @@ class TrainingSession(_message.Message):
     RESTORE_FIELD_NUMBER: _ClassVar[int]
     JOB_FIELD_NUMBER: _ClassVar[int]
     REPLACED_STAGE_FIELD_NUMBER: _ClassVar[int]
+    QUOTE_FIELD_NUMBER: _ClassVar[int]
+    SETTLED_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     model: str
     hops: _containers.RepeatedCompositeFieldContainer[_client_api_pb2.Hop]
@@ -229,7 +240,9 @@ class TrainingSession(_message.Message):
     restore: _containers.RepeatedCompositeFieldContainer[CheckpointPart]
     job: JobInfo
     replaced_stage: int
-    def __init__(self, job_id: _Optional[str] = ..., model: _Optional[str] = ..., hops: _Optional[_Iterable[_Union[_client_api_pb2.Hop, _Mapping]]] = ..., capability: _Optional[_Union[_client_api_pb2.SignedCapability, _Mapping]] = ..., restore_step: _Optional[int] = ..., restore: _Optional[_Iterable[_Union[CheckpointPart, _Mapping]]] = ..., job: _Optional[_Union[JobInfo, _Mapping]] = ..., replaced_stage: _Optional[int] = ...) -> None: ...
+    quote: _ledger_pb2.Quote
+    settled: _containers.RepeatedCompositeFieldContainer[_ledger_pb2.UsageReceipt]
+    def __init__(self, job_id: _Optional[str] = ..., model: _Optional[str] = ..., hops: _Optional[_Iterable[_Union[_client_api_pb2.Hop, _Mapping]]] = ..., capability: _Optional[_Union[_client_api_pb2.SignedCapability, _Mapping]] = ..., restore_step: _Optional[int] = ..., restore: _Optional[_Iterable[_Union[CheckpointPart, _Mapping]]] = ..., job: _Optional[_Union[JobInfo, _Mapping]] = ..., replaced_stage: _Optional[int] = ..., quote: _Optional[_Union[_ledger_pb2.Quote, _Mapping]] = ..., settled: _Optional[_Iterable[_Union[_ledger_pb2.UsageReceipt, _Mapping]]] = ...) -> None: ...
 
 class CheckpointPart(_message.Message):
     __slots__ = ("layers", "sha256", "total_bytes")
@@ -242,7 +255,7 @@ class CheckpointPart(_message.Message):
     def __init__(self, layers: _Optional[_Union[_common_pb2.LayerRange, _Mapping]] = ..., sha256: _Optional[str] = ..., total_bytes: _Optional[int] = ...) -> None: ...
 
 class ReportStepRequest(_message.Message):
-    __slots__ = ("job_id", "capability", "step", "loss", "grad_norm", "tokens", "tokens_per_s", "stage_ms", "wall_s")
+    __slots__ = ("job_id", "capability", "step", "loss", "grad_norm", "tokens", "tokens_per_s", "stage_ms", "wall_s", "usage")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     CAPABILITY_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
@@ -252,6 +265,7 @@ class ReportStepRequest(_message.Message):
     TOKENS_PER_S_FIELD_NUMBER: _ClassVar[int]
     STAGE_MS_FIELD_NUMBER: _ClassVar[int]
     WALL_S_FIELD_NUMBER: _ClassVar[int]
+    USAGE_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     capability: _client_api_pb2.SignedCapability
     step: int
@@ -261,7 +275,8 @@ class ReportStepRequest(_message.Message):
     tokens_per_s: float
     stage_ms: _containers.RepeatedScalarFieldContainer[float]
     wall_s: float
-    def __init__(self, job_id: _Optional[str] = ..., capability: _Optional[_Union[_client_api_pb2.SignedCapability, _Mapping]] = ..., step: _Optional[int] = ..., loss: _Optional[float] = ..., grad_norm: _Optional[float] = ..., tokens: _Optional[int] = ..., tokens_per_s: _Optional[float] = ..., stage_ms: _Optional[_Iterable[float]] = ..., wall_s: _Optional[float] = ...) -> None: ...
+    usage: _containers.RepeatedCompositeFieldContainer[_ledger_pb2.SignedUsage]
+    def __init__(self, job_id: _Optional[str] = ..., capability: _Optional[_Union[_client_api_pb2.SignedCapability, _Mapping]] = ..., step: _Optional[int] = ..., loss: _Optional[float] = ..., grad_norm: _Optional[float] = ..., tokens: _Optional[int] = ..., tokens_per_s: _Optional[float] = ..., stage_ms: _Optional[_Iterable[float]] = ..., wall_s: _Optional[float] = ..., usage: _Optional[_Iterable[_Union[_ledger_pb2.SignedUsage, _Mapping]]] = ...) -> None: ...
 
 class StageFailureRequest(_message.Message):
     __slots__ = ("job_id", "capability", "stage", "node_id", "cause")
@@ -278,13 +293,15 @@ class StageFailureRequest(_message.Message):
     def __init__(self, job_id: _Optional[str] = ..., capability: _Optional[_Union[_client_api_pb2.SignedCapability, _Mapping]] = ..., stage: _Optional[int] = ..., node_id: _Optional[str] = ..., cause: _Optional[str] = ...) -> None: ...
 
 class FinishJobRequest(_message.Message):
-    __slots__ = ("job_id", "capability", "state", "error")
+    __slots__ = ("job_id", "capability", "state", "error", "usage")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     CAPABILITY_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
+    USAGE_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     capability: _client_api_pb2.SignedCapability
     state: JobState
     error: str
-    def __init__(self, job_id: _Optional[str] = ..., capability: _Optional[_Union[_client_api_pb2.SignedCapability, _Mapping]] = ..., state: _Optional[_Union[JobState, str]] = ..., error: _Optional[str] = ...) -> None: ...
+    usage: _containers.RepeatedCompositeFieldContainer[_ledger_pb2.SignedUsage]
+    def __init__(self, job_id: _Optional[str] = ..., capability: _Optional[_Union[_client_api_pb2.SignedCapability, _Mapping]] = ..., state: _Optional[_Union[JobState, str]] = ..., error: _Optional[str] = ..., usage: _Optional[_Iterable[_Union[_ledger_pb2.SignedUsage, _Mapping]]] = ...) -> None: ...

@@ -24,53 +24,54 @@ _sym_db = _symbol_database.Default()
 
 from protos.tessera.v1 import common_pb2 as tessera_dot_v1_dot_common__pb2
 from protos.tessera.v1 import client_api_pb2 as tessera_dot_v1_dot_client__api__pb2
+from protos.tessera.v1 import ledger_pb2 as tessera_dot_v1_dot_ledger__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19tessera/v1/training.proto\x12\ntessera.v1\x1a\x17tessera/v1/common.proto\x1a\x1btessera/v1/client_api.proto\"\xcd\x01\n\rTrainingHyper\x12\x0c\n\x04mode\x18\x01 \x01(\t\x12\x11\n\tlora_rank\x18\x02 \x01(\r\x12\x12\n\nlora_alpha\x18\x03 \x01(\x02\x12\n\n\x02lr\x18\x04 \x01(\x01\x12\r\n\x05\x62\x65ta1\x18\x05 \x01(\x01\x12\r\n\x05\x62\x65ta2\x18\x06 \x01(\x01\x12\x0b\n\x03\x65ps\x18\x07 \x01(\x01\x12\x14\n\x0cweight_decay\x18\x08 \x01(\x01\x12\x15\n\rmax_grad_norm\x18\t \x01(\x01\x12\x0c\n\x04seed\x18\n \x01(\x04\x12\x15\n\rmicro_batches\x18\x0b \x01(\r\"\xe6\x01\n\x13OpenTrainingRequest\x12\x30\n\ncapability\x18\x01 \x01(\x0b\x32\x1c.tessera.v1.SignedCapability\x12\x0e\n\x06job_id\x18\x02 \x01(\t\x12\r\n\x05model\x18\x03 \x01(\t\x12&\n\x06layers\x18\x04 \x01(\x0b\x32\x16.tessera.v1.LayerRange\x12(\n\x05hyper\x18\x05 \x01(\x0b\x32\x19.tessera.v1.TrainingHyper\x12\x14\n\x0crestore_step\x18\x06 \x01(\x04\x12\x16\n\x0erestore_sha256\x18\x07 \x01(\t\"S\n\x14OpenTrainingResponse\x12\x0c\n\x04step\x18\x01 \x01(\x04\x12\x18\n\x10trainable_params\x18\x02 \x01(\x04\x12\x13\n\x0bstate_bytes\x18\x03 \x01(\x04\"\xc1\x01\n\x13TrainForwardRequest\x12\x30\n\ncapability\x18\x01 \x01(\x0b\x32\x1c.tessera.v1.SignedCapability\x12\x0e\n\x06job_id\x18\x02 \x01(\t\x12\x0c\n\x04step\x18\x03 \x01(\x04\x12\x13\n\x0bmicro_batch\x18\x04 \x01(\r\x12!\n\x05input\x18\x05 \x01(\x0b\x32\x12.tessera.v1.Tensor\x12\"\n\x06labels\x18\x06 \x01(\x0b\x32\x12.tessera.v1.Tensor\"\xbe\x01\n\x14TrainForwardResponse\x12\x0c\n\x04step\x18\x01 \x01(\x04\x12\x13\n\x0bmicro_batch\x18\x02 \x01(\r\x12\"\n\x06output\x18\x03 \x01(\x0b\x32\x12.tessera.v1.Tensor\x12\x0c\n\x04loss\x18\x04 \x01(\x01\x12\x14\n\x0clabel_tokens\x18\x05 \x01(\x04\x12\x12\n\ncompute_ms\x18\x06 \x01(\x01\x12\x11\n\tsignature\x18\x07 \x01(\x0c\x12\x14\n\x0cinput_digest\x18\x08 \x01(\x0c\"\xa4\x01\n\x14TrainBackwardRequest\x12\x30\n\ncapability\x18\x01 \x01(\x0b\x32\x1c.tessera.v1.SignedCapability\x12\x0e\n\x06job_id\x18\x02 \x01(\t\x12\x0c\n\x04step\x18\x03 \x01(\x04\x12\x13\n\x0bmicro_batch\x18\x04 \x01(\r\x12\'\n\x0bgrad_output\x18\x05 \x01(\x0b\x32\x12.tessera.v1.Tensor\"\x9f\x01\n\x15TrainBackwardResponse\x12\x0c\n\x04step\x18\x01 \x01(\x04\x12\x13\n\x0bmicro_batch\x18\x02 \x01(\r\x12&\n\ngrad_input\x18\x03 \x01(\x0b\x32\x12.tessera.v1.Tensor\x12\x12\n\ncompute_ms\x18\x04 \x01(\x01\x12\x11\n\tsignature\x18\x05 \x01(\x0c\x12\x14\n\x0cinput_digest\x18\x06 \x01(\x0c\"a\n\x0fGradNormRequest\x12\x30\n\ncapability\x18\x01 \x01(\x0b\x32\x1c.tessera.v1.SignedCapability\x12\x0e\n\x06job_id\x18\x02 \x01(\t\x12\x0c\n\x04step\x18\x03 \x01(\x04\"A\n\x10GradNormResponse\x12\x0c\n\x04step\x18\x01 \x01(\x04\x12\x0f\n\x07sq_norm\x18\x02 \x01(\x01\x12\x0e\n\x06\x66inite\x18\x03 \x01(\x08\"y\n\x14OptimizerStepRequest\x12\x30\n\ncapability\x18\x01 \x01(\x0b\x32\x1c.tessera.v1.SignedCapability\x12\x0e\n\x06job_id\x18\x02 \x01(\t\x12\x0c\n\x04step\x18\x03 \x01(\x04\x12\x11\n\tclip_coef\x18\x04 \x01(\x01\"%\n\x15OptimizerStepResponse\x12\x0c\n\x04step\x18\x01 \x01(\x04\"g\n\x15SaveCheckpointRequest\x12\x30\n\ncapability\x18\x01 \x01(\x0b\x32\x1c.tessera.v1.SignedCapability\x12\x0e\n\x06job_id\x18\x02 \x01(\t\x12\x0c\n\x04step\x18\x03 \x01(\x04\"_\n\x16SaveCheckpointResponse\x12\x0c\n\x04step\x18\x01 \x01(\x04\x12\x0e\n\x06sha256\x18\x02 \x01(\t\x12\x13\n\x0btotal_bytes\x18\x03 \x01(\x04\x12\x12\n\nconsistent\x18\x04 \x01(\x08\"X\n\x14\x43loseTrainingRequest\x12\x30\n\ncapability\x18\x01 \x01(\x0b\x32\x1c.tessera.v1.SignedCapability\x12\x0e\n\x06job_id\x18\x02 \x01(\t\"}\n\x10\x43heckpointHeader\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x0c\n\x04step\x18\x02 \x01(\x04\x12&\n\x06layers\x18\x03 \x01(\x0b\x32\x16.tessera.v1.LayerRange\x12\x13\n\x0btotal_bytes\x18\x04 \x01(\x04\x12\x0e\n\x06sha256\x18\x05 \x01(\t\"]\n\x0f\x43heckpointChunk\x12,\n\x06header\x18\x01 \x01(\x0b\x32\x1c.tessera.v1.CheckpointHeader\x12\x0e\n\x06offset\x18\x02 \x01(\x04\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\"L\n\x11\x43heckpointReceipt\x12\x0e\n\x06sha256\x18\x01 \x01(\t\x12\x13\n\x0btotal_bytes\x18\x02 \x01(\x04\x12\x12\n\nconsistent\x18\x03 \x01(\x08\"a\n\x19\x44ownloadCheckpointRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x0c\n\x04step\x18\x02 \x01(\x04\x12&\n\x06layers\x18\x03 \x01(\x0b\x32\x16.tessera.v1.LayerRange2\xc7\x04\n\rTrainingStage\x12Q\n\x0cOpenTraining\x12\x1f.tessera.v1.OpenTrainingRequest\x1a .tessera.v1.OpenTrainingResponse\x12Q\n\x0c\x46orwardTrain\x12\x1f.tessera.v1.TrainForwardRequest\x1a .tessera.v1.TrainForwardResponse\x12T\n\rBackwardTrain\x12 .tessera.v1.TrainBackwardRequest\x1a!.tessera.v1.TrainBackwardResponse\x12\x45\n\x08GradNorm\x12\x1b.tessera.v1.GradNormRequest\x1a\x1c.tessera.v1.GradNormResponse\x12T\n\rOptimizerStep\x12 .tessera.v1.OptimizerStepRequest\x1a!.tessera.v1.OptimizerStepResponse\x12W\n\x0eSaveCheckpoint\x12!.tessera.v1.SaveCheckpointRequest\x1a\".tessera.v1.SaveCheckpointResponse\x12\x44\n\rCloseTraining\x12 .tessera.v1.CloseTrainingRequest\x1a\x11.tessera.v1.Empty2\xbd\x01\n\rTrainingStore\x12P\n\x10UploadCheckpoint\x12\x1b.tessera.v1.CheckpointChunk\x1a\x1d.tessera.v1.CheckpointReceipt(\x01\x12Z\n\x12\x44ownloadCheckpoint\x12%.tessera.v1.DownloadCheckpointRequest\x1a\x1b.tessera.v1.CheckpointChunk0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19tessera/v1/training.proto\x12\ntessera.v1\x1a\x17tessera/v1/common.proto\x1a\x1btessera/v1/client_api.proto\x1a\x17tessera/v1/ledger.proto\"\xcd\x01\n\rTrainingHyper\x12\x0c\n\x04mode\x18\x01 \x01(\t\x12\x11\n\tlora_rank\x18\x02 \x01(\r\x12\x12\n\nlora_alpha\x18\x03 \x01(\x02\x12\n\n\x02lr\x18\x04 \x01(\x01\x12\r\n\x05\x62\x65ta1\x18\x05 \x01(\x01\x12\r\n\x05\x62\x65ta2\x18\x06 \x01(\x01\x12\x0b\n\x03\x65ps\x18\x07 \x01(\x01\x12\x14\n\x0cweight_decay\x18\x08 \x01(\x01\x12\x15\n\rmax_grad_norm\x18\t \x01(\x01\x12\x0c\n\x04seed\x18\n \x01(\x04\x12\x15\n\rmicro_batches\x18\x0b \x01(\r\"\xe6\x01\n\x13OpenTrainingRequest\x12\x30\n\ncapability\x18\x01 \x01(\x0b\x32\x1c.tessera.v1.SignedCapability\x12\x0e\n\x06job_id\x18\x02 \x01(\t\x12\r\n\x05model\x18\x03 \x01(\t\x12&\n\x06layers\x18\x04 \x01(\x0b\x32\x16.tessera.v1.LayerRange\x12(\n\x05hyper\x18\x05 \x01(\x0b\x32\x19.tessera.v1.TrainingHyper\x12\x14\n\x0crestore_step\x18\x06 \x01(\x04\x12\x16\n\x0erestore_sha256\x18\x07 \x01(\t\"S\n\x14OpenTrainingResponse\x12\x0c\n\x04step\x18\x01 \x01(\x04\x12\x18\n\x10trainable_params\x18\x02 \x01(\x04\x12\x13\n\x0bstate_bytes\x18\x03 \x01(\x04\"\xc1\x01\n\x13TrainForwardRequest\x12\x30\n\ncapability\x18\x01 \x01(\x0b\x32\x1c.tessera.v1.SignedCapability\x12\x0e\n\x06job_id\x18\x02 \x01(\t\x12\x0c\n\x04step\x18\x03 \x01(\x04\x12\x13\n\x0bmicro_batch\x18\x04 \x01(\r\x12!\n\x05input\x18\x05 \x01(\x0b\x32\x12.tessera.v1.Tensor\x12\"\n\x06labels\x18\x06 \x01(\x0b\x32\x12.tessera.v1.Tensor\"\xe6\x01\n\x14TrainForwardResponse\x12\x0c\n\x04step\x18\x01 \x01(\x04\x12\x13\n\x0bmicro_batch\x18\x02 \x01(\r\x12\"\n\x06output\x18\x03 \x01(\x0b\x32\x12.tessera.v1.Tensor\x12\x0c\n\x04loss\x18\x04 \x01(\x01\x12\x14\n\x0clabel_tokens\x18\x05 \x01(\x04\x12\x12\n\ncompute_ms\x18\x06 \x01(\x01\x12\x11\n\tsignature\x18\x07 \x01(\x0c\x12\x14\n\x0cinput_digest\x18\x08 \x01(\x0c\x12&\n\x05usage\x18\t \x01(\x0b\x32\x17.tessera.v1.SignedUsage\"\xa4\x01\n\x14TrainBackwardRequest\x12\x30\n\ncapability\x18\x01 \x01(\x0b\x32\x1c.tessera.v1.SignedCapability\x12\x0e\n\x06job_id\x18\x02 \x01(\t\x12\x0c\n\x04step\x18\x03 \x01(\x04\x12\x13\n\x0bmicro_batch\x18\x04 \x01(\r\x12\'\n\x0bgrad_output\x18\x05 \x01(\x0b\x32\x12.tessera.v1.Tensor\"\x9f\x01\n\x15TrainBackwardResponse\x12\x0c\n\x04step\x18\x01 \x01(\x04\x12\x13\n\x0bmicro_batch\x18\x02 \x01(\r\x12&\n\ngrad_input\x18\x03 \x01(\x0b\x32\x12.tessera.v1.Tensor\x12\x12\n\ncompute_ms\x18\x04 \x01(\x01\x12\x11\n\tsignature\x18\x05 \x01(\x0c\x12\x14\n\x0cinput_digest\x18\x06 \x01(\x0c\"a\n\x0fGradNormRequest\x12\x30\n\ncapability\x18\x01 \x01(\x0b\x32\x1c.tessera.v1.SignedCapability\x12\x0e\n\x06job_id\x18\x02 \x01(\t\x12\x0c\n\x04step\x18\x03 \x01(\x04\"A\n\x10GradNormResponse\x12\x0c\n\x04step\x18\x01 \x01(\x04\x12\x0f\n\x07sq_norm\x18\x02 \x01(\x01\x12\x0e\n\x06\x66inite\x18\x03 \x01(\x08\"y\n\x14OptimizerStepRequest\x12\x30\n\ncapability\x18\x01 \x01(\x0b\x32\x1c.tessera.v1.SignedCapability\x12\x0e\n\x06job_id\x18\x02 \x01(\t\x12\x0c\n\x04step\x18\x03 \x01(\x04\x12\x11\n\tclip_coef\x18\x04 \x01(\x01\"%\n\x15OptimizerStepResponse\x12\x0c\n\x04step\x18\x01 \x01(\x04\"g\n\x15SaveCheckpointRequest\x12\x30\n\ncapability\x18\x01 \x01(\x0b\x32\x1c.tessera.v1.SignedCapability\x12\x0e\n\x06job_id\x18\x02 \x01(\t\x12\x0c\n\x04step\x18\x03 \x01(\x04\"_\n\x16SaveCheckpointResponse\x12\x0c\n\x04step\x18\x01 \x01(\x04\x12\x0e\n\x06sha256\x18\x02 \x01(\t\x12\x13\n\x0btotal_bytes\x18\x03 \x01(\x04\x12\x12\n\nconsistent\x18\x04 \x01(\x08\"X\n\x14\x43loseTrainingRequest\x12\x30\n\ncapability\x18\x01 \x01(\x0b\x32\x1c.tessera.v1.SignedCapability\x12\x0e\n\x06job_id\x18\x02 \x01(\t\"}\n\x10\x43heckpointHeader\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x0c\n\x04step\x18\x02 \x01(\x04\x12&\n\x06layers\x18\x03 \x01(\x0b\x32\x16.tessera.v1.LayerRange\x12\x13\n\x0btotal_bytes\x18\x04 \x01(\x04\x12\x0e\n\x06sha256\x18\x05 \x01(\t\"]\n\x0f\x43heckpointChunk\x12,\n\x06header\x18\x01 \x01(\x0b\x32\x1c.tessera.v1.CheckpointHeader\x12\x0e\n\x06offset\x18\x02 \x01(\x04\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\"L\n\x11\x43heckpointReceipt\x12\x0e\n\x06sha256\x18\x01 \x01(\t\x12\x13\n\x0btotal_bytes\x18\x02 \x01(\x04\x12\x12\n\nconsistent\x18\x03 \x01(\x08\"a\n\x19\x44ownloadCheckpointRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x0c\n\x04step\x18\x02 \x01(\x04\x12&\n\x06layers\x18\x03 \x01(\x0b\x32\x16.tessera.v1.LayerRange2\xc7\x04\n\rTrainingStage\x12Q\n\x0cOpenTraining\x12\x1f.tessera.v1.OpenTrainingRequest\x1a .tessera.v1.OpenTrainingResponse\x12Q\n\x0c\x46orwardTrain\x12\x1f.tessera.v1.TrainForwardRequest\x1a .tessera.v1.TrainForwardResponse\x12T\n\rBackwardTrain\x12 .tessera.v1.TrainBackwardRequest\x1a!.tessera.v1.TrainBackwardResponse\x12\x45\n\x08GradNorm\x12\x1b.tessera.v1.GradNormRequest\x1a\x1c.tessera.v1.GradNormResponse\x12T\n\rOptimizerStep\x12 .tessera.v1.OptimizerStepRequest\x1a!.tessera.v1.OptimizerStepResponse\x12W\n\x0eSaveCheckpoint\x12!.tessera.v1.SaveCheckpointRequest\x1a\".tessera.v1.SaveCheckpointResponse\x12\x44\n\rCloseTraining\x12 .tessera.v1.CloseTrainingRequest\x1a\x11.tessera.v1.Empty2\xbd\x01\n\rTrainingStore\x12P\n\x10UploadCheckpoint\x12\x1b.tessera.v1.CheckpointChunk\x1a\x1d.tessera.v1.CheckpointReceipt(\x01\x12Z\n\x12\x44ownloadCheckpoint\x12%.tessera.v1.DownloadCheckpointRequest\x1a\x1b.tessera.v1.CheckpointChunk0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'tessera.v1.training_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_TRAININGHYPER']._serialized_start=96
-  _globals['_TRAININGHYPER']._serialized_end=301
-  _globals['_OPENTRAININGREQUEST']._serialized_start=304
-  _globals['_OPENTRAININGREQUEST']._serialized_end=534
-  _globals['_OPENTRAININGRESPONSE']._serialized_start=536
-  _globals['_OPENTRAININGRESPONSE']._serialized_end=619
-  _globals['_TRAINFORWARDREQUEST']._serialized_start=622
-  _globals['_TRAINFORWARDREQUEST']._serialized_end=815
-  _globals['_TRAINFORWARDRESPONSE']._serialized_start=818
-  _globals['_TRAINFORWARDRESPONSE']._serialized_end=1008
-  _globals['_TRAINBACKWARDREQUEST']._serialized_start=1011
-  _globals['_TRAINBACKWARDREQUEST']._serialized_end=1175
-  _globals['_TRAINBACKWARDRESPONSE']._serialized_start=1178
-  _globals['_TRAINBACKWARDRESPONSE']._serialized_end=1337
-  _globals['_GRADNORMREQUEST']._serialized_start=1339
-  _globals['_GRADNORMREQUEST']._serialized_end=1436
-  _globals['_GRADNORMRESPONSE']._serialized_start=1438
-  _globals['_GRADNORMRESPONSE']._serialized_end=1503
-  _globals['_OPTIMIZERSTEPREQUEST']._serialized_start=1505
-  _globals['_OPTIMIZERSTEPREQUEST']._serialized_end=1626
-  _globals['_OPTIMIZERSTEPRESPONSE']._serialized_start=1628
-  _globals['_OPTIMIZERSTEPRESPONSE']._serialized_end=1665
-  _globals['_SAVECHECKPOINTREQUEST']._serialized_start=1667
-  _globals['_SAVECHECKPOINTREQUEST']._serialized_end=1770
-  _globals['_SAVECHECKPOINTRESPONSE']._serialized_start=1772
-  _globals['_SAVECHECKPOINTRESPONSE']._serialized_end=1867
-  _globals['_CLOSETRAININGREQUEST']._serialized_start=1869
-  _globals['_CLOSETRAININGREQUEST']._serialized_end=1957
-  _globals['_CHECKPOINTHEADER']._serialized_start=1959
-  _globals['_CHECKPOINTHEADER']._serialized_end=2084
-  _globals['_CHECKPOINTCHUNK']._serialized_start=2086
-  _globals['_CHECKPOINTCHUNK']._serialized_end=2179
-  _globals['_CHECKPOINTRECEIPT']._serialized_start=2181
-  _globals['_CHECKPOINTRECEIPT']._serialized_end=2257
-  _globals['_DOWNLOADCHECKPOINTREQUEST']._serialized_start=2259
-  _globals['_DOWNLOADCHECKPOINTREQUEST']._serialized_end=2356
-  _globals['_TRAININGSTAGE']._serialized_start=2359
-  _globals['_TRAININGSTAGE']._serialized_end=2942
-  _globals['_TRAININGSTORE']._serialized_start=2945
-  _globals['_TRAININGSTORE']._serialized_end=3134
+  _globals['_TRAININGHYPER']._serialized_start=121
+  _globals['_TRAININGHYPER']._serialized_end=326
+  _globals['_OPENTRAININGREQUEST']._serialized_start=329
+  _globals['_OPENTRAININGREQUEST']._serialized_end=559
+  _globals['_OPENTRAININGRESPONSE']._serialized_start=561
+  _globals['_OPENTRAININGRESPONSE']._serialized_end=644
+  _globals['_TRAINFORWARDREQUEST']._serialized_start=647
+  _globals['_TRAINFORWARDREQUEST']._serialized_end=840
+  _globals['_TRAINFORWARDRESPONSE']._serialized_start=843
+  _globals['_TRAINFORWARDRESPONSE']._serialized_end=1073
+  _globals['_TRAINBACKWARDREQUEST']._serialized_start=1076
+  _globals['_TRAINBACKWARDREQUEST']._serialized_end=1240
+  _globals['_TRAINBACKWARDRESPONSE']._serialized_start=1243
+  _globals['_TRAINBACKWARDRESPONSE']._serialized_end=1402
+  _globals['_GRADNORMREQUEST']._serialized_start=1404
+  _globals['_GRADNORMREQUEST']._serialized_end=1501
+  _globals['_GRADNORMRESPONSE']._serialized_start=1503
+  _globals['_GRADNORMRESPONSE']._serialized_end=1568
+  _globals['_OPTIMIZERSTEPREQUEST']._serialized_start=1570
+  _globals['_OPTIMIZERSTEPREQUEST']._serialized_end=1691
+  _globals['_OPTIMIZERSTEPRESPONSE']._serialized_start=1693
+  _globals['_OPTIMIZERSTEPRESPONSE']._serialized_end=1730
+  _globals['_SAVECHECKPOINTREQUEST']._serialized_start=1732
+  _globals['_SAVECHECKPOINTREQUEST']._serialized_end=1835
+  _globals['_SAVECHECKPOINTRESPONSE']._serialized_start=1837
+  _globals['_SAVECHECKPOINTRESPONSE']._serialized_end=1932
+  _globals['_CLOSETRAININGREQUEST']._serialized_start=1934
+  _globals['_CLOSETRAININGREQUEST']._serialized_end=2022
+  _globals['_CHECKPOINTHEADER']._serialized_start=2024
+  _globals['_CHECKPOINTHEADER']._serialized_end=2149
+  _globals['_CHECKPOINTCHUNK']._serialized_start=2151
+  _globals['_CHECKPOINTCHUNK']._serialized_end=2244
+  _globals['_CHECKPOINTRECEIPT']._serialized_start=2246
+  _globals['_CHECKPOINTRECEIPT']._serialized_end=2322
+  _globals['_DOWNLOADCHECKPOINTREQUEST']._serialized_start=2324
+  _globals['_DOWNLOADCHECKPOINTREQUEST']._serialized_end=2421
+  _globals['_TRAININGSTAGE']._serialized_start=2424
+  _globals['_TRAININGSTAGE']._serialized_end=3007
+  _globals['_TRAININGSTORE']._serialized_start=3010
+  _globals['_TRAININGSTORE']._serialized_end=3199
 # @@protoc_insertion_point(module_scope)

@@ -1,5 +1,6 @@
 from protos.tessera.v1 import common_pb2 as _common_pb2
 from protos.tessera.v1 import client_api_pb2 as _client_api_pb2
+from protos.tessera.v1 import ledger_pb2 as _ledger_pb2
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
 from collections.abc import Mapping as _Mapping
@@ -78,7 +79,7 @@ class TrainForwardRequest(_message.Message):
     def __init__(self, capability: _Optional[_Union[_client_api_pb2.SignedCapability, _Mapping]] = ..., job_id: _Optional[str] = ..., step: _Optional[int] = ..., micro_batch: _Optional[int] = ..., input: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., labels: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ...) -> None: ...
 
 class TrainForwardResponse(_message.Message):
-    __slots__ = ("step", "micro_batch", "output", "loss", "label_tokens", "compute_ms", "signature", "input_digest")
+    __slots__ = ("step", "micro_batch", "output", "loss", "label_tokens", "compute_ms", "signature", "input_digest", "usage")
     STEP_FIELD_NUMBER: _ClassVar[int]
     MICRO_BATCH_FIELD_NUMBER: _ClassVar[int]
     OUTPUT_FIELD_NUMBER: _ClassVar[int]
@@ -87,6 +88,7 @@ class TrainForwardResponse(_message.Message):
     COMPUTE_MS_FIELD_NUMBER: _ClassVar[int]
     SIGNATURE_FIELD_NUMBER: _ClassVar[int]
     INPUT_DIGEST_FIELD_NUMBER: _ClassVar[int]
+    USAGE_FIELD_NUMBER: _ClassVar[int]
     step: int
     micro_batch: int
     output: _common_pb2.Tensor
@@ -95,7 +97,8 @@ class TrainForwardResponse(_message.Message):
     compute_ms: float
     signature: bytes
     input_digest: bytes
-    def __init__(self, step: _Optional[int] = ..., micro_batch: _Optional[int] = ..., output: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., loss: _Optional[float] = ..., label_tokens: _Optional[int] = ..., compute_ms: _Optional[float] = ..., signature: _Optional[bytes] = ..., input_digest: _Optional[bytes] = ...) -> None: ...
+    usage: _ledger_pb2.SignedUsage
+    def __init__(self, step: _Optional[int] = ..., micro_batch: _Optional[int] = ..., output: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., loss: _Optional[float] = ..., label_tokens: _Optional[int] = ..., compute_ms: _Optional[float] = ..., signature: _Optional[bytes] = ..., input_digest: _Optional[bytes] = ..., usage: _Optional[_Union[_ledger_pb2.SignedUsage, _Mapping]] = ...) -> None: ...
 
 class TrainBackwardRequest(_message.Message):
     __slots__ = ("capability", "job_id", "step", "micro_batch", "grad_output")

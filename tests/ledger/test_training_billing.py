@@ -1,0 +1,209 @@
+"""Training jobs are billed like inference sessions (docs/ledger.md, "Jobs"): the job's
+quote (steps x batch_size x layers x each stage node's price per sample-layer) is escrowed
+from the paying client when its session first opens; counter-signed cumulative receipts
+settle at checkpoints (ReportStep) and at the end (FinishJob), and the rest is refunded.
+
+A real in-process coordinator (ledger and jobs components) with three priced stage nodes
+that speak the control protocol; the receipts are signed here with the nodes' keys.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Awaitable, Callable
+
+import grpc
+import numpy as np
+import pytest
+from jobs.jobs_harness import JobsCoordinator, jc, start_jobs, tiny_model  # noqa: F401
+
+from client import billing
+from coordinator.ledger.audit import audit
+from coordinator.ledger.book import Ledger
+from protos import identity
+from protos.tessera.v1 import jobs_pb2, ledger_pb2
+
+PRICES = (3, 5, 7)  # credit units per sample-layer, one node per stage
+STEPS, BATCH = 6, 4
+TOKENS = np.arange(400, dtype=np.int32) % 50
+
+
+async def _code(call: Awaitable[object]) -> grpc.StatusCode:
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await call
+    return err.value.code()
+
+
+@pytest.fixture
+async def market(
+    start_jobs: Callable[..., Awaitable[JobsCoordinator]],  # noqa: F811 - the fixture
+) -> JobsCoordinator:
+    served = await start_jobs(nodes=0, replicas=1)
+    for index, price in enumerate(PRICES):
+        await served.add_node(f"n{index}", price_per_sample_layer_units=price)
+    await served.ready(replicas=1)
+    return served
+
+
+def _ledger(served: JobsCoordinator) -> Ledger:
+    return served.coordinator.ctx.ledger.ledger
+
+
+def _open_request(job_id: str, key=None, max_price: int = 0):
+    request = jobs_pb2.OpenTrainingSessionRequest(job_id=job_id, max_price=max_price)
+    if key is not None:
+        billing.sign_open_training(request, key)
+    return request
+
+
+def _receipt(node_key, job_id: str, start: int, end: int, samples: int, step: int = 0):
+    public = identity.public_key_bytes(node_key)
+    receipt = ledger_pb2.UsageReceipt(
+        session_id=job_id, node_id=identity.node_id(public), node_public_key=public,
+        layer_start=start, layer_end=end, tokens=samples, first_step=0, last_step=step,
+    ).SerializeToString(deterministic=True)  # fmt: skip
+    return ledger_pb2.SignedUsage(
+        receipt=receipt, node_signature=node_key.sign(identity.usage_payload(receipt))
+    )
+
+
+def _countersigned(usage: ledger_pb2.SignedUsage, client_key, billed: int):
+    signed = ledger_pb2.SignedUsage()
+    signed.CopyFrom(usage)
+    signed.billed_tokens = billed
+    signed.client_signature = client_key.sign(
+        identity.usage_countersign_payload(usage.receipt, billed)
+    )
+    return signed
+
+
+async def _job(served: JobsCoordinator) -> jobs_pb2.JobInfo:
+    dataset = await served.upload(TOKENS)
+    return await served.submit(dataset.id, steps=STEPS, batch_size=BATCH)
+
+
+def _funded(served: JobsCoordinator, amount: int):
+    key = identity.generate_private_key()
+    _ledger(served).grant(billing.account_of(key), amount, f"g-{time.monotonic_ns()}")
+    return key
+
+
+async def test_a_priced_job_escrows_its_quote_and_settles_from_countersigned_receipts(
+    market: JobsCoordinator,
+) -> None:
+    job = await _job(market)
+    # Unsigned: the job costs money, so it does not open (and stays queued).
+    code = await _code(market.stub.OpenTrainingSession(_open_request(job.job_id)))
+    assert code == grpc.StatusCode.FAILED_PRECONDITION
+    assert (await market.stub.GetJob(jobs_pb2.JobRef(job_id=job.job_id))).state == (
+        jobs_pb2.JOB_STATE_QUEUED
+    )
+    client = _funded(market, 10_000_000)
+    session = await market.stub.OpenTrainingSession(_open_request(job.job_id, client))
+    ledger = _ledger(market)
+    by_node = {n.node_id: n for n in market.nodes}
+    price = {n.node_id: p for n, p in zip(market.nodes, PRICES, strict=True)}
+    layers = {h.node_id: h.layers.end - h.layers.start for h in session.hops}
+    quote = STEPS * BATCH * sum(layers[n] * price[n] for n in layers)
+    assert session.quote.amount == quote > 0
+    assert session.quote.account == billing.account_of(client)
+    assert ledger.client_balance(billing.account_of(client)).escrowed == quote
+
+    hops = list(session.hops)
+    receipts = {
+        h.node_id: _receipt(by_node[h.node_id].key, job.job_id, h.layers.start, h.layers.end, 8)
+        for h in hops
+    }
+    # Checkpoint settlement on step 0's report: 8 samples per stage so far.
+    report = jobs_pb2.ReportStepRequest(
+        job_id=job.job_id, capability=session.capability, step=0, loss=1.0,
+        usage=[_countersigned(r, client, 8) for r in receipts.values()],
+    )  # fmt: skip
+    await market.stub.ReportStep(report)
+    periodic = 8 * sum(layers[n] * price[n] for n in layers)
+    assert ledger.hold(f"job:{job.job_id}")["charged"] == periodic
+    # An inflated receipt the client never counter-signed refuses the finish; nothing moves.
+    inflated = _receipt(
+        by_node[hops[0].node_id].key, job.job_id, hops[0].layers.start, hops[0].layers.end, 999
+    )
+    bad = jobs_pb2.FinishJobRequest(
+        job_id=job.job_id, capability=session.capability, state=jobs_pb2.JOB_STATE_FAILED,
+        usage=[inflated],
+    )  # fmt: skip
+    assert await _code(market.stub.FinishJob(bad)) == grpc.StatusCode.UNAUTHENTICATED
+    assert ledger.hold(f"job:{job.job_id}")["state"] == "open"
+    # Billed beyond what the node's receipt claims: refused too.
+    over = _countersigned(receipts[hops[0].node_id], client, 9)
+    bad.ClearField("usage")
+    bad.usage.append(over)
+    assert await _code(market.stub.FinishJob(bad)) == grpc.StatusCode.INVALID_ARGUMENT
+
+    # The job fails after 12 samples per stage: those are paid, the rest is refunded.
+    final = [
+        _countersigned(
+            _receipt(by_node[h.node_id].key, job.job_id, h.layers.start, h.layers.end, 12),
+            client, 12,
+        )
+        for h in hops
+    ]  # fmt: skip
+    done = jobs_pb2.FinishJobRequest(
+        job_id=job.job_id, capability=session.capability, state=jobs_pb2.JOB_STATE_FAILED,
+        usage=final,
+    )  # fmt: skip
+    info = await market.stub.FinishJob(done)
+    assert info.state == jobs_pb2.JOB_STATE_FAILED
+    charged = 12 * sum(layers[n] * price[n] for n in layers)
+    hold = ledger.hold(f"job:{job.job_id}")
+    assert (hold["state"], hold["charged"], hold["refunded"]) == (
+        "settled", charged, quote - charged,
+    )  # fmt: skip
+    balance = ledger.client_balance(billing.account_of(client))
+    assert (balance.available, balance.escrowed) == (10_000_000 - charged, 0)
+    for node_id in layers:
+        assert ledger.earnings(node_id).pending == 12 * layers[node_id] * price[node_id]
+    result = audit(market.coordinator.ctx.db)
+    assert result.ok, result.violations
+
+
+async def test_a_client_cannot_start_a_job_past_its_balance_or_budget(
+    market: JobsCoordinator,
+) -> None:
+    job = await _job(market)
+    poor = _funded(market, 10)
+    call = market.stub.OpenTrainingSession(_open_request(job.job_id, poor))
+    assert await _code(call) == grpc.StatusCode.FAILED_PRECONDITION
+    rich = _funded(market, 10_000_000)
+    call = market.stub.OpenTrainingSession(_open_request(job.job_id, rich, max_price=5))
+    assert await _code(call) == grpc.StatusCode.FAILED_PRECONDITION
+    forged = _open_request(job.job_id, rich)
+    forged.max_price = 10**9  # changed after signing
+    assert await _code(market.stub.OpenTrainingSession(forged)) == grpc.StatusCode.UNAUTHENTICATED
+    short_key = _open_request(job.job_id)
+    short_key.client_public_key = b"k" * 5
+    call = market.stub.OpenTrainingSession(short_key)
+    assert await _code(call) == grpc.StatusCode.INVALID_ARGUMENT
+    info = await market.stub.GetJob(jobs_pb2.JobRef(job_id=job.job_id))
+    assert info.state == jobs_pb2.JOB_STATE_QUEUED
+    assert _ledger(market).client_balance(billing.account_of(poor)).available == 10
+    assert audit(market.coordinator.ctx.db).ok
+
+
+async def test_a_job_whose_escrow_expired_does_not_run_unpaid(market: JobsCoordinator) -> None:
+    job = await _job(market)
+    client = _funded(market, 10_000_000)
+    session = await market.stub.OpenTrainingSession(_open_request(job.job_id, client))
+    ledger = _ledger(market)
+    # Paused longer than the hold lives: the sweep refunds it.
+    assert ledger.expire_holds(now_ms=2**62) == [f"job:{job.job_id}"]
+    balance = ledger.client_balance(billing.account_of(client))
+    assert (balance.available, balance.escrowed) == (10_000_000, 0)
+    call = market.stub.OpenTrainingSession(_open_request(job.job_id, client))
+    assert await _code(call) == grpc.StatusCode.FAILED_PRECONDITION
+    assert session.quote.amount > 0 and audit(market.coordinator.ctx.db).ok
+
+
+async def test_a_free_job_needs_no_key(jc: JobsCoordinator) -> None:  # noqa: F811
+    job = await _job(jc)
+    session = await jc.stub.OpenTrainingSession(_open_request(job.job_id))
+    assert session.quote.amount == 0 and session.hops
+    assert _ledger(jc).hold(f"job:{job.job_id}") is None
