@@ -167,6 +167,11 @@ def _add_serve_parser(subparsers: Any) -> None:
         "(default: %(default)s = free)",
     )  # fmt: skip
     serve_parser.add_argument(
+        "--default-training-price", type=_non_negative_int, default=0, metavar="UNITS",
+        help="credit units per sample-layer of training for nodes that ask no training "
+        "price of their own (default: %(default)s = free)",
+    )  # fmt: skip
+    serve_parser.add_argument(
         "--challenge-window", type=_positive_seconds, default=3600.0, metavar="S",
         help="how long settled earnings stay pending, so verification can still reject the "
         "work, before they are paid out (default: %(default)s s)",
@@ -208,6 +213,7 @@ def _run_serve(args: argparse.Namespace) -> int:
         min_stages=args.min_stages,
         kv_tokens_per_shard=args.kv_tokens,
         default_price_units=args.default_price,
+        default_training_price_units=args.default_training_price,
         challenge_window_s=args.challenge_window,
         fee_bps=args.fee_bps,
         verify_warmup=args.verify_warmup,

@@ -44,6 +44,8 @@ class Settings:
     # free), how long settled earnings stay pending and challengeable before release, the
     # coordinator's cut of each settlement (basis points), and how often the sweep runs.
     default_price_units: int = 0
+    # The same for training, in credit units per sample-layer (0 = free).
+    default_training_price_units: int = 0
     challenge_window_s: float = 3600.0
     fee_bps: int = 0
     ledger_sweep_s: float = 1.0

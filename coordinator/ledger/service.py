@@ -84,13 +84,13 @@ class LedgerComponent:
 
     def training_price_of(self, node_id: str) -> NodeQuote:
         """A node's training price per sample-layer, as the ledger's per-1,000 unit (so a
-        receipt's samples bill like tokens). 0 (not asked) trains for free: the
-        coordinator's --default-price is an inference price."""
+        receipt's samples bill like tokens). A node that asks 0 gets the coordinator's
+        --default-training-price (0 by default: free)."""
         view = self._ctx.registry.node(node_id)
-        if view is None:
-            return NodeQuote(0, node_id)
-        asked = min(view.capabilities.price_per_sample_layer_units, INT64_MAX // 1000)
-        return NodeQuote(asked * 1000, view.account or node_id)
+        default = self._ctx.settings.default_training_price_units
+        asked = view.capabilities.price_per_sample_layer_units if view is not None else 0
+        per_sample_layer = min(asked or default, INT64_MAX // 1000)
+        return NodeQuote(per_sample_layer * 1000, view.account or node_id if view else node_id)
 
     # ---- the verifier's outcomes (the verifier calls these; see docs/ledger.md) -------------
 

@@ -207,3 +207,19 @@ async def test_a_free_job_needs_no_key(jc: JobsCoordinator) -> None:  # noqa: F8
     session = await jc.stub.OpenTrainingSession(_open_request(job.job_id))
     assert session.quote.amount == 0 and session.hops
     assert _ledger(jc).hold(f"job:{job.job_id}") is None
+
+
+async def test_nodes_without_a_training_price_get_the_coordinators_default(
+    start_jobs: Callable[..., Awaitable[JobsCoordinator]],  # noqa: F811 - the fixture
+) -> None:
+    served = await start_jobs(nodes=0, replicas=1, default_training_price_units=2)
+    for index, price in enumerate((0, 5, 0)):  # two nodes ask nothing: they get the default
+        await served.add_node(f"n{index}", price_per_sample_layer_units=price)
+    await served.ready(replicas=1)
+    job = await _job(served)
+    client = _funded(served, 10_000_000)
+    session = await served.stub.OpenTrainingSession(_open_request(job.job_id, client))
+    price = {n.node_id: p or 2 for n, p in zip(served.nodes, (0, 5, 0), strict=True)}
+    layers = {h.node_id: h.layers.end - h.layers.start for h in session.hops}
+    assert session.quote.amount == STEPS * BATCH * sum(layers[n] * price[n] for n in layers)
+    assert _ledger(served).hold(f"job:{job.job_id}") is not None
