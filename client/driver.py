@@ -12,6 +12,8 @@ costs one replay and greedy output stays identical to a run without the failure.
 Consecutive stages whose primary is the same node run as one hop (one round trip instead
 of several; the node's capability grants it every one of them). When such a merged hop
 fails it is split back into its stages, each with its own alternates, before the replay.
+Under verification a run is merged only when some independent replica of every one of
+its stages can check the merged span: otherwise the merged hop could never be checked.
 """
 
 from __future__ import annotations
@@ -109,6 +111,8 @@ class _Slot:
     span: Span
     hop: HopRecord
     alternates: list[HopRecord]
+    # Replicas granted only to re-run calls as verification checks (never a fail-over).
+    checkers: list[HopRecord] = field(default_factory=list)
     call: grpc.aio.StreamStreamCall | None = None
     capability_version_sent: int = -1
     decode_seconds: deque[float] = field(default_factory=lambda: deque(maxlen=32))
@@ -160,7 +164,11 @@ class PipelineDriver:
         self._slots = [_slot_from_stage(stage, self.config.window) for stage in grant.stages]
         self.stages = [slot.hop for slot in self._slots]  # as granted, before any merging
         if self.config.merge_same_node_hops:
-            self._slots = _merge_same_node(self._slots, self.config.window)
+            # Signed outputs (node keys in the grants) mean sampled checks: keep them possible.
+            checked = verifier is not None and any(
+                g.public_key for g in _claims(grant.capability).grants
+            )
+            self._slots = _merge_same_node(self._slots, self.config.window, checked=checked)
         self._check_route()
         self._history = RouteHistory([slot.span for slot in self._slots])
         self._rerouter = rerouter
@@ -473,8 +481,10 @@ class PipelineDriver:
         return response, time.monotonic() - started
 
     def _checkers(self, slot: _Slot) -> list[HopRecord]:
-        # A node this session found slow is no fit checker: each check would stall a token.
-        return [h for h in slot.alternates if h.node_id not in self._demoted]
+        # The stage's verification-only replicas count too, so that trimming alternates
+        # (prefer=cheap) trims no checks. A node this session found slow is no fit
+        # checker: each check would stall a token.
+        return [h for h in (*slot.alternates, *slot.checkers) if h.node_id not in self._demoted]
 
     async def _accept(
         self,
@@ -710,6 +720,7 @@ class PipelineDriver:
                 span=p.span,
                 hop=p.hop,
                 alternates=list(p.alternates),
+                checkers=list(p.checkers),
                 decode_seconds=deque(maxlen=self.config.window),
             )
             for p in merged.parts
@@ -860,8 +871,13 @@ def _hop_record(hop: client_api_pb2.Hop, span: Span | None = None) -> HopRecord:
     )
 
 
-def _merge_same_node(slots: list[_Slot], window: int) -> list[_Slot]:
-    """Join runs of consecutive slots whose primary is the same node into one slot each."""
+def _merge_same_node(slots: list[_Slot], window: int, *, checked: bool = False) -> list[_Slot]:
+    """Join runs of consecutive slots whose primary is the same node into one slot each.
+
+    With ``checked``, a run is joined only when some replica is granted every one of its
+    stages (as alternate or checker): that replica checks the joined span, and a run
+    nobody could check stays one hop per stage, each checked on its own.
+    """
     runs: list[list[_Slot]] = []
     for slot in slots:
         previous = runs[-1][-1].hop if runs else None
@@ -879,11 +895,16 @@ def _merge_same_node(slots: list[_Slot], window: int) -> list[_Slot]:
             continue
         span = Span(run[0].span.start, run[-1].span.end)
         hop = run[0].hop
+        checkers = _covering_all(run, span)
+        if checked and not checkers:
+            merged.extend(run)
+            continue
         merged.append(
             _Slot(
                 span=span,
                 hop=HopRecord(hop.node_id, hop.address, span.start, span.end, hop.relayed),
                 alternates=[],  # on failure the slot splits; its stages have alternates
+                checkers=checkers,
                 decode_seconds=deque(maxlen=window),
                 parts=tuple(run),
             )
@@ -891,17 +912,34 @@ def _merge_same_node(slots: list[_Slot], window: int) -> list[_Slot]:
     return merged
 
 
+def _covering_all(run: list[_Slot], span: Span) -> list[HopRecord]:
+    """Replicas (other than the run's node) granted every stage of ``run``, as hops of
+    the joined ``span``."""
+    node = run[0].hop.node_id
+
+    def replicas(slot: _Slot) -> dict[str, HopRecord]:
+        return {h.node_id: h for h in (*slot.alternates, *slot.checkers) if h.node_id != node}
+
+    first, *rest = [replicas(slot) for slot in run]
+    common = [h for n, h in first.items() if all(n in r for r in rest)]
+    return [HopRecord(h.node_id, h.address, span.start, span.end, h.relayed) for h in common]
+
+
 def _slot_from_stage(stage: client_api_pb2.RouteStage, window: int) -> _Slot:
     span = Span(stage.layers.start, stage.layers.end)
-    # A replica whose shard is wider than the stage can serve the stage's sub-span.
-    alternates = [
-        _hop_record(h, span)
-        for h in stage.alternates
-        if h.layers.start <= span.start and span.end <= h.layers.end
-    ]
+
+    def covering(hops: Iterable[client_api_pb2.Hop]) -> list[HopRecord]:
+        # A replica whose shard is wider than the stage can serve the stage's sub-span.
+        return [
+            _hop_record(h, span)
+            for h in hops
+            if h.layers.start <= span.start and span.end <= h.layers.end
+        ]
+
     return _Slot(
         span=span,
         hop=_hop_record(stage.primary, span),
-        alternates=alternates,
+        alternates=covering(stage.alternates),
+        checkers=covering(stage.checkers),
         decode_seconds=deque(maxlen=window),
     )

@@ -12,14 +12,14 @@ import math
 import secrets
 import time
 from collections import Counter, OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import grpc
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from coordinator.placement import Placement
-from coordinator.router import Hop, NoRouteError, cover_span, route
+from coordinator.router import Holder, Hop, NoRouteError, Stage, cover_span, route
 from protos import identity
 from protos.tessera.v1 import client_api_pb2, common_pb2
 
@@ -33,6 +33,9 @@ MAX_STEP_WALL_MS = 600_000.0  # a stage call slower than this is a hang, not a s
 MAX_COUNTED_SESSIONS = 10_000
 TOKEN_TTL_S = 3600.0
 _MAX_NAME = 256
+# Verification-only replicas granted per stage: enough that one unfit or same-operator
+# replica still leaves a checker, few enough that the capability stays small.
+MAX_CHECKERS = 3
 
 
 class SessionError(Exception):
@@ -102,7 +105,16 @@ class Sessions:
                 grpc.StatusCode.UNAVAILABLE, f"model {info.name!r} is unavailable: {e}"
             ) from None
         session_id = "s" + secrets.token_hex(12)
-        grants = [self._hop(hop) for s in stages for hop in (s.primary, *s.alternates)]
+        routed = [
+            client_api_pb2.RouteStage(
+                layers=_range(s.start, s.end),
+                primary=self._hop(s.primary),
+                alternates=[self._hop(a) for a in s.alternates],
+                checkers=self._checkers(s, holders),
+            )
+            for s in stages
+        ]
+        grants = [h for s in routed for h in (s.primary, *s.alternates, *s.checkers)]
         claims = self._claims(session_id, info.name, request.max_length, request.account, grants)
         quote = None
         if self._billing is not None:
@@ -116,14 +128,7 @@ class Sessions:
         )
         return client_api_pb2.SessionGrant(
             session_id=session_id,
-            stages=[
-                client_api_pb2.RouteStage(
-                    layers=_range(s.start, s.end),
-                    primary=self._hop(s.primary),
-                    alternates=[self._hop(a) for a in s.alternates],
-                )
-                for s in stages
-            ],
+            stages=routed,
             capability=identity.sign_capability(self._key, claims),
             num_layers=info.num_layers,
             hidden_size=info.hidden_size,
@@ -241,6 +246,30 @@ class Sessions:
         if self._hop_details is not None:
             self._hop_details(message)
         return message
+
+    def _checkers(self, stage: Stage, holders: Sequence[Holder]) -> list[client_api_pb2.Hop]:
+        """Ready replicas of the stage's layers that the billed route left out of its
+        alternates (dearer than a cheap primary, or past the alternates' cap), of another
+        operator than the primary's. Checks must not depend on what the client pays for:
+        otherwise a cheap-preferring client, or the cheapest node, escapes them."""
+        if self._hop_details is None:
+            return []  # no verifier: nobody would check anything
+        primary = self._hop(stage.primary)
+        seen = {stage.primary.node_id, *(a.node_id for a in stage.alternates)}
+        spare = sorted(
+            (h for h in holders if h.start <= stage.start and stage.end <= h.end),
+            key=lambda h: (h.cost(stage.end - stage.start), h.node_id),
+        )
+        checkers: list[client_api_pb2.Hop] = []
+        for holder in spare:
+            if holder.node_id in seen or len(checkers) == MAX_CHECKERS:
+                continue
+            seen.add(holder.node_id)
+            hop = self._hop(Hop(holder.node_id, holder.address, stage.start, stage.end))
+            if primary.account and hop.account == primary.account:
+                continue  # one operator's nodes never check each other
+            checkers.append(hop)
+        return checkers
 
     def _known_model(self, name: str) -> client_api_pb2.ModelInfo:
         if not name or len(name) > _MAX_NAME:

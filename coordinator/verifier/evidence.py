@@ -184,13 +184,18 @@ def _grant(
     claims: client_api_pb2.CapabilityClaims, signed: verification_pb2.SignedOutput
 ) -> client_api_pb2.Hop:
     start, end = signed.layers.start, signed.layers.end
-    for grant in claims.grants:
-        if (
-            grant.node_id == signed.node_id
-            and grant.layers.start <= start < end <= grant.layers.end
-            and grant.public_key
-        ):
-            return grant
+    # A merged hop's span is granted as consecutive stages: together they must cover it
+    # without a gap (as the node itself requires before it computes).
+    mine = sorted(
+        (g for g in claims.grants if g.node_id == signed.node_id and g.public_key),
+        key=lambda g: g.layers.start,
+    )
+    covered = start
+    for grant in mine:
+        if grant.layers.start <= covered < grant.layers.end:
+            covered = grant.layers.end
+    if mine and start < end <= covered:
+        return mine[0]
     raise ReportError(
         grpc.StatusCode.PERMISSION_DENIED,
         f"node {signed.node_id[:64]!r} was not granted layers [{start}, {end}) in this session",

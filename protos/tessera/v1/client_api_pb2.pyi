@@ -88,14 +88,16 @@ class Hop(_message.Message):
     def __init__(self, node_id: _Optional[str] = ..., address: _Optional[str] = ..., layers: _Optional[_Union[_common_pb2.LayerRange, _Mapping]] = ..., relayed: _Optional[bool] = ..., public_key: _Optional[bytes] = ..., account: _Optional[str] = ..., device_kind: _Optional[str] = ..., compute_dtype: _Optional[str] = ..., check_probability: _Optional[float] = ...) -> None: ...
 
 class RouteStage(_message.Message):
-    __slots__ = ("layers", "primary", "alternates")
+    __slots__ = ("layers", "primary", "alternates", "checkers")
     LAYERS_FIELD_NUMBER: _ClassVar[int]
     PRIMARY_FIELD_NUMBER: _ClassVar[int]
     ALTERNATES_FIELD_NUMBER: _ClassVar[int]
+    CHECKERS_FIELD_NUMBER: _ClassVar[int]
     layers: _common_pb2.LayerRange
     primary: Hop
     alternates: _containers.RepeatedCompositeFieldContainer[Hop]
-    def __init__(self, layers: _Optional[_Union[_common_pb2.LayerRange, _Mapping]] = ..., primary: _Optional[_Union[Hop, _Mapping]] = ..., alternates: _Optional[_Iterable[_Union[Hop, _Mapping]]] = ...) -> None: ...
+    checkers: _containers.RepeatedCompositeFieldContainer[Hop]
+    def __init__(self, layers: _Optional[_Union[_common_pb2.LayerRange, _Mapping]] = ..., primary: _Optional[_Union[Hop, _Mapping]] = ..., alternates: _Optional[_Iterable[_Union[Hop, _Mapping]]] = ..., checkers: _Optional[_Iterable[_Union[Hop, _Mapping]]] = ...) -> None: ...
 
 class OpenSessionRequest(_message.Message):
     __slots__ = ("model", "max_length", "account", "max_price", "prefer", "client_public_key", "request_unix_ms", "client_signature")
