@@ -13,6 +13,7 @@ the single compute thread every forward pass runs on.
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import threading
 import time
@@ -371,6 +372,10 @@ class ShardManager:
             self.idle_ttl_s,
         )
         log.info("loaded %s in %.2f s", key, time.monotonic() - started)
+        # Everything alive now (torch, gRPC, protobuf, the weights' modules) lives as long
+        # as the process: moved out of the collector's reach, a full collection that
+        # lands in a decode step no longer walks hundreds of thousands of objects.
+        gc.freeze()
         return shard
 
 
