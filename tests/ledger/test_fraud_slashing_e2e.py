@@ -1,13 +1,15 @@
 """A node that computes WRONG outputs, in a real priced market: three node agents each
-serving the whole model, every output checked (warm-up), canaries off. Bravo claims to be
-the fastest (so it is the primary), works honestly for two sessions (it earns, stakes
-part of its released earnings, and has earnings pending), then turns bad with the real
+serving the whole model, every output checked (warm-up), canaries off. Bravo is the
+cheapest and the client prefers cheap routes (so it is the primary); it works honestly
+for two sessions (it earns, stakes part of its released earnings, and has earnings
+pending), then turns bad with the real
 TESSERA_FAILPOINTS=corrupt=1.0. The driver's check disagrees, the coordinator's arbiter
 (the third operator's node) proves the fraud, and the ledger:
 
 - slashes bravo's pending earnings and its whole stake;
 - does not pay bravo's receipt of the bad session (the client keeps that share);
-- pays the honest node that took over exactly its receipt (replays included) after the
+- pays the honest node that took over its receipt (replays included; the escrow of a
+  cheap route caps it) after the
   challenge window; checks and arbitration are verification work, never billed;
 - and `tessera-coordinator ledger audit` passes.
 """
@@ -22,7 +24,6 @@ import pytest
 from support.market import (
     GRANT,
     NEW_TOKENS,
-    PRICES,
     PROMPT,
     audit_cli,
     balance_cli,
@@ -32,11 +33,12 @@ from support.market import (
     make_market_checkpoint,
     paid_by_node,
     running_market,
+    serves,
     stake_cli,
     wait_for,
 )
 
-from client.driver import DriverConfig
+from client.api import Client
 from client.local_swarm import LocalSwarm
 from node_agent.failpoints import ENV_VAR
 from protos.tessera.v1 import ledger_pb2, verification_pb2
@@ -48,10 +50,11 @@ WINDOW_S = 30.0  # long enough that the second session's earnings are pending at
 LAYERS = 6
 TOKENS = len(PROMPT) + NEW_TOKENS - 1  # what one primary computes for one generation
 STAKE = 150
-# The client sends no step-time reports, so the coordinator keeps routing on the nodes'
-# claims and bravo's absurd one keeps it the primary. (With reports, measured traffic
-# replaces a claim within a few steps: tests/e2e/test_measured_speed_e2e.py.)
-QUIET = DriverConfig(report_every=0)
+# Bravo undercuts everyone and the client prefers cheap routes, so bravo is the primary (a
+# cheater wants work). Claiming a faster benchmark would not do: measured traffic replaces
+# a claim (tests/e2e/test_measured_speed_e2e.py). The dearer nodes are not billed
+# alternates of a cheap route, but they are still granted as its checkers.
+PRICES = {"alpha": 3000, "bravo": 2500, "charlie": 4000}
 
 
 @pytest.fixture(scope="module")
@@ -65,7 +68,7 @@ def market(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalSwarm]:
         work, checkpoint, scripts,
         layout=("--min-stages", "1", "--replicas", "3"), window_s=WINDOW_S,
         coordinator_args=("--verify-warmup", "100000", "--canary-interval", "0"),
-        node_env=env,
+        node_env=env, prices=PRICES,
     ) as swarm:  # fmt: skip
         yield swarm
 
@@ -80,8 +83,14 @@ def test_a_node_proven_wrong_is_slashed_and_the_client_refunded(market: LocalSwa
     cheater = next(n for n, name in names.items() if name == CHEATER)
     honest_share = charge(CHEATER)
 
+    # Every node serves the model before the first session, so the route (cheapest first)
+    # and its checkers (the dearer replicas) are the same for every session.
+    with Client(market.address) as client:
+        for node_id in names:
+            wait_for(lambda n=node_id: serves(client, n), f"{names[node_id]} to serve the model")
+
     # 1. Bravo honest: it is the primary, checked on every call, paid its receipt.
-    first = generate(market, key, config=QUIET)
+    first = generate(market, key, prefer="cheap")
     assert [h.node_id for h in first.route] == [cheater] and not first.failovers
     assert first.verification is not None and sum(first.verification.checked.values()) > 0
     assert first.settlement is not None and first.settlement.charged == honest_share
@@ -93,7 +102,7 @@ def test_a_node_proven_wrong_is_slashed_and_the_client_refunded(market: LocalSwa
     assert int(again["available"]) == honest_share - STAKE
 
     # 2. Still honest: these earnings are pending when it turns bad.
-    second = generate(market, key, config=QUIET)
+    second = generate(market, key, prefer="cheap")
     assert [h.node_id for h in second.route] == [cheater]
     assert second.settlement is not None and second.settlement.charged == honest_share
     assert int(earnings_cli(market, cheater)["pending"]) == honest_share
@@ -101,7 +110,7 @@ def test_a_node_proven_wrong_is_slashed_and_the_client_refunded(market: LocalSwa
     # 3. Bravo now signs wrong outputs. Its first one is checked, arbitrated, convicted.
     (market.workdir / "cheat-now").touch()
     balance_before = int(balance_cli(market)["available"])
-    bad = generate(market, key, config=QUIET)
+    bad = generate(market, key, prefer="cheap")
     assert bad.verification is not None
     outcomes = [v.outcome for v in bad.verification.verdicts]
     assert verification_pb2.Verdict.PRIMARY_WRONG in outcomes, outcomes
@@ -116,7 +125,9 @@ def test_a_node_proven_wrong_is_slashed_and_the_client_refunded(market: LocalSwa
         for u in bad.close_request.usage
     }
     assert receipts == {cheater: len(PROMPT), hop.node_id: TOKENS}
-    taken = charge(taker)
+    # The taker is dearer than bravo, and a cheap route's escrow holds bravo's price: the
+    # escrow caps what the fail-over can cost the client.
+    taken = min(charge(taker), bad.quote)
     assert bad.settlement is not None
     assert (bad.settlement.charged, bad.settlement.refunded) == (taken, bad.quote - taken)
     assert int(balance_cli(market)["available"]) == balance_before - taken

@@ -19,7 +19,6 @@ from support.checkpoints import make_checkpoint
 
 from client import billing
 from client.api import Client, GenerationResult
-from client.driver import DriverConfig
 from client.local_swarm import LocalSwarm
 from protos.tessera.v1 import node_pb2
 
@@ -72,12 +71,14 @@ def running_market(
     coordinator_args: tuple[str, ...] = (),
     node_env: dict[str, dict[str, str]] | None = None,
     training_prices: dict[str, int] | None = None,
+    prices: dict[str, int] | None = None,
 ) -> Iterator[LocalSwarm]:
     """A coordinator (short challenge window) and the three PRICES nodes, the model added
     once all three are registered (by default in three stages). `scripts` runs a node
     through another entry point (a cheating agent) with the same arguments; `node_env`
     adds environment variables to one node's process only (e.g. TESSERA_FAILPOINTS);
-    `training_prices` gives nodes a price per sample-layer (--training-price)."""
+    `training_prices` gives nodes a price per sample-layer (--training-price); `prices`
+    replaces PRICES for a test that needs another order."""
     args = [*layout, "--heartbeat-interval", "1", "--challenge-window", str(window_s),
             *coordinator_args]  # fmt: skip
     with pytest.MonkeyPatch.context() as env, LocalSwarm(work, coordinator_args=args) as swarm:
@@ -86,7 +87,7 @@ def running_market(
         env.setenv("TESSERA_BACKOFF_CAP_S", "1.0")
         swarm.start_coordinator()
         nodes = []
-        for name, price in PRICES.items():
+        for name, price in (prices or PRICES).items():
             extra = ["--price", str(price), "--account", f"op-{name}"]
             if name in (training_prices or {}):
                 extra += ["--training-price", str((training_prices or {})[name])]
@@ -177,11 +178,9 @@ def audit_cli(market: LocalSwarm, *where: str) -> subprocess.CompletedProcess[st
 
 
 def generate(
-    market: LocalSwarm, key, settle_every: int = 0, config: DriverConfig | None = None
+    market: LocalSwarm, key, settle_every: int = 0, prefer: str = ""
 ) -> GenerationResult:
-    with Client(
-        market.address, key=key, settle_every=settle_every, driver_config=config
-    ) as client:
+    with Client(market.address, key=key, settle_every=settle_every, prefer=prefer) as client:
         wait_for(lambda: available(client), "the model to be served")
         return client.generate_all(
             MODEL, token_ids=PROMPT, max_new_tokens=NEW_TOKENS, stop_at_eos=False
