@@ -9,8 +9,8 @@ TESSERA_FAILPOINTS=corrupt=1.0. The driver's check disagrees, the coordinator's 
 - slashes bravo's pending earnings and its whole stake;
 - does not pay bravo's receipt of the bad session (the client keeps that share);
 - pays the honest node that took over its receipt (replays included; the escrow of a
-  cheap route caps it) after the
-  challenge window; checks and arbitration are verification work, never billed;
+  cheap route caps it) after the challenge window; checks and arbitration are
+  verification work, never billed;
 - and `tessera-coordinator ledger audit` passes.
 """
 

@@ -5,12 +5,17 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
 import torch
 from data_plane.stage_harness import CoordinatorKeys
-from training.training_harness import StandInTrainingStore, TrainingNode, make_train_checkpoint
+from training.training_harness import (
+    StandInTrainingStore,
+    TrainingNode,
+    make_train_checkpoint,
+    node_starter,
+    running_store,
+)
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -34,10 +39,8 @@ def keys() -> CoordinatorKeys:
 
 @pytest.fixture
 async def store() -> AsyncIterator[StandInTrainingStore]:
-    store = StandInTrainingStore()
-    await store.start()
-    yield store
-    await store.stop()
+    async with running_store() as store:
+        yield store
 
 
 @pytest.fixture
@@ -45,15 +48,5 @@ async def start_node(
     checkpoint: Path, keys: CoordinatorKeys, store: StandInTrainingStore, tmp_path: Path
 ) -> AsyncIterator[Callable[..., Awaitable[TrainingNode]]]:
     """start_node([(0, 2)], **options) -> a running TrainingNode; all stopped at teardown."""
-    nodes: list[TrainingNode] = []
-
-    async def start(shards: list[tuple[int, int]], **options: Any) -> TrainingNode:
-        node = await TrainingNode.start(
-            checkpoint, keys, store, shards, data_dir=tmp_path / f"node{len(nodes)}", **options
-        )
-        nodes.append(node)
-        return node
-
-    yield start
-    for node in nodes:
-        await node.stop()
+    async with node_starter(checkpoint, keys, store, tmp_path) as start:
+        yield start

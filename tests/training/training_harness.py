@@ -14,12 +14,14 @@ expected stage of the job uploaded it.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import secrets
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import grpc
 import numpy as np
@@ -306,3 +308,34 @@ class LocalReference:
 
     def state(self) -> dict[str, torch.Tensor]:
         return self.trainer.state_dict()[0]
+
+
+@contextlib.asynccontextmanager
+async def running_store() -> AsyncIterator[StandInTrainingStore]:
+    store = StandInTrainingStore()
+    await store.start()
+    try:
+        yield store
+    finally:
+        await store.stop()
+
+
+@contextlib.asynccontextmanager
+async def node_starter(
+    checkpoint: Path, keys: CoordinatorKeys, store: StandInTrainingStore, data_root: Path
+) -> AsyncIterator[Callable[..., Awaitable[TrainingNode]]]:
+    """start([(0, 2)], **options) -> a running TrainingNode; all are stopped on exit."""
+    nodes: list[TrainingNode] = []
+
+    async def start(shards: list[tuple[int, int]], **options: Any) -> TrainingNode:
+        node = await TrainingNode.start(
+            checkpoint, keys, store, shards, data_dir=data_root / f"node{len(nodes)}", **options
+        )
+        nodes.append(node)
+        return node
+
+    try:
+        yield start
+    finally:
+        for node in nodes:
+            await node.stop()

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
-from typing import Any
 
 import pytest
 from data_plane.stage_harness import CoordinatorKeys
@@ -15,6 +14,8 @@ from training.training_harness import (
     StandInTrainingStore,
     TrainingNode,
     make_train_checkpoint,
+    node_starter,
+    running_store,
 )
 
 from protos import identity
@@ -30,28 +31,16 @@ def train_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture
 async def store() -> AsyncIterator[StandInTrainingStore]:
-    store = StandInTrainingStore()
-    await store.start()
-    yield store
-    await store.stop()
+    async with running_store() as store:
+        yield store
 
 
 @pytest.fixture
 async def start_train_node(
     train_checkpoint: Path, keys: CoordinatorKeys, store: StandInTrainingStore, tmp_path: Path
 ) -> AsyncIterator[Callable[..., Awaitable[TrainingNode]]]:
-    nodes: list[TrainingNode] = []
-
-    async def start(shards: list[tuple[int, int]], **options: Any) -> TrainingNode:
-        node = await TrainingNode.start(
-            train_checkpoint, keys, store, shards, data_dir=tmp_path / f"n{len(nodes)}", **options
-        )
-        nodes.append(node)
-        return node
-
-    yield start
-    for node in nodes:
-        await node.stop()
+    async with node_starter(train_checkpoint, keys, store, tmp_path) as start:
+        yield start
 
 
 def keyed_capability(
