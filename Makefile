@@ -43,6 +43,9 @@ bench: $(VENV)/.installed-dev
 	$(BIN)/python bench/control_plane.py
 	$(BIN)/python bench/inference.py
 	$(BIN)/python bench/placement.py
+	$(BIN)/python bench/training.py
+	$(BIN)/python bench/verification.py
+	$(BIN)/python bench/hedging.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache *.egg-info
