@@ -7,13 +7,13 @@ kill -9 mid-generation.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
 from support.checkpoints import make_checkpoint
+from support.waiting import wait_for
 
 from client.api import Client
 from client.local_swarm import LocalProcess, LocalSwarm
@@ -24,15 +24,6 @@ MODEL = "tiny-llama"
 PROMPT = [1, 5, 9, 23, 42, 7, 11]
 NEW_TOKENS = 20
 NODES = ("alpha", "bravo", "charlie", "delta")
-
-
-def wait_for(predicate, what: str, timeout_s: float = 90.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if predicate():
-            return
-        time.sleep(0.2)
-    raise AssertionError(f"timed out after {timeout_s:.0f}s waiting for {what}")
 
 
 def fully_replicated(client: Client, replicas: int = 2) -> bool:
@@ -97,7 +88,7 @@ def heal(swarm: LocalSwarm, client: Client) -> None:
     alive = {p.name for p in swarm.processes if p.alive() and p.name in NODES}
     restarted = [swarm.start_node(name) for name in NODES if name not in alive]
     swarm.wait_registered(restarted)
-    wait_for(lambda: fully_replicated(client), "two ready replicas of every layer")
+    wait_for(lambda: fully_replicated(client), "two ready replicas of every layer", 90)
 
 
 def test_pipeline_generation_equals_transformers(swarm, client, reference):
@@ -153,4 +144,6 @@ def test_a_killed_node_is_replaced_and_coverage_returns(swarm, client):
         "the killed node to leave the online list",
         10,
     )
-    wait_for(lambda: fully_replicated(client), "coverage to come back without the node")
+    wait_for(
+        lambda: fully_replicated(client), "coverage to come back without the node", 90
+    )

@@ -8,12 +8,12 @@ probe the peers the coordinator names (ProbePeers) and their RTTs come back in t
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterator
 
 import grpc
 import pytest
 from support.checkpoints import make_checkpoint
+from support.waiting import wait_for
 
 from client.api import Client
 from client.driver import DriverConfig
@@ -25,15 +25,6 @@ pytestmark = pytest.mark.slow
 MODEL = "tiny-llama"
 PROMPT = [1, 5, 9, 23, 42, 7, 11]
 NEW_TOKENS = 8  # the bound: decode calls per node that may be reported
-
-
-def wait_for(predicate, what: str, timeout_s: float = 90.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if predicate():
-            return
-        time.sleep(0.2)
-    raise AssertionError(f"timed out after {timeout_s:.0f}s waiting for {what}")
 
 
 @pytest.fixture(scope="module")
@@ -69,6 +60,7 @@ def test_a_node_lying_in_its_benchmark_is_corrected_by_measured_traffic(swarm: L
             lambda: (m := {m.name: m for m in client.models()}.get(MODEL)) is not None
             and m.available,
             "the model to be served",
+            90,
         )
         before = nodes_by_name(client)
         liar, twin = before["liar"].speed, before["honest-a"].speed

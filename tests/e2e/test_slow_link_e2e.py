@@ -22,6 +22,7 @@ import pytest
 from support.checkpoints import make_checkpoint
 from support.link_emulator import LinkEmulator
 from support.ports import reserved_ports
+from support.waiting import wait_for
 
 from client.api import Client, GenerationResult
 from client.driver import DriverConfig
@@ -39,15 +40,6 @@ ATTEMPTS = 3
 NODES = ("alpha", "bravo", "charlie", "delta", "echo", "foxtrot")
 # A LAN-scale floor: the tiny model's stage calls take a few ms, a WAN deployment's more.
 CONFIG = DriverConfig(hedge_factor=3.0, hedge_floor_s=0.1)
-
-
-def wait_for(predicate, what: str, timeout_s: float = 120.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if predicate():
-            return
-        time.sleep(0.2)
-    raise AssertionError(f"timed out after {timeout_s:.0f}s waiting for {what}")
 
 
 @pytest.fixture(scope="module")

@@ -18,7 +18,6 @@ import re
 import sqlite3
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -26,6 +25,7 @@ import numpy as np
 import pytest
 import torch
 from support.checkpoints import make_checkpoint, write_safetensors
+from support.waiting import wait_for
 
 from client.api import AsyncClient, Client
 from client.datasets import TokenDataset
@@ -42,15 +42,6 @@ SPEC = TrainSpec(
 )
 KILL_AFTER_STEP = 5  # the last consistent checkpoint is then step 4
 _READY = re.compile(r"node (\w+) is ready with (\S+) layers \[(\d+), (\d+)\)")
-
-
-def wait_for(predicate, what: str, timeout_s: float = 120.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if predicate():
-            return
-        time.sleep(0.2)
-    raise AssertionError(f"timed out after {timeout_s:.0f}s waiting for {what}")
 
 
 def replicated(client: Client, model: str, replicas: int = 2) -> bool:

@@ -9,13 +9,13 @@ import json
 import sqlite3
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from support.checkpoints import make_checkpoint
+from support.waiting import wait_for
 
 from client import billing
 from client.api import Client, GenerationResult
@@ -39,15 +39,6 @@ def run_cli(*argv: str, check: bool = True) -> subprocess.CompletedProcess[str]:
             f"{argv} exited {result.returncode}:\n{result.stdout}\n{result.stderr}"
         )
     return result
-
-
-def wait_for(predicate, what: str, timeout_s: float = 120.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if predicate():
-            return
-        time.sleep(0.2)
-    raise AssertionError(f"timed out after {timeout_s:.0f}s waiting for {what}")
 
 
 def make_market_checkpoint(directory: Path) -> Path:

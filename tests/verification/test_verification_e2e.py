@@ -18,13 +18,13 @@ import re
 import sqlite3
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
 from support.checkpoints import make_checkpoint
+from support.waiting import wait_for
 
 from client.api import Client
 from client.local_swarm import LocalProcess, LocalSwarm
@@ -46,15 +46,6 @@ BOUND = math.ceil(math.log(MISS_PROBABILITY) / math.log(1 - 1.0 * CORRUPTION))  
 # honest-a2 has the same operator as honest-a1: the two must never check each other.
 ACCOUNTS = {"honest-a1": "op-a", "honest-a2": "op-a", "honest-b": "op-b", "cheater": "op-c"}
 FAILPOINTS = {"cheater": f"corrupt={CORRUPTION},seed=4"}
-
-
-def wait_for(predicate, what: str, timeout_s: float = 90.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if predicate():
-            return
-        time.sleep(0.2)
-    raise AssertionError(f"timed out after {timeout_s:.0f}s waiting for {what}")
 
 
 @pytest.fixture(scope="module")
@@ -144,7 +135,7 @@ def test_a_5_percent_corrupter_is_banned_within_the_bound_and_outputs_stay_hones
     accounts = {p.node_id: ACCOUNTS[name] for name, p in nodes.items()}
     assert "FAILPOINTS ACTIVE" in nodes["cheater"].log_text()
     with Client(swarm.address, timeout_s=60) as client:
-        wait_for(lambda: ready_everywhere(client, 4), "every node to serve the whole model")
+        wait_for(lambda: ready_everywhere(client, 4), "every node to serve the whole model", 90)
         cheater_calls = 0
         generations = 0
         pairs: list[tuple[str, str]] = []
