@@ -87,6 +87,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--context-tokens", type=int, default=512, help="context each session keeps in cache"
     )
     parser.add_argument(
+        "--client-gbps",
+        type=float,
+        default=25.0,
+        help="memory bandwidth of a Petals client's CPU, which runs the LM head (GB/s; "
+        "default 25: about half a dual-channel DDR4-3200 desktop's peak)",
+    )
+    parser.add_argument(
         "--skip-plan-times", action="store_true", help="do not time the planners at scale"
     )
     parser.add_argument(
@@ -99,6 +106,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.replicas < 1:
         parser.error("--replicas must be at least 1")
+    if not 0 < args.client_gbps < float("inf"):
+        parser.error("--client-gbps must be a positive number")
     if args.kv_tokens < args.context_tokens or args.context_tokens < 1:
         parser.error("--kv-tokens must be >= --context-tokens >= 1")
     known = {s.name for s in FULL}
@@ -136,7 +145,11 @@ def main(argv: list[str] | None = None) -> int:
         level=logging.INFO if args.verbose else logging.WARNING,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
-    params = ServingParams(kv_tokens=args.kv_tokens, context_tokens=args.context_tokens)
+    params = ServingParams(
+        kv_tokens=args.kv_tokens,
+        context_tokens=args.context_tokens,
+        client_memory_gbps=args.client_gbps,
+    )
     scenarios = [s for s in FULL if not args.scenario or s.name in args.scenario]
     if args.quick:
         scenarios = quick(scenarios)
@@ -145,7 +158,8 @@ def main(argv: list[str] | None = None) -> int:
         f"placement benchmark: {len(scenarios)} scenario(s); KV {params.kv_tokens} tokens per "
         f"layer, {params.context_tokens}-token sessions -> {params.slots} sessions per node; "
         f"efficiency {params.compute_efficiency:.0%} of peak FLOPS, "
-        f"{params.memory_efficiency:.0%} of peak bandwidth"
+        f"{params.memory_efficiency:.0%} of peak bandwidth; LM head on the last node's GPU "
+        f"(Petals: on the client's CPU at {params.client_memory_gbps:g} GB/s)"
     )
     systems = default_systems(args.replicas)
     results = []

@@ -74,6 +74,16 @@ def _non_negative_int(text: str) -> int:
     return value
 
 
+def _non_negative_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not 0.0 <= value < float("inf"):
+        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {text!r}")
+    return value
+
+
 def _probability(text: str) -> float:
     try:
         value = float(text)
@@ -158,6 +168,12 @@ def _add_serve_parser(subparsers: Any) -> None:
         "hold more (default: %(default)s: as few stages as memory allows)",
     )  # fmt: skip
     serve_parser.add_argument(
+        "--max-token-latency", type=_non_negative_float, default=0.0, metavar="MS",
+        help="plan for served tokens/s within this time per token: pipelines the planner "
+        "estimates slower are not formed, their nodes become replicas (default: 0, no "
+        "bound; with min-stages > 1 the layout ignores it)",
+    )  # fmt: skip
+    serve_parser.add_argument(
         "--kv-tokens", type=_positive_int, default=4096, metavar="N",
         help="KV-cache tokens each shard reserves for its sessions (default: %(default)s)",
     )  # fmt: skip
@@ -211,6 +227,7 @@ def _run_serve(args: argparse.Namespace) -> int:
         heartbeat_ack_every=args.heartbeat_ack_every,
         replicas=args.replicas,
         min_stages=args.min_stages,
+        max_token_latency_ms=args.max_token_latency,
         kv_tokens_per_shard=args.kv_tokens,
         default_price_units=args.default_price,
         default_training_price_units=args.default_training_price,

@@ -144,6 +144,7 @@ def build(ctx: CoordinatorContext) -> SessionRpc:
         replicas=settings.replicas,
         min_stages=settings.min_stages,
         kv_tokens=settings.kv_tokens_per_shard,
+        max_token_latency_s=settings.max_token_latency_ms / 1000.0,
     )
     ctx.planner = placement
     return SessionRpc(ctx, placement)

@@ -112,6 +112,7 @@ class Placement:
         replicas: int = 2,
         min_stages: int = 1,
         kv_tokens: int = 2048,
+        max_token_latency_s: float = 0.0,
         debounce_s: float = 0.2,
         on_change: Callable[[str], None] | None = None,
         measurements: Measurements | None = None,
@@ -123,6 +124,8 @@ class Placement:
         self.replicas = replicas
         self.min_stages = min_stages
         self.kv_tokens = kv_tokens
+        # The planner's latency bound for every model (0: none); see PLANNER.md.
+        self.max_token_latency_s = max_token_latency_s
         self._debounce_s = debounce_s
         self._on_change = on_change
         self._models: dict[str, ModelSpec] = {}
@@ -149,7 +152,8 @@ class Placement:
     # ---- inputs -------------------------------------------------------------------------
 
     def set_models(self, models: Iterable[ModelSpec]) -> None:
-        self._models = {m.name: m for m in models}
+        bound = self.max_token_latency_s
+        self._models = {m.name: replace(m, max_token_latency_s=bound) for m in models}
         self.schedule_replan()
 
     def node_up(self, node: PlacementNode) -> None:

@@ -54,6 +54,9 @@ class ModelSpec:
     head_params: int  # final norm + LM head, held by the last stage
     kv_values_per_token_per_layer: int  # 2 * kv_heads * head_dim
     hidden_size: int = 0  # what one hop sends per token (hidden states); 0 = unknown
+    # The latency bound of the objective: a pipeline whose estimated time per token is
+    # above it serves nothing the model's users asked for (0 = no bound).
+    max_token_latency_s: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -227,14 +230,30 @@ def estimated_tokens_per_s(
     """
     total = 0.0
     for pipe in model_plan.pipelines:
-        members = [nodes[nid] for nid in pipe if nid in nodes and nid in model_plan.holders]
-        if len(members) != len(pipe):
-            continue
-        seconds = sum(
-            model_plan.holders[n.node_id].layers * layer_seconds(model, n) for n in members
-        )
-        total += 1.0 / (seconds + network_seconds(model, members))
+        seconds = pipeline_seconds(model, model_plan, nodes, pipe)
+        if seconds is not None:
+            total += pipeline_rate(model, seconds)
     return total
+
+
+def pipeline_seconds(
+    model: ModelSpec, model_plan: ModelPlan, nodes: Mapping[str, NodeSpec], pipe: Sequence[str]
+) -> float | None:
+    """Estimated time per token through one of the plan's pipelines (None: a member is gone)."""
+    members = [nodes[nid] for nid in pipe if nid in nodes and nid in model_plan.holders]
+    if len(members) != len(pipe):
+        return None
+    seconds = sum(model_plan.holders[n.node_id].layers * layer_seconds(model, n) for n in members)
+    return seconds + network_seconds(model, members)
+
+
+def pipeline_rate(model: ModelSpec, seconds: float) -> float:
+    """A pipeline's term of the objective: 1 / its time per token, or nothing when that
+    time breaks the model's latency bound (its sessions would be too slow to count)."""
+    bound = model.max_token_latency_s
+    if bound > 0 and seconds > bound:
+        return 0.0
+    return 1.0 / seconds
 
 
 def handoff_seconds(model: ModelSpec, node: NodeSpec) -> float:
@@ -489,8 +508,8 @@ def _refine(model: ModelSpec, pipelines: list[Chain], rounds: int = 2) -> list[C
             if any(chain is None or len(chain) != len(trial[p]) for p, chain in rebuilt.items()):
                 continue
             new_seconds = {p: _chain_seconds(model, chain) for p, chain in rebuilt.items()}  # type: ignore[arg-type]
-            before = sum(1.0 / seconds[p] for p in touched)
-            after = sum(1.0 / new_seconds[p] for p in touched)
+            before = sum(pipeline_rate(model, seconds[p]) for p in touched)
+            after = sum(pipeline_rate(model, new_seconds[p]) for p in touched)
             if after > before * (1 + 1e-9):
                 for p, chain in rebuilt.items():
                     pipelines[p] = chain  # type: ignore[assignment]
@@ -524,8 +543,10 @@ def _swap_search(model: ModelSpec, pipelines: list[Chain]) -> list[Chain]:
             continue
         i, j = (state >> 40) % len(pipelines[p]), (state >> 50) % len(pipelines[q])
         a, b = pipelines[p][i][0], pipelines[q][j][0]
-        if a.node.region != b.node.region or a.shape == b.shape:
-            continue  # same shape: _refine's job; other region: more cross-region hops
+        if a.node.region != b.node.region:
+            continue  # other region: more cross-region hops
+        # Same shape too: _refine's sort can leave symmetric mixes (fast+slow, fast+slow)
+        # that only a pairwise swap separates.
         mp = [c for c, _, _ in pipelines[p]]
         mq = [c for c, _, _ in pipelines[q]]
         mp[i], mq[j] = b, a
@@ -533,7 +554,8 @@ def _swap_search(model: ModelSpec, pipelines: list[Chain]) -> list[Chain]:
         if cp is None or cq is None or len(cp) != len(mp) or len(cq) != len(mq):
             continue
         sp, sq = _chain_seconds(model, cp), _chain_seconds(model, cq)
-        if 1 / sp + 1 / sq > (1 / seconds[p] + 1 / seconds[q]) * (1 + 1e-9):
+        before = pipeline_rate(model, seconds[p]) + pipeline_rate(model, seconds[q])
+        if pipeline_rate(model, sp) + pipeline_rate(model, sq) > before * (1 + 1e-9):
             pipelines[p], pipelines[q] = cp, cq
             seconds[p], seconds[q] = sp, sq
     return pipelines
@@ -555,7 +577,23 @@ def _form_pipelines(
     if len(by_region) > 1:
         made, rest = _bin_cover(model, rest)
         pipelines += made
-    return _swap_search(model, _refine(model, pipelines)), rest
+    return _within_bound(model, _swap_search(model, _refine(model, pipelines)), rest)
+
+
+def _within_bound(
+    model: ModelSpec, pipelines: list[Chain], rest: list[_Cand]
+) -> tuple[list[Chain], list[_Cand]]:
+    """Dissolve the pipelines the local search could not bring under the latency bound:
+    their members become spares (replicas that routes may still mix in). When no pipeline
+    meets the bound the fastest one stays, so the model is served, if slowly."""
+    if model.max_token_latency_s <= 0 or not pipelines:
+        return pipelines, rest
+    inside = [c for c in pipelines if pipeline_rate(model, _chain_seconds(model, c)) > 0]
+    if not inside:
+        inside = [min(pipelines, key=lambda c: _chain_seconds(model, c))]
+    kept = {id(c) for c in inside}
+    rest = rest + [m for c in pipelines if id(c) not in kept for m, _, _ in c]
+    return inside, rest
 
 
 def _place_chain(

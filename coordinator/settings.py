@@ -38,6 +38,9 @@ class Settings:
     # Split every model into at least this many pipeline stages, even when one node could
     # hold more (deeper pipelines spread load; the demo uses 3 to make them visible).
     min_stages: int = 1
+    # Planner objective: served tokens/s of pipelines whose estimated time per token is
+    # within this bound (0: no bound). Slower pipelines are dissolved into replicas.
+    max_token_latency_ms: float = 0.0
     # KV cache tokens each assigned shard reserves across its sessions.
     kv_tokens_per_shard: int = 4096
     # Ledger: the price of a node that asks 0 (credit units per 1,000 token-layers; 0 =

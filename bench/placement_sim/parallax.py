@@ -134,6 +134,7 @@ def water_fill(total: int, weights: list[float], caps: list[int]) -> list[int] |
 
 class ParallaxSystem:
     name = "parallax"
+    client_runs_head = False
 
     def __init__(self, swarm: Swarm, *, cv_threshold: float = CV_THRESHOLD) -> None:
         self.swarm = swarm

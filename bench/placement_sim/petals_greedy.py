@@ -61,6 +61,7 @@ def announced_throughput(node: SimNode, swarm: Swarm, n_blocks: int) -> float:
 
 class PetalsSystem:
     name = "petals"
+    client_runs_head = True
 
     def __init__(self, swarm: Swarm, *, seed: int = 0, rebalance_on_start: bool = True) -> None:
         self.swarm = swarm

@@ -42,13 +42,15 @@ class Served:
 
 
 def throughput_of(
-    swarm: Swarm, sessions: Sequence[tuple[Site, list[Hop]]]
+    swarm: Swarm, sessions: Sequence[tuple[Site, list[Hop]]], client_runs_head: bool = False
 ) -> tuple[float, list[float], dict[str, int]]:
     """Served tokens/s, per-session time per token, and per-node load, for fixed routes."""
     load: Counter[str] = Counter()
     for _, hops in sessions:
         load.update({h.node_id for h in hops})
-    latencies = [session_latency_s(swarm, client, hops, load) for client, hops in sessions]
+    latencies = [
+        session_latency_s(swarm, client, hops, load, client_runs_head) for client, hops in sessions
+    ]
     return sum(1.0 / t for t in latencies), latencies, dict(load)
 
 
@@ -69,6 +71,6 @@ def saturate(system: PlacementSystem, clients: Sequence[Site]) -> Served:
         load.update(used)
     if not sessions:
         return Served(0.0, 0, (), 0.0)
-    tokens_per_s, latencies, _ = throughput_of(swarm, sessions)
+    tokens_per_s, latencies, _ = throughput_of(swarm, sessions, system.client_runs_head)
     mean_hops = float(np.mean([len(h) for _, h in sessions]))
     return Served(tokens_per_s, len(sessions), tuple(latencies), mean_hops)

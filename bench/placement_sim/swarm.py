@@ -43,6 +43,9 @@ class ServingParams:
     context_tokens: int = 512  # context a session keeps in cache
     compute_efficiency: float = 0.5  # achieved share of peak tensor TFLOPS
     memory_efficiency: float = 0.75  # achieved share of peak memory bandwidth
+    # A client that runs the LM head itself (Petals) does so on its CPU: fp16 weights
+    # read once per token at this rate (dual-channel DDR4-3200 peaks at 51.2 GB/s).
+    client_memory_gbps: float = 25.0
 
     @property
     def slots(self) -> int:
@@ -97,19 +100,35 @@ def layer_capacity(
     return min(model.num_layers, layers) if clip else layers
 
 
+def roofline_s(node: SimNode, params: ServingParams, flops: float, moved_bytes: float) -> float:
+    """Time of work that does `flops` and reads `moved_bytes`: whichever bound is slower."""
+    compute = flops / (node.gpu.fp16_tflops * 1e12 * params.compute_efficiency)
+    memory = moved_bytes / (node.gpu.memory_gbps * 1e9 * params.memory_efficiency)
+    return max(compute, memory)
+
+
 def layer_time_s(node: SimNode, model: ModelShape, params: ServingParams, batch: int) -> float:
     """One decode step of `batch` sessions through one layer (roofline)."""
     batch = max(1, batch)
     flops = batch * model.flops_per_token_per_layer(params.mean_context)
-    compute = flops / (node.gpu.fp16_tflops * 1e12 * params.compute_efficiency)
     moved = model.layer_bytes + batch * params.mean_context * model.kv_bytes_per_token_per_layer
-    memory = moved / (node.gpu.memory_gbps * 1e9 * params.memory_efficiency)
-    return max(compute, memory)
+    return roofline_s(node, params, flops, moved)
 
 
 def handoff_s(node: SimNode, model: ModelShape, batch: int) -> float:
     """Time to push a batch's hidden states out of the node's upload link."""
     return max(1, batch) * model.activation_bytes * 8 / node.up_bps
+
+
+def head_time_s(node: SimNode, model: ModelShape, params: ServingParams, batch: int) -> float:
+    """The LM head for `batch` sessions on the node's GPU (roofline, fp16 weights)."""
+    flops = 2.0 * max(1, batch) * model.head_params
+    return roofline_s(node, params, flops, model.head_params * 2)
+
+
+def client_head_time_s(model: ModelShape, params: ServingParams) -> float:
+    """The LM head on the client's CPU: its fp16 weights read once per token."""
+    return model.head_params * 2 / (params.client_memory_gbps * 1e9)
 
 
 @dataclass(frozen=True)
@@ -174,16 +193,30 @@ class Swarm:
         return layer_time_s(self.nodes[node_id], self.model, self.params, batch)
 
 
-def session_latency_s(swarm: Swarm, client: Site, hops: list[Hop], load: dict[str, int]) -> float:
-    """Time between two tokens of one session: the whole round through the pipeline."""
+def session_latency_s(
+    swarm: Swarm,
+    client: Site,
+    hops: list[Hop],
+    load: dict[str, int],
+    client_runs_head: bool = False,
+) -> float:
+    """Time between two tokens of one session: the whole round through the pipeline, and
+    the LM head where the system runs it: on the last node's GPU, batched like its layers,
+    or on the client's CPU (Petals, whose client holds the embedding and the head)."""
+    model, params = swarm.model, swarm.params
     total = swarm.client_rtt_s(client, hops[0].node_id) / 2
     for i, hop in enumerate(hops):
         node = swarm.nodes[hop.node_id]
         batch = load.get(hop.node_id, 1)
-        total += hop.layers * layer_time_s(node, swarm.model, swarm.params, batch)
+        total += hop.layers * layer_time_s(node, model, params, batch)
         if i + 1 < len(hops) and hops[i + 1].node_id != hop.node_id:
-            total += handoff_s(node, swarm.model, batch)
+            total += handoff_s(node, model, batch)
             total += swarm.rtt_s(hop.node_id, hops[i + 1].node_id) / 2
+    if client_runs_head:
+        total += client_head_time_s(model, params)
+    else:
+        last = hops[-1].node_id
+        total += head_time_s(swarm.nodes[last], model, params, load.get(last, 1))
     total += swarm.client_rtt_s(client, hops[-1].node_id) / 2
     return total
 

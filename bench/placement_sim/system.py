@@ -12,6 +12,9 @@ from .swarm import Hop, SimNode, Swarm
 class PlacementSystem(Protocol):
     name: str
     swarm: Swarm
+    # The client computes the final norm and LM head on its CPU (Petals); otherwise the
+    # last node of the route does, on its GPU (the embedding lookup costs next to nothing).
+    client_runs_head: bool
 
     def start(self) -> None:
         """Place the model on every node now in `swarm`."""

@@ -35,6 +35,8 @@ def typical_peer_rtt_ms(nodes: list[SimNode]) -> dict[str, float]:
 
 
 class TesseraSystem:
+    client_runs_head = False  # the last stage holds the LM head (node_agent runtime)
+
     def __init__(self, swarm: Swarm, *, replicas: int | None = 2, name: str = "tessera") -> None:
         """`replicas=None` asks for as many replicas as there are nodes (use every node)."""
         self.swarm = swarm

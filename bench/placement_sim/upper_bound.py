@@ -16,7 +16,9 @@ network impose, and bound what is left. The argument, step by step (README.md re
     d_n / cap_n on each of n's items and taking d_last back off covers the hops.
  3. Client. A session from client c pays RTT(c, first) / 2 + RTT(c, last) / 2. With step 2,
     its fixed cost is at least
-        f_c = min_n RTT(c, n) / 2 + min_n (RTT(c, n) / 2 - d_n).
+        f_c = min_n RTT(c, n) / 2 + min_n (RTT(c, n) / 2 - d_n) + h,
+    where h is the cheaper of the LM head on the client's CPU and on the fastest node at
+    batch 1 (every token goes through the head somewhere).
     So each session's time per token is >= f_c + (sum of the costs of its L items).
  4. Count. A session visits a set of nodes whose capacities add up to >= L and takes one
     slot on each, so the number of sessions is at most the optimum of the configuration
@@ -33,7 +35,7 @@ network impose, and bound what is left. The argument, step by step (README.md re
  6. Compute: node n never runs more than slots / t_n(slots) layer-tokens per second, so
     tokens/s <= sum over nodes of that / L.
 The bound is the smaller of 5 (S: the least of 1's items / L, 4 and the client count) and
-6. What it still ignores: the embedding and the LM head (Petals' client runs them), that
+6. What it still ignores: the memory of the embedding and the LM head, that
 ranges must be contiguous and chain, hops across regions beyond the nearest node, and
 that the sessions 5 forms from the cheapest items need not fit the count 4 allows.
 """
@@ -46,7 +48,14 @@ from collections.abc import Sequence
 import numpy as np
 
 from .regions import Site, rtt_ms
-from .swarm import Swarm, handoff_s, layer_capacity, layer_time_s
+from .swarm import (
+    Swarm,
+    client_head_time_s,
+    handoff_s,
+    head_time_s,
+    layer_capacity,
+    layer_time_s,
+)
 
 
 def upper_bound_tokens_per_s(swarm: Swarm, clients: Sequence[Site]) -> float:
@@ -85,7 +94,12 @@ def upper_bound_tokens_per_s(swarm: Swarm, clients: Sequence[Site]) -> float:
     for client in clients[:sessions]:
         to_node = np.array([rtt_ms(client, n.site) for n in nodes]) / 1000.0
         floors.append(to_node.min() / 2 + (to_node / 2 - leave).min())
-    floors_sorted = np.sort(np.array(floors))
+    # Every session's token also goes through the LM head, on its last node's GPU or on
+    # the client's CPU: at least the cheapest of those at batch 1.
+    head = min(
+        client_head_time_s(model, params), min(head_time_s(n, model, params, 1) for n in nodes)
+    )
+    floors_sorted = np.sort(np.array(floors)) + head
     totals = floors_sorted + groups  # both ascending: rearrangement
     assert (totals > 0).all(), "a session's time per token must be positive"
     kv_bound = float((1.0 / totals).sum())

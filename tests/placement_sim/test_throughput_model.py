@@ -11,6 +11,12 @@ from placement_toy import EXACT, HOME, TOY, gpu_holding, node, swarm, toy_model
 # mean context 256 tokens -> 1,048,576 KV bytes per session; flops per token
 # 2*10,487,808 + 4*256*1024 = 22,024,192.
 WEIGHTS, KV_PER_SESSION, FLOPS = 20_975_616, 1_048_576, 22_024_192
+# LM head + final norm: 1000 * 1024 + 1024 = 1,025,024 params -> 2,050,048 bytes in fp16,
+# read once per step at 100 GB/s on the node (memory bound below batch 10); on a client's
+# CPU at 25 GB/s.
+HEAD_BYTES = 2_050_048
+HEAD = HEAD_BYTES / 1e11
+CLIENT_HEAD = HEAD_BYTES / 25e9
 
 
 def test_decode_is_memory_bound_at_small_batches_and_compute_bound_at_large():
@@ -32,24 +38,29 @@ def test_two_hop_session_latency_and_tokens_per_second_by_hand():
     s = swarm(node("a"), node("b"))
     hops = [Hop("a", 0, 2), Hop("b", 2, 4)]
     one = session_latency_s(s, HOME, hops, {"a": 1, "b": 1})
-    # client->a 10 ms + 2 layers + hand-off 2.048 ms + a->b 10 ms + 2 layers + b->client 10 ms
+    # client->a 10 ms + 2 layers + hand-off 2.048 ms + a->b 10 ms + 2 layers + the head on b
+    # + b->client 10 ms
     layer = (WEIGHTS + KV_PER_SESSION) / 1e11
-    assert one == pytest.approx(0.030 + 2.048e-3 + 4 * layer)
-    assert one * 1000 == pytest.approx(32.92896768)
+    assert one == pytest.approx(0.030 + 2.048e-3 + 4 * layer + HEAD)
+    assert one * 1000 == pytest.approx(32.94946816)
+    # Petals: the client runs the head on its CPU instead.
+    petals = session_latency_s(s, HOME, hops, {"a": 1, "b": 1}, client_runs_head=True)
+    assert petals == pytest.approx(one - HEAD + CLIENT_HEAD)
 
     tokens_per_s, latencies, load = throughput_of(s, [(HOME, hops), (HOME, hops)])
     assert load == {"a": 2, "b": 2}
     layer2 = (WEIGHTS + 2 * KV_PER_SESSION) / 1e11
-    both = 0.030 + 2 * 2.048e-3 + 4 * layer2  # 35.01891072 ms
+    both = 0.030 + 2 * 2.048e-3 + 4 * layer2 + HEAD  # 35.0394112 ms
     assert latencies == pytest.approx([both, both])
     assert tokens_per_s == pytest.approx(2 / both)
-    assert tokens_per_s == pytest.approx(57.1120, rel=1e-4)
+    assert tokens_per_s == pytest.approx(57.0786, rel=1e-4)
 
 
 class FixedRoute:
     """A system that always routes through a and b: admission must stop at the KV slots."""
 
     name = "fixed"
+    client_runs_head = False
 
     def __init__(self, s):
         self.swarm = s
@@ -63,7 +74,7 @@ def test_admission_stops_when_a_node_on_the_route_has_no_free_slot():
     served = saturate(FixedRoute(s), [HOME] * 10)
     assert served.sessions == EXACT.slots == 4
     layer4 = (WEIGHTS + 4 * KV_PER_SESSION) / 1e11
-    per_token = 0.030 + 4 * 2.048e-3 + 4 * layer4
+    per_token = 0.030 + 4 * 2.048e-3 + 4 * layer4 + HEAD
     assert served.tokens_per_s == pytest.approx(4 / per_token)
     assert served.percentile_ms(50) == pytest.approx(per_token * 1000)
     assert served.mean_hops == 2
@@ -73,16 +84,18 @@ def test_upper_bound_by_hand_for_one_node_that_holds_everything():
     s = swarm(node("a"))
 
     # One node, no hops. The j-th of its 4 slots serves a session that pays at least the
-    # layer time at batch j on its 4 layers; network floor = the client's 20 ms round trip.
+    # layer time at batch j on its 4 layers; floor = the client's 20 ms round trip + the head
+    # at batch 1 on the node (cheaper than on the client's CPU).
     def layer(batch: int) -> float:
         return (WEIGHTS + batch * KV_PER_SESSION) / 1e11
 
-    expected = sum(1 / (0.020 + 4 * layer(j)) for j in range(1, 5))
+    floor = 0.020 + HEAD
+    expected = sum(1 / (floor + 4 * layer(j)) for j in range(1, 5))
     assert upper_bound_tokens_per_s(s, [HOME] * 10) == pytest.approx(expected)
     # Each client is one session: one client, one slot's worth.
-    assert upper_bound_tokens_per_s(s, [HOME]) == pytest.approx(1 / (0.020 + 4 * layer(1)))
+    assert upper_bound_tokens_per_s(s, [HOME]) == pytest.approx(1 / (floor + 4 * layer(1)))
     # The same node really serving 4 sessions is slower (batch 4 for all), so below the bound.
-    real = 4 / (0.020 + 4 * layer(4))
+    real = 4 / (floor + 4 * layer(4))
     assert real < expected
 
 
@@ -115,8 +128,8 @@ def test_the_bound_charges_every_hop_out_of_a_node():
     hop = 0.010 + 2.048e-3  # 20 ms RTT / 2 + hand-off at batch 1 (slot j: j x 2.048 ms)
     # items of slot j on each node: 2 layers at layer(j) + (10 ms + j * 2.048 ms) / 2 each
     per_item = {j: layer(j) + (0.010 + j * 2.048e-3) / 2 for j in range(1, 5)}
-    # floor: 20 ms / 2 + (20 ms / 2 - hop)
-    floor = 0.010 + 0.010 - hop
+    # floor: 20 ms / 2 + (20 ms / 2 - hop) + the head at batch 1 on a node
+    floor = 0.010 + 0.010 - hop + HEAD
     expected = sum(1 / (floor + 4 * per_item[j]) for j in range(1, 5))
     assert bound == pytest.approx(expected)
     served = saturate(FixedRoute(s), [HOME] * 10)

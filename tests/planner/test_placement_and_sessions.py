@@ -6,7 +6,8 @@ import time
 import grpc
 import pytest
 
-from coordinator.placement import Placement, PlacementNode, model_spec
+from coordinator.placement import Placement, PlacementNode, model_spec, node_spec
+from coordinator.planner import pipeline_seconds
 from coordinator.sessions import SessionError, Sessions
 from protos import identity
 from protos.tessera.v1 import client_api_pb2, common_pb2, node_pb2
@@ -182,3 +183,34 @@ async def test_measured_speed_replaces_a_lying_benchmark_and_routes_follow_pipel
     assert after["liar"].ms_per_layer == pytest.approx(4 * honest_ms)  # one observation
     grant = sessions.open_session(client_api_pb2.OpenSessionRequest(model="m", max_length=32))
     assert [s.primary.node_id for s in grant.stages] == ["honest"]
+
+
+async def test_the_latency_bound_reaches_the_planner_and_dissolves_slow_pipelines():
+    """Two nodes of a fast pair and two of a 1,000x slower pair, each holding half the
+    model: without a bound both pairs are pipelines; with a bound a quarter of the way from
+    the fast pair's estimated time per token to the slow pair's (below any mixed pair too)
+    only the fast pair is a pipeline and the slow pair replicates layers."""
+    cards = {"f0": caps(0.0025, 1.0), "f1": caps(0.0025, 1.0)}
+    cards |= {"s0": caps(0.0025, 0.001), "s1": caps(0.0025, 0.001)}
+    spec = model_spec("m", CONFIG)
+
+    async def planned(bound_s: float):
+        swarm = Swarm()
+        placement = Placement(
+            swarm.send, replicas=1, min_stages=1, debounce_s=0, max_token_latency_s=bound_s
+        )
+        placement.set_models([spec])
+        for node_id, card in cards.items():
+            placement.node_up(PlacementNode(node_id, "127.0.0.1:1", card))
+        await placement.replan()
+        return placement.plan_of("m")
+
+    free = await planned(0.0)
+    assert sorted(sorted(p) for p in free.pipelines) == [["f0", "f1"], ["s0", "s1"]]
+    specs = {nid: node_spec(PlacementNode(nid, "", card), 2048) for nid, card in cards.items()}
+    fast, slow = sorted(pipeline_seconds(spec, free, specs, p) for p in free.pipelines)
+    assert slow > fast
+    # Below the mixed pairs (fast + slow halves: the mean of the two) too.
+    p = await planned(fast + (slow - fast) / 4)
+    assert [sorted(pipe) for pipe in p.pipelines] == [["f0", "f1"]]
+    assert set(p.holders) == set(cards) and not p.missing_layers()

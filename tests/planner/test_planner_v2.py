@@ -2,6 +2,7 @@
 
 import math
 import time
+from dataclasses import replace
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -14,6 +15,7 @@ from coordinator.planner import (
     estimated_tokens_per_s,
     fetch_bytes,
     move_seconds,
+    pipeline_seconds,
     plan,
     replan_candidates,
     worth_moving,
@@ -211,3 +213,48 @@ def test_plan_takes_under_a_second_for_ten_thousand_nodes():
     started = time.process_time()
     plan([big], nodes[1:], {"big": first})
     assert time.process_time() - started < 2.0
+
+
+def bounded(bound_s: float) -> ModelSpec:
+    return replace(MODEL, max_token_latency_s=bound_s)
+
+
+def latencies(model: ModelSpec, p, nodes) -> list[float]:
+    by_id = {n.node_id: n for n in nodes}
+    return [pipeline_seconds(model, p, by_id, pipe) for pipe in p.pipelines]
+
+
+def test_a_pipeline_slower_than_the_latency_bound_is_dissolved_into_replicas():
+    # Two fast pipelines in each region, and two halves left over that only make a
+    # pipeline across regions (CROSS_REGION_S slower).
+    nodes = [node(i, 0.15, bw=900, region="eu") for i in range(3)]
+    nodes += [node(i, 0.15, bw=900, region="us") for i in range(3, 6)]
+    free = plan([MODEL], nodes, replicas=1)["m"]
+    times = sorted(latencies(MODEL, free, nodes))
+    assert len(times) == 3 and times[-1] > times[-2]  # the cross-region one is slowest
+    bound = (times[-2] + times[-1]) / 2
+    p = plan([bounded(bound)], nodes, replicas=1)["m"]
+    assert len(p.pipelines) == 2
+    assert max(latencies(MODEL, p, nodes)) <= bound
+    assert len(p.holders) == 6  # the dissolved pipeline's members replicate layers
+    assert not p.missing_layers()
+    assert estimated_tokens_per_s(bounded(bound), p, {n.node_id: n for n in nodes}) > 0
+
+
+def test_when_no_pipeline_meets_the_bound_the_fastest_one_still_serves():
+    nodes = [node(i, 0.15, bw=300 * (i + 1)) for i in range(4)]
+    p = plan([bounded(1e-9)], nodes, replicas=1)["m"]
+    assert len(p.pipelines) == 1
+    assert not p.missing_layers()
+
+
+@settings(max_examples=60, deadline=None)
+@given(nodes_strategy, st.floats(1e-4, 10.0))
+def test_every_pipeline_meets_the_latency_bound_unless_none_can(nodes, bound):
+    model = bounded(bound)
+    p = plan([model], nodes, replicas=1)["m"]
+    free = plan([MODEL], nodes, replicas=1)["m"]
+    assert bool(p.missing_layers()) == bool(free.missing_layers())
+    times = latencies(model, p, nodes)
+    if len(times) > 1 or (times and min(latencies(MODEL, free, nodes)) <= bound):
+        assert max(times) <= bound * (1 + 1e-9)
