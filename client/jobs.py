@@ -202,6 +202,10 @@ class JobRunner:
             hyper=job.hyper,
             channels=self.channels,
             usage=self.usage,
+            # Independent checkers the coordinator granted; each interval is checked with
+            # the primary's own trust-based probability (docs/verification.md).
+            checkers=[_hop(c) for c in session.checkers],
+            check_probability=None,
         )
         try:
             failure: StageFailed | None = None
@@ -264,6 +268,7 @@ class JobRunner:
             session = await self._open_session()
             for index, hop in enumerate(session.hops):
                 driver.replace_hop(index, _hop(hop), session.capability)
+            driver.set_checkers([_hop(c) for c in session.checkers])
             return await self._restore(driver, session, f"re-sync: {failure.cause}")
         request = jobs_pb2.StageFailureRequest(
             job_id=self.job_id,
@@ -272,12 +277,15 @@ class JobRunner:
             node_id=failure.node_id,
             cause=failure.cause[:4000],
         )
+        if failure.restore_at_most is not None:
+            request.restore_at_most = failure.restore_at_most
         session = await self._with_patience(
             "re-planning the failed stage", self.api.stub.ReportStageFailure, request
         )
         self._session = session
         index = session.replaced_stage
         driver.replace_hop(index, _hop(session.hops[index]), session.capability)
+        driver.set_checkers([_hop(c) for c in session.checkers])
         detail = (
             f"stage {index} [{failure_span(session, index)}) moved from {failure.node_id} to "
             f"{session.hops[index].node_id} ({failure.cause})"

@@ -42,8 +42,8 @@ from client.driver import CLIENT_FAULT_CODES
 from client.errors import RequestRejected, TesseraError
 from client.training_verification import (
     BadTrainingSignature,
-    ForwardMismatch,
     ShadowChecks,
+    ShadowMismatch,
     TrainingReplyChecker,
 )
 from protos import codec
@@ -80,13 +80,19 @@ class StepResult:
 
 
 class StageFailed(TesseraError):
-    """A stage node failed; the caller re-plans the stage and restores every stage."""
+    """A stage node failed; the caller re-plans the stage and restores every stage.
 
-    def __init__(self, index: int, node_id: str, cause: str) -> None:
+    ``restore_at_most``: set when a redundant check proved the node's recent work wrong:
+    the newest checkpoint step that is not suspect (the node uploaded the later ones)."""
+
+    def __init__(
+        self, index: int, node_id: str, cause: str, restore_at_most: int | None = None
+    ) -> None:
         super().__init__(f"training stage {index} on node {node_id} failed: {cause}")
         self.index = index
         self.node_id = node_id
         self.cause = cause
+        self.restore_at_most = restore_at_most
 
 
 class StageOutOfSync(StageFailed):
@@ -125,10 +131,11 @@ class TrainingDriver:
         usage: UsageBook | None = None,
     ) -> None:
         """``checkers``: independent replicas (another node, of another operator, granted
-        by the capability) that re-run a fraction of the forward calls of the stage with
-        the same layers, on a shadow state (client/training_verification.py). The
-        fraction is ``check_probability``, or when None each primary node's own
-        ``check_probability`` from the capability (set by the coordinator from its trust)."""
+        by the capability) of some stages' layers. In a sampled fraction of checkpoint
+        intervals a checker trains a shadow of its stage in lockstep and every answer is
+        compared (client/training_verification.py). The fraction is
+        ``check_probability``, or when None each primary node's own ``check_probability``
+        from the capability (set by the coordinator from its trust)."""
         _check_hops(hops)
         if hyper.micro_batches < 1:
             raise ValueError(f"hyper.micro_batches must be >= 1, got {hyper.micro_batches}")
@@ -150,6 +157,8 @@ class TrainingDriver:
             check_probability,
             check_seed,
         )
+        # The checkpoint each interval starts from (layers -> sha256), for re-opening.
+        self._interval_parts: dict[tuple[int, int], str] = {}
         self._owns_channels = channels is None
         self._channels = channels or ChannelPool()
         self._version: int | None = None  # unknown until open()
@@ -194,7 +203,8 @@ class TrainingDriver:
                 0, self.hops[0].node_id, f"stages opened at different steps {steps}"
             )
         self._version = steps[0]
-        await self._open_shadows(restore_step, restore_sha256)
+        # Every stage rolled back: no shadow can continue, each is drawn afresh.
+        await self._start_intervals(steps[0], restore_sha256, rolled_back=True)
         return steps[0]
 
     def _open_request(
@@ -210,15 +220,18 @@ class TrainingDriver:
             restore_sha256=restore_sha256.get((hop.start, hop.end), "") if restore_step else "",
         )
 
-    async def _open_shadows(self, step: int, restore_sha256: dict[tuple[int, int], str]) -> None:
-        """(Re-)open each checker's shadow at ``step`` from the same checkpoint as its
-        stage, so that both hold identical weights while the stages are at ``step``."""
+    async def _start_intervals(
+        self, step: int, parts: dict[tuple[int, int], str], *, rolled_back: bool
+    ) -> None:
+        """A checkpoint interval begins at ``step``: draw, per checked stage, whether its
+        shadow trains in lockstep through it (with the primary's probability; the primary
+        cannot tell), and (re-)open the shadows that must start from this checkpoint."""
 
         async def open_shadow(index: int) -> None:
             hop = self._checkers[index]
             try:
                 reply = await self._call_hop(
-                    index, hop, "OpenTraining", self._open_request(hop, step, restore_sha256)
+                    index, hop, "OpenTraining", self._open_request(hop, step, parts)
                 )
             except (StageFailed, RequestRejected) as err:
                 self.shadows.drop(index, str(err))
@@ -228,7 +241,18 @@ class TrainingDriver:
             else:
                 self.shadows.drop(index, f"its shadow opened at step {reply.step}, not {step}")
 
-        await asyncio.gather(*(open_shadow(i) for i in list(self.shadows.checkers)))
+        reopen = []
+        for index in list(self.shadows.shadows):
+            primary = self.hops[index].node_id
+            sampled = self.shadows.sample(self.signatures.check_probability.get(primary, 1.0))
+            if self.shadows.start_interval(index, step, sampled, rolled_back=rolled_back):
+                reopen.append(index)
+        await asyncio.gather(*(open_shadow(i) for i in reopen))
+
+    def set_checkers(self, checkers: list[TrainingHop]) -> None:
+        """A new session's checkers (after a re-plan); they start at the next ``open``."""
+        self._checkers = _checker_stages(self.hops, checkers)
+        self.shadows.replace({i: (h.node_id, h.start, h.end) for i, h in self._checkers.items()})
 
     async def close(self) -> None:
         """Free the training state on every stage (best effort) and close channels."""
@@ -259,9 +283,10 @@ class TrainingDriver:
         self.hops[index] = hop
         self._capability = capability
         self.signatures.update(capability)
-        checker = self._checkers.get(index)
-        if checker is not None and checker.node_id == hop.node_id:
-            self.shadows.drop(index, f"node {hop.node_id} now runs the stage itself")
+        for checked, checker in list(self._checkers.items()):
+            if checker.node_id == hop.node_id:
+                self._checkers.pop(checked)
+                self.shadows.drop(checked, f"node {hop.node_id} now runs stage {index} itself")
         self._version = None
 
     # ---- one optimizer step ---------------------------------------------------------
@@ -285,6 +310,7 @@ class TrainingDriver:
                 await self._backward(step, mb, stage_ms)
 
         await _all_or_cancel([one(mb) for mb in range(len(micro_batches))])
+        self.shadows.passes_done(step)
         total_sq_norm = await self._global_sq_norm(step)
         clip = clip_coefficient(total_sq_norm, self.hyper.max_grad_norm)
 
@@ -292,7 +318,13 @@ class TrainingDriver:
             request = training_pb2.OptimizerStepRequest(
                 capability=self._capability, job_id=self.job_id, step=step, clip_coef=clip
             )
-            reply = await self._call(index, "OptimizerStep", request)
+            # A lockstep shadow applies the very same clip coefficient.
+            reply, shadow = await self._pair(index, "OptimizerStep", request, step, "step")
+            if shadow is not None:
+                if shadow.step == step + 1:
+                    self.shadows.stepped(index, step)
+                else:
+                    self.shadows.drop(index, f"its shadow stepped to {shadow.step}")
             return reply.step
 
         versions = await self._all(step_one)
@@ -326,8 +358,9 @@ class TrainingDriver:
 
         digests = await self._all(save_one)
         parts = {(h.start, h.end): d for h, d in zip(self.hops, digests, strict=True)}
-        # The stages and their shadows hold identical weights again: check this step.
-        await self._open_shadows(step, parts)
+        # A new checkpoint interval: shadows are drawn again (a lockstep shadow never
+        # uploads: the stage's checkpoint is the primary's).
+        await self._start_intervals(step, parts, rolled_back=False)
         return parts
 
     # ---- the walk -------------------------------------------------------------------
@@ -346,12 +379,11 @@ class TrainingDriver:
                 request.labels.CopyFrom(codec.encode(labels, "int64"))
             hop = self.hops[index]
             self.usage.sent(hop.node_id, hop.start, hop.end, int(tokens.shape[0]))
-            reply = await self._call(index, "ForwardTrain", request)
+            reply, shadow = await self._pair(index, "ForwardTrain", request, step, "forward")
             self._check_signature(index, self.signatures.forward, request, reply)
             self.usage.received(hop.node_id, hop.start, hop.end, reply.usage)
-            trust_p = self.signatures.check_probability.get(self.hops[index].node_id, 1.0)
-            if self.shadows.should_check(index, step, trust_p):
-                await self._shadow_check(index, request, reply)
+            if shadow is not None:
+                self._compare(index, self.shadows.compare_forward, reply, shadow)
             stage_ms[index] += reply.compute_ms
             if index == last:
                 return reply.loss, reply.label_tokens
@@ -366,8 +398,10 @@ class TrainingDriver:
             )
             if grad is not None:
                 request.grad_output.CopyFrom(grad)
-            reply = await self._call(index, "BackwardTrain", request)
+            reply, shadow = await self._pair(index, "BackwardTrain", request, step, "backward")
             self._check_signature(index, self.signatures.backward, request, reply)
+            if shadow is not None:
+                self._compare(index, self.shadows.compare_backward, reply, shadow)
             stage_ms[index] += reply.compute_ms
             grad = reply.grad_input if reply.HasField("grad_input") else None
 
@@ -376,7 +410,10 @@ class TrainingDriver:
             request = training_pb2.GradNormRequest(
                 capability=self._capability, job_id=self.job_id, step=step
             )
-            return await self._call(index, "GradNorm", request)
+            reply, shadow = await self._pair(index, "GradNorm", request, step, "norm")
+            if shadow is not None:
+                self._compare(index, self.shadows.compare_norm, reply, shadow)
+            return reply
 
         replies = await self._all(norm_one)
         refused = [self.hops[i].node_id for i, r in enumerate(replies) if not r.finite]
@@ -409,31 +446,49 @@ class TrainingDriver:
             log.warning("training stage %d on %s: %s", index, hop.node_id, err)
             raise StageFailed(index, hop.node_id, f"bad signature: {err}") from err
 
-    async def _shadow_check(
-        self,
-        index: int,
-        request: training_pb2.TrainForwardRequest,
-        reply: training_pb2.TrainForwardResponse,
-    ) -> None:
-        """Re-run this forward on the stage's shadow; a disagreement fails the primary, so
-        the job re-plans the stage and restores the last checkpoint (nothing of the
-        disputed micro-batch is ever applied)."""
-        checker = self._checkers[index]
-        samples = int(request.input.shape[0]) if request.input.shape else 0
-        self.usage.checked(checker.node_id, checker.start, checker.end, samples)
+    async def _pair(
+        self, index: int, method: str, request: Any, step: int, kind: str
+    ) -> tuple[Any, Any]:
+        """Call stage ``index``; when its shadow is active for this call, send it the very
+        same request at the same time. Returns (primary reply, shadow reply or None)."""
+        if self.shadows.active(index, step, kind) is None:
+            return await self._call(index, method, request), None
+        primary, checked = await _all_or_cancel(
+            [self._call(index, method, request), self._shadow_call(index, method, request)]
+        )
+        return primary, checked
+
+    async def _shadow_call(self, index: int, method: str, request: Any) -> Any:
+        """The shadow's answer, or None when it failed (then it stops checking: a checker
+        never fails the primary's job)."""
+        hop = self._checkers[index]
+        signatures = self.signatures
+        signed = {"ForwardTrain": signatures.forward, "BackwardTrain": signatures.backward}
+        if method == "ForwardTrain":
+            samples = int(request.input.shape[0]) if request.input.shape else 0
+            self.usage.checked(hop.node_id, hop.start, hop.end, samples)
         try:
-            shadow = await self._call_hop(index, checker, "ForwardTrain", request)
-            self._check_signature(index, self.signatures.forward, request, shadow, checker)
-            self.usage.received(checker.node_id, checker.start, checker.end, shadow.usage)
+            reply = await self._call_hop(index, hop, method, request)
+            if method in signed:
+                self._check_signature(index, signed[method], request, reply, hop)
         except (StageFailed, RequestRejected) as err:
             self.shadows.drop(index, str(err))
-            return
+            return None
+        if method == "ForwardTrain":
+            self.usage.received(hop.node_id, hop.start, hop.end, reply.usage)
+        return reply
+
+    def _compare(self, index: int, compare: Callable[..., None], reply: Any, shadow: Any) -> None:
+        """A disagreement fails the primary: the job re-plans the stage and restores a
+        checkpoint the shadow still vouches for, so no disputed work is kept."""
         primary = self.hops[index].node_id
         try:
-            self.shadows.compare(index, primary, reply, shadow)
-        except ForwardMismatch as err:
+            compare(index, primary, reply, shadow)
+        except ShadowMismatch as err:
             log.warning("training stage %d: %s", index, err)
-            raise StageFailed(index, primary, f"redundant check failed: {err}") from err
+            raise StageFailed(
+                index, primary, f"redundant check failed: {err}", err.restore_at_most
+            ) from err
 
     async def _call(self, index: int, method: str, request: object) -> Any:
         return await self._call_hop(index, self.hops[index], method, request)

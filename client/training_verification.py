@@ -16,11 +16,12 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import math
 import random
 from dataclasses import dataclass, field
 
 from protos import codec, identity, output_check
-from protos.tessera.v1 import client_api_pb2, training_pb2
+from protos.tessera.v1 import client_api_pb2, common_pb2, training_pb2
 
 log = logging.getLogger(__name__)
 
@@ -125,26 +126,59 @@ class TrainingReplyChecker:
         self.checked += 1
 
 
-class ForwardMismatch(Exception):
-    """A stage's signed forward output disagrees with an independent shadow replica's."""
+class ShadowMismatch(Exception):
+    """A stage's signed answer disagrees with its lockstep shadow's.
+
+    ``restore_at_most``: the newest checkpoint step still vouched for. A shadow that kept
+    its own weights across checkpoints shows that the checkpoints the primary uploaded
+    since the shadow's anchor may carry the primary's tampering (a skipped or wrong
+    optimizer step right before a checkpoint), so the job must not restore a newer one.
+    """
+
+    def __init__(self, message: str, restore_at_most: int) -> None:
+        super().__init__(message)
+        self.restore_at_most = restore_at_most
 
 
 @dataclass
 class ShadowStats:
-    checks: int = 0
+    checks: int = 0  # compared answers (forward, backward, gradient norm)
     mismatches: int = 0
-    errors: list[float] = field(default_factory=list)  # relative L2 error of each check
+    intervals: int = 0  # checkpoint intervals a shadow trained in lockstep
+    reopened: int = 0  # shadows (re-)opened from a checkpoint or fresh
+    errors: list[float] = field(default_factory=list)  # relative error of each check
+
+
+# What a shadow does in the current checkpoint interval.
+OFF = "off"  # nothing: not sampled (or dropped)
+LOCKSTEP = "lockstep"  # every call of the stage: forward, backward, GradNorm, OptimizerStep
+FORWARD = "forward"  # only the forwards of one step (right after a lockstep interval)
+
+
+@dataclass
+class Shadow:
+    node_id: str
+    start: int
+    end: int
+    mode: str = OFF
+    version: int = -1  # the step the shadow's own training state is at
+    anchor: int = 0  # the checkpoint step its state descends from (checked since)
+    continued: bool = False  # kept its own weights into this interval (not re-opened)
+    interval_start: int = 0
 
 
 class ShadowChecks:
-    """Sampled redundant ForwardTrain on independent "shadow" replicas of some stages.
+    """Sampled lockstep training on independent "shadow" replicas of some stages.
 
-    A shadow is an ordinary training state, opened on the checker node from the same
-    consistent checkpoint as the primary (or fresh, at step 0), so both hold identical
-    weights at that version. It only ever runs forward: it never backpropagates or steps,
-    so it is only comparable during the step at which it was opened. The driver therefore
-    re-opens it after every open/restore and every checkpoint, and samples forward calls
-    of those steps (see docs/verification.md for what that does and does not cover).
+    Per checkpoint interval and per stage with a checker, the driver draws (with the
+    primary's check probability; the primary cannot see the draw) whether the shadow
+    trains in lockstep through the interval: it gets the very same ForwardTrain,
+    BackwardTrain, GradNorm and OptimizerStep (same clip coefficient) as the primary, and
+    every answer is compared. A shadow that stays in lockstep across a checkpoint keeps
+    its own weights; otherwise it re-opens from the checkpoint at the next sampled
+    interval. After a sampled interval that the next does not continue, the shadow still
+    checks the forwards of the next step, which catches a wrong or skipped optimizer step
+    at the end of the interval. See docs/verification.md.
     """
 
     def __init__(
@@ -154,57 +188,145 @@ class ShadowChecks:
         seed: int | None = None,
     ) -> None:
         """``probability``: one fraction for every stage, or None for each primary's own
-        (given to ``should_check`` from the capability)."""
+        (given to ``sample`` from the capability)."""
         if probability is not None and not 0.0 <= probability <= 1.0:
             raise ValueError(f"check probability must be in [0, 1], got {probability}")
-        self.checkers = dict(checkers)  # stage index -> (checker node id, start, end)
         self.probability = probability
         self.stats = ShadowStats()
-        self.version: dict[int, int] = {}  # stage index -> step its shadow can check
         self._rng = random.Random(seed)
+        self.shadows: dict[int, Shadow] = {}
+        self.replace(checkers)
 
-    def opened(self, index: int, step: int) -> None:
-        self.version[index] = step
+    @property
+    def checkers(self) -> dict[int, tuple[str, int, int]]:
+        return {i: (s.node_id, s.start, s.end) for i, s in self.shadows.items()}
+
+    def replace(self, checkers: dict[int, tuple[str, int, int]]) -> None:
+        """A new session's checkers: every shadow starts over (opened at the next open)."""
+        self.shadows = {i: Shadow(*c) for i, c in checkers.items()}
 
     def drop(self, index: int, why: str) -> None:
         """A checker that fails stops checking; it never fails the primary's job."""
-        if self.checkers.pop(index, None) is not None:
+        if self.shadows.pop(index, None) is not None:
             log.warning("shadow check of training stage %d disabled: %s", index, why)
-        self.version.pop(index, None)
 
-    def should_check(self, index: int, step: int, node_probability: float) -> bool:
-        if index not in self.checkers or self.version.get(index) != step:
-            return False
+    def sample(self, node_probability: float) -> bool:
         p = node_probability if self.probability is None else self.probability
         return self._rng.random() < p
 
-    def compare(
+    def start_interval(self, index: int, step: int, sampled: bool, *, rolled_back: bool) -> bool:
+        """A checkpoint interval begins at ``step``; True when the caller must (re-)open
+        the shadow from that step's checkpoint (then call ``opened``)."""
+        shadow = self.shadows[index]
+        continuing = not rolled_back and shadow.mode == LOCKSTEP and shadow.version == step
+        shadow.continued = continuing
+        shadow.interval_start = step
+        if sampled:
+            self.stats.intervals += 1
+            if continuing:
+                return False  # keeps its own weights: never the primary's upload
+            shadow.mode = OFF
+            return True
+        shadow.mode = FORWARD if continuing else OFF
+        return False
+
+    def opened(self, index: int, step: int) -> None:
+        shadow = self.shadows[index]
+        shadow.mode, shadow.version, shadow.anchor = LOCKSTEP, step, step
+        self.stats.reopened += 1
+
+    def active(self, index: int, step: int, kind: str) -> Shadow | None:
+        """The shadow that takes this call of stage ``index`` at ``step``, if any."""
+        shadow = self.shadows.get(index)
+        if shadow is None or shadow.version != step:
+            return None
+        if shadow.mode == LOCKSTEP or (shadow.mode == FORWARD and kind == "forward"):
+            return shadow
+        return None
+
+    def passes_done(self, step: int) -> None:
+        """Every forward and backward of ``step`` agreed: a continued shadow now vouches
+        for the checkpoint its interval began at; a forward-only shadow stops."""
+        for shadow in self.shadows.values():
+            if shadow.version != step or not shadow.continued:
+                continue
+            if shadow.interval_start == step:
+                shadow.anchor = step
+            if shadow.mode == FORWARD:
+                shadow.mode = OFF
+
+    def stepped(self, index: int, step: int) -> None:
+        shadow = self.shadows.get(index)
+        if shadow is not None and shadow.mode == LOCKSTEP and shadow.version == step:
+            shadow.version = step + 1
+
+    # ---- comparisons ---------------------------------------------------------------
+
+    def compare_forward(
         self,
         index: int,
         primary_node: str,
         reply: training_pb2.TrainForwardResponse,
         shadow: training_pb2.TrainForwardResponse,
     ) -> None:
-        """Raise ForwardMismatch unless both outputs agree within the fp32 tolerance."""
-        self.stats.checks += 1
-        tol = output_check.tolerance("cpu", "float32")  # training computes in fp32
         if reply.HasField("output") or shadow.HasField("output"):
-            error = output_check.relative_error(
-                codec.decode(reply.output, finite=False),
-                reply.output.dtype,
-                codec.decode(shadow.output, finite=False),
-                shadow.output.dtype,
-            )
+            error = _tensor_error(reply.output, shadow.output)
         else:
-            scale = max(abs(reply.loss), abs(shadow.loss), 1e-12)
-            error = abs(reply.loss - shadow.loss) / scale
+            error = _scalar_error(reply.loss, shadow.loss)
             if reply.label_tokens != shadow.label_tokens:
                 error = float("inf")
+        what = "loss" if not reply.HasField("output") else "forward output"
+        self._judge(index, primary_node, what, error)
+
+    def compare_backward(
+        self,
+        index: int,
+        primary_node: str,
+        reply: training_pb2.TrainBackwardResponse,
+        shadow: training_pb2.TrainBackwardResponse,
+    ) -> None:
+        if not (reply.HasField("grad_input") or shadow.HasField("grad_input")):
+            return  # the first stage answers no input gradient: nothing to compare
+        error = _tensor_error(reply.grad_input, shadow.grad_input)
+        self._judge(index, primary_node, "input gradient", error)
+
+    def compare_norm(
+        self,
+        index: int,
+        primary_node: str,
+        reply: training_pb2.GradNormResponse,
+        shadow: training_pb2.GradNormResponse,
+    ) -> None:
+        error = _scalar_error(reply.sq_norm, shadow.sq_norm)
+        if reply.finite != shadow.finite:
+            error = float("inf")
+        self._judge(index, primary_node, "squared gradient norm", error)
+
+    def _judge(self, index: int, primary_node: str, what: str, error: float) -> None:
+        """Raise ShadowMismatch unless the error is within the fp32 tolerance."""
+        self.stats.checks += 1
         self.stats.errors.append(error)
-        if not error <= tol:
-            self.stats.mismatches += 1
-            checker = self.checkers[index][0]
-            raise ForwardMismatch(
-                f"forward output of node {primary_node} differs from the independent "
-                f"replica {checker}'s by a relative error of {error:.3g} (tolerance {tol:g})"
-            )
+        tol = output_check.tolerance("cpu", "float32")  # training computes in fp32
+        if error <= tol:
+            return
+        self.stats.mismatches += 1
+        shadow = self.shadows[index]
+        raise ShadowMismatch(
+            f"{what} of node {primary_node} differs from the independent replica "
+            f"{shadow.node_id}'s by a relative error of {error:.3g} (tolerance {tol:g})",
+            shadow.anchor,
+        )
+
+
+def _tensor_error(a: common_pb2.Tensor, b: common_pb2.Tensor) -> float:
+    if list(a.shape) != list(b.shape) or not a.dtype or not b.dtype:
+        return float("inf")
+    return output_check.relative_error(
+        codec.decode(a, finite=False), a.dtype, codec.decode(b, finite=False), b.dtype
+    )
+
+
+def _scalar_error(a: float, b: float) -> float:
+    if not (math.isfinite(a) and math.isfinite(b)):
+        return 0.0 if a == b else float("inf")
+    return abs(a - b) / max(abs(a), abs(b), 1e-12)

@@ -137,7 +137,8 @@ class TrainingStageServicer(training_pb2_grpc.TrainingStageServicer):
         self._jobs: dict[str, _Job] = {}
         self._locks: dict[str, asyncio.Lock] = {}
         self._expiry_task: asyncio.Task[None] | None = None
-        # None unless TESSERA_FAILPOINTS is set: tampers with ForwardTrain hidden states.
+        # None unless TESSERA_FAILPOINTS is set: tampers with ForwardTrain hidden states,
+        # BackwardTrain gradients or OptimizerStep (docs/failpoints.md).
         self._failpoints = failpoints.from_env()
         # Samples computed per (job, layers), signed on every forward reply: what the job's
         # client pays for per sample-layer (docs/ledger.md, "Jobs"). Kept after a job
@@ -526,7 +527,10 @@ class TrainingStageServicer(training_pb2_grpc.TrainingStageServicer):
             step=request.step, micro_batch=mb, compute_ms=compute_ms
         )
         if grad_input is not None:
-            response.grad_input.CopyFrom(codec.encode(grad_input.cpu().numpy(), "float32"))
+            grad_tensor = codec.encode(grad_input.cpu().numpy(), "float32")
+            if self._failpoints is not None:  # tests and demos only: tamper, then sign
+                grad_tensor = self._failpoints.tamper_backward(grad_tensor)
+            response.grad_input.CopyFrom(grad_tensor)
         grad_sent = request.grad_output if request.HasField("grad_output") else None
         self._sign(response, "backward", job, mb, response.grad_input.data, grad_sent)
         return response
@@ -592,7 +596,9 @@ class TrainingStageServicer(training_pb2_grpc.TrainingStageServicer):
                     f"{job.poisoned}; call GradNorm (it abandons the step) and retry it",
                 )
             trainer = job.trainer
-            version = await self._shards.run(lambda: trainer.step(clip, request.step))
+            lazy = self._failpoints is not None and self._failpoints.skips_step()
+            step = _lazy_step if lazy else _step
+            version = await self._shards.run(lambda: step(trainer, clip, request.step))
             job.forget_step()
         return training_pb2.OptimizerStepResponse(step=version)  # type: ignore[arg-type]
 
@@ -976,3 +982,18 @@ def build_training_servicer(ctx: AgentContext) -> TrainingStageServicer | None:
     if not isinstance(ctx.shard_handler, ShardManager):
         return None
     return TrainingStageServicer(ctx, ctx.shard_handler)
+
+
+def _step(trainer: StageTrainer, clip: float, version: int) -> int:
+    return trainer.step(clip, version)
+
+
+def _lazy_step(trainer: StageTrainer, clip: float, version: int) -> int:
+    """Failpoint skip_step: answer the next version, keep the weights (a lazy cheat)."""
+    params = trainer.trainable_parameters()
+    before = {name: p.detach().clone() for name, p in params.items()}
+    new_version = trainer.step(clip, version)
+    with torch.no_grad():
+        for name, param in params.items():
+            param.copy_(before[name])
+    return new_version
