@@ -433,7 +433,11 @@ class JobManager:
     def check_download(self, request: training_pb2.DownloadCheckpointRequest, node_id: str
                        ) -> CheckpointPartRecord:  # fmt: skip
         job = self.require_job(request.job_id)
-        self._require_stage_holder(job, request.layers, node_id)
+        checkers = self._checkers.get(job.id, {}).values()
+        checking = {(c.start, c.end) for c in checkers if c.node_id == node_id}
+        if (request.layers.start, request.layers.end) not in checking:
+            # A stage's checker re-opens its shadow from the stage's checkpoint too.
+            self._require_stage_holder(job, request.layers, node_id)
         for part in self.repo.checkpoint_parts(job.id, request.step):
             if (part.start, part.end) == (request.layers.start, request.layers.end):
                 return part

@@ -13,11 +13,12 @@ import asyncio
 
 import grpc
 import numpy as np
+import pytest
 from jobs.jobs_harness import JobsCoordinator
 from jobs.test_checkpoints import _advance, _chunks, upload
 
 from protos import identity
-from protos.tessera.v1 import client_api_pb2, jobs_pb2
+from protos.tessera.v1 import client_api_pb2, jobs_pb2, training_pb2
 
 
 async def coordinator_with(start_jobs, accounts: list[str]) -> JobsCoordinator:
@@ -118,6 +119,21 @@ async def test_suspect_checkpoints_roll_the_job_back(start_jobs) -> None:
             await upload(jc, chunks, jc.node(hop.node_id).metadata)
     info = await jc.stub.GetJob(jobs_pb2.JobRef(job_id=session.job_id))
     assert info.checkpoint_step == 4
+    # A stage's checker may download that stage's part (to open its shadow), no other.
+    checker = session.checkers[0]
+    own = training_pb2.DownloadCheckpointRequest(
+        job_id=session.job_id, step=4, layers=checker.layers
+    )
+    metadata = jc.node(checker.node_id).metadata
+    chunks = [c async for c in jc.store_stub.DownloadCheckpoint(own, metadata=metadata)]
+    assert chunks[0].header.step == 4
+    for other in [h for h in session.hops if h.layers != checker.layers]:
+        foreign = training_pb2.DownloadCheckpointRequest(
+            job_id=session.job_id, step=4, layers=other.layers
+        )
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            _ = [c async for c in jc.store_stub.DownloadCheckpoint(foreign, metadata=metadata)]
+        assert refused.value.code() == grpc.StatusCode.PERMISSION_DENIED
 
     request = jobs_pb2.StageFailureRequest(
         job_id=session.job_id, capability=session.capability, stage=0,
