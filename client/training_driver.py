@@ -41,18 +41,32 @@ from client.channels import ChannelPool
 from client.driver import CLIENT_FAULT_CODES
 from client.errors import RequestRejected, TesseraError
 from client.training_verification import (
+    KIND,
     BadTrainingSignature,
     ShadowChecks,
     ShadowMismatch,
     TrainingReplyChecker,
+    full_answer,
+    logged_call,
 )
 from protos import codec
-from protos.tessera.v1 import client_api_pb2, common_pb2, training_pb2, training_pb2_grpc
+from protos.tessera.v1 import (
+    client_api_pb2,
+    common_pb2,
+    training_pb2,
+    training_pb2_grpc,
+    verification_pb2,
+)
 
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 IGNORE_INDEX = -100
+Outcome = verification_pb2.Verdict.Outcome
+# Reports a dispute to the coordinator's verifier and returns its verdict.
+DisputeReporter = Callable[
+    [verification_pb2.TrainingDispute], Awaitable[verification_pb2.Verdict]
+]
 
 
 @dataclass(frozen=True)
@@ -129,13 +143,16 @@ class TrainingDriver:
         check_probability: float | None = None,
         check_seed: int | None = None,
         usage: UsageBook | None = None,
+        disputes: DisputeReporter | None = None,
     ) -> None:
         """``checkers``: independent replicas (another node, of another operator, granted
         by the capability) of some stages' layers. In a sampled fraction of checkpoint
         intervals a checker trains a shadow of its stage in lockstep and every answer is
         compared (client/training_verification.py). The fraction is
         ``check_probability``, or when None each primary node's own ``check_probability``
-        from the capability (set by the coordinator from its trust)."""
+        from the capability (set by the coordinator from its trust). ``disputes``: where a
+        mismatch goes for arbitration (the coordinator's ReportTrainingDispute); without
+        it a mismatch always fails the primary."""
         _check_hops(hops)
         if hyper.micro_batches < 1:
             raise ValueError(f"hyper.micro_batches must be >= 1, got {hyper.micro_batches}")
@@ -157,8 +174,10 @@ class TrainingDriver:
             check_probability,
             check_seed,
         )
-        # The checkpoint each interval starts from (layers -> sha256), for re-opening.
-        self._interval_parts: dict[tuple[int, int], str] = {}
+        self._disputes = disputes
+        self.verdicts: list[verification_pb2.Verdict] = []
+        # Agreed lockstep checks not reported yet (the job runner sends them in batches).
+        self.agreements: list[verification_pb2.TrainingAgreement] = []
         self._owns_channels = channels is None
         self._channels = channels or ChannelPool()
         self._version: int | None = None  # unknown until open()
@@ -245,7 +264,11 @@ class TrainingDriver:
         for index in list(self.shadows.shadows):
             primary = self.hops[index].node_id
             sampled = self.shadows.sample(self.signatures.check_probability.get(primary, 1.0))
-            if self.shadows.start_interval(index, step, sampled, rolled_back=rolled_back):
+            hop = self.hops[index]
+            sha256 = parts.get((hop.start, hop.end), "") if step else ""
+            if self.shadows.start_interval(
+                index, step, sampled, rolled_back=rolled_back, sha256=sha256
+            ):
                 reopen.append(index)
         await asyncio.gather(*(open_shadow(i) for i in reopen))
 
@@ -320,7 +343,9 @@ class TrainingDriver:
             )
             # A lockstep shadow applies the very same clip coefficient.
             reply, shadow = await self._pair(index, "OptimizerStep", request, step, "step")
+            self._check_signature(index, self.signatures.optimizer_step, request, reply)
             if shadow is not None:
+                await self._checked(index, KIND.OPTIMIZER_STEP, request, reply, shadow, None)
                 if shadow.step == step + 1:
                     self.shadows.stepped(index, step)
                 else:
@@ -383,7 +408,8 @@ class TrainingDriver:
             self._check_signature(index, self.signatures.forward, request, reply)
             self.usage.received(hop.node_id, hop.start, hop.end, reply.usage)
             if shadow is not None:
-                self._compare(index, self.shadows.compare_forward, reply, shadow)
+                compare = self.shadows.compare_forward
+                await self._checked(index, KIND.FORWARD, request, reply, shadow, compare)
             stage_ms[index] += reply.compute_ms
             if index == last:
                 return reply.loss, reply.label_tokens
@@ -401,7 +427,8 @@ class TrainingDriver:
             reply, shadow = await self._pair(index, "BackwardTrain", request, step, "backward")
             self._check_signature(index, self.signatures.backward, request, reply)
             if shadow is not None:
-                self._compare(index, self.shadows.compare_backward, reply, shadow)
+                compare = self.shadows.compare_backward
+                await self._checked(index, KIND.BACKWARD, request, reply, shadow, compare)
             stage_ms[index] += reply.compute_ms
             grad = reply.grad_input if reply.HasField("grad_input") else None
 
@@ -411,8 +438,10 @@ class TrainingDriver:
                 capability=self._capability, job_id=self.job_id, step=step
             )
             reply, shadow = await self._pair(index, "GradNorm", request, step, "norm")
+            self._check_signature(index, self.signatures.norm, request, reply)
             if shadow is not None:
-                self._compare(index, self.shadows.compare_norm, reply, shadow)
+                compare = self.shadows.compare_norm
+                await self._checked(index, KIND.NORM, request, reply, shadow, compare)
             return reply
 
         replies = await self._all(norm_one)
@@ -463,14 +492,18 @@ class TrainingDriver:
         never fails the primary's job)."""
         hop = self._checkers[index]
         signatures = self.signatures
-        signed = {"ForwardTrain": signatures.forward, "BackwardTrain": signatures.backward}
+        signed = {
+            "ForwardTrain": signatures.forward,
+            "BackwardTrain": signatures.backward,
+            "GradNorm": signatures.norm,
+            "OptimizerStep": signatures.optimizer_step,
+        }
         if method == "ForwardTrain":
             samples = int(request.input.shape[0]) if request.input.shape else 0
             self.usage.checked(hop.node_id, hop.start, hop.end, samples)
         try:
             reply = await self._call_hop(index, hop, method, request)
-            if method in signed:
-                self._check_signature(index, signed[method], request, reply, hop)
+            self._check_signature(index, signed[method], request, reply, hop)
         except (StageFailed, RequestRejected) as err:
             self.shadows.drop(index, str(err))
             return None
@@ -478,17 +511,84 @@ class TrainingDriver:
             self.usage.received(hop.node_id, hop.start, hop.end, reply.usage)
         return reply
 
-    def _compare(self, index: int, compare: Callable[..., None], reply: Any, shadow: Any) -> None:
-        """A disagreement fails the primary: the job re-plans the stage and restores a
-        checkpoint the shadow still vouches for, so no disputed work is kept."""
-        primary = self.hops[index].node_id
+    async def _checked(
+        self,
+        index: int,
+        kind: int,
+        request: Any,
+        reply: Any,
+        shadow: Any,
+        compare: Callable[..., None] | None,
+    ) -> None:
+        """Log the call both nodes answered (a dispute's evidence), then compare. On a
+        disagreement the coordinator arbitrates: a convicted checker is dropped and the
+        primary's answer stands; otherwise the primary fails, and the job re-plans the
+        stage and restores a checkpoint the shadow still vouches for."""
+        state = self.shadows.shadows.get(index)
+        if state is None:
+            return  # dropped meanwhile
+        checker, primary = self._checkers[index], self.hops[index]
+        call = logged_call(kind, request, (primary.node_id, reply), (checker.node_id, shadow))
+        state.log.append(call)
+        if compare is None:
+            return
         try:
-            compare(index, primary, reply, shadow)
+            compare(index, primary.node_id, reply, shadow)
         except ShadowMismatch as err:
             log.warning("training stage %d: %s", index, err)
+            verdict = await self._dispute(index, state.anchor, state.anchor_sha256, reply, shadow)
+            if verdict is not None and verdict.outcome == Outcome.CHECKER_WRONG:
+                self.shadows.drop(index, f"the arbiter proved checker {checker.node_id} wrong")
+                return
+            judged = f" ({verdict.detail})" if verdict is not None else ""
             raise StageFailed(
-                index, primary, f"redundant check failed: {err}", err.restore_at_most
+                index,
+                primary.node_id,
+                f"redundant check failed: {err}{judged}",
+                err.restore_at_most,
             ) from err
+        if kind == KIND.FORWARD and request.micro_batch == self.hyper.micro_batches - 1:
+            # One agreement per checked step and stage earns both nodes trust.
+            self.agreements.append(
+                verification_pb2.TrainingAgreement(
+                    kind=call.kind, step=call.step, micro_batch=call.micro_batch,
+                    layers=common_pb2.LayerRange(start=primary.start, end=primary.end),
+                    primary=call.primary, checker=call.checker,
+                )  # fmt: skip
+            )
+
+    async def _dispute(
+        self, index: int, anchor: int, anchor_sha256: str, reply: Any, shadow: Any
+    ) -> verification_pb2.Verdict | None:
+        """Report the disagreement with every call since the checkpoint both nodes
+        started from; None without a reporter or when the coordinator cannot answer."""
+        state = self.shadows.shadows.get(index)
+        if self._disputes is None or state is None:
+            return None
+        hop, checker = self.hops[index], self._checkers[index]
+        dispute = verification_pb2.TrainingDispute(
+            job_id=self.job_id,
+            capability=self._capability,
+            layers=common_pb2.LayerRange(start=hop.start, end=hop.end),
+            primary_node_id=hop.node_id,
+            checker_node_id=checker.node_id,
+            restore_step=anchor,
+            restore_sha256=anchor_sha256,
+            calls=state.log,
+            primary_answer=full_answer(reply),
+            checker_answer=full_answer(shadow),
+        )
+        try:
+            verdict = await self._disputes(dispute)
+        except (grpc.aio.AioRpcError, TesseraError) as err:
+            log.warning("training stage %d: the dispute was not arbitrated: %s", index, err)
+            return None
+        log.warning(
+            "training stage %d: arbitration: %s (%s)",
+            index, Outcome.Name(verdict.outcome), verdict.detail,
+        )  # fmt: skip
+        self.verdicts.append(verdict)
+        return verdict
 
     async def _call(self, index: int, method: str, request: object) -> Any:
         return await self._call_hop(index, self.hops[index], method, request)

@@ -19,9 +19,10 @@ import logging
 import math
 import random
 from dataclasses import dataclass, field
+from typing import Any
 
 from protos import codec, identity, output_check
-from protos.tessera.v1 import client_api_pb2, common_pb2, training_pb2
+from protos.tessera.v1 import client_api_pb2, common_pb2, training_pb2, verification_pb2
 
 log = logging.getLogger(__name__)
 
@@ -84,6 +85,56 @@ class TrainingReplyChecker:
         self._check(
             "backward", node_id, start, end, job_id, request, reply, reply.grad_input.data, sent
         )
+
+    def norm(
+        self,
+        node_id: str,
+        start: int,
+        end: int,
+        job_id: str,
+        request: training_pb2.GradNormRequest,
+        reply: training_pb2.GradNormResponse,
+    ) -> None:
+        value = identity.training_norm_bytes(reply.sq_norm, reply.finite)
+        self._check_scalar("norm", node_id, start, end, job_id, request.step, reply, value)
+
+    def optimizer_step(
+        self,
+        node_id: str,
+        start: int,
+        end: int,
+        job_id: str,
+        request: training_pb2.OptimizerStepRequest,
+        reply: training_pb2.OptimizerStepResponse,
+    ) -> None:
+        value = identity.training_step_bytes(request.clip_coef, reply.step)
+        self._check_scalar("step", node_id, start, end, job_id, request.step, reply, value)
+
+    def _check_scalar(
+        self,
+        pass_name: str,
+        node_id: str,
+        start: int,
+        end: int,
+        job_id: str,
+        step: int,
+        reply: training_pb2.GradNormResponse | training_pb2.OptimizerStepResponse,
+        value: bytes,
+    ) -> None:
+        if not self.keyed:
+            return
+        key = self._keys.get(node_id, b"")
+        if not key:
+            raise BadTrainingSignature(f"the job's capability carries no key for node {node_id}")
+        signed = identity.training_payload(
+            pass_name, job_id, step, 0, start, end, hashlib.sha256(value).digest(), b""
+        )
+        if not reply.signature or not identity.verify(key, reply.signature, signed):
+            raise BadTrainingSignature(
+                f"node {node_id} sent a {pass_name} reply that is unsigned or whose "
+                "signature does not verify"
+            )
+        self.checked += 1
 
     def _check(
         self,
@@ -165,6 +216,10 @@ class Shadow:
     anchor: int = 0  # the checkpoint step its state descends from (checked since)
     continued: bool = False  # kept its own weights into this interval (not re-opened)
     interval_start: int = 0
+    interval_sha256: str = ""  # of the stage's checkpoint part the interval starts at
+    anchor_sha256: str = ""  # of the checkpoint part at ``anchor`` ("" at step 0)
+    # Every call both nodes answered since ``anchor``, signed: a dispute's evidence.
+    log: list[verification_pb2.TrainingCall] = field(default_factory=list)
 
 
 class ShadowChecks:
@@ -214,10 +269,13 @@ class ShadowChecks:
         p = node_probability if self.probability is None else self.probability
         return self._rng.random() < p
 
-    def start_interval(self, index: int, step: int, sampled: bool, *, rolled_back: bool) -> bool:
-        """A checkpoint interval begins at ``step``; True when the caller must (re-)open
-        the shadow from that step's checkpoint (then call ``opened``)."""
+    def start_interval(
+        self, index: int, step: int, sampled: bool, *, rolled_back: bool, sha256: str = ""
+    ) -> bool:
+        """A checkpoint interval begins at ``step`` (the stage's part: ``sha256``); True
+        when the caller must (re-)open the shadow from that checkpoint (then ``opened``)."""
         shadow = self.shadows[index]
+        shadow.interval_sha256 = sha256
         continuing = not rolled_back and shadow.mode == LOCKSTEP and shadow.version == step
         shadow.continued = continuing
         shadow.interval_start = step
@@ -233,6 +291,8 @@ class ShadowChecks:
     def opened(self, index: int, step: int) -> None:
         shadow = self.shadows[index]
         shadow.mode, shadow.version, shadow.anchor = LOCKSTEP, step, step
+        shadow.anchor_sha256 = shadow.interval_sha256
+        shadow.log = []
         self.stats.reopened += 1
 
     def active(self, index: int, step: int, kind: str) -> Shadow | None:
@@ -251,7 +311,8 @@ class ShadowChecks:
             if shadow.version != step or not shadow.continued:
                 continue
             if shadow.interval_start == step:
-                shadow.anchor = step
+                shadow.anchor, shadow.anchor_sha256 = step, shadow.interval_sha256
+                shadow.log = [c for c in shadow.log if c.step >= step]
             if shadow.mode == FORWARD:
                 shadow.mode = OFF
 
@@ -330,3 +391,83 @@ def _scalar_error(a: float, b: float) -> float:
     if not (math.isfinite(a) and math.isfinite(b)):
         return 0.0 if a == b else float("inf")
     return abs(a - b) / max(abs(a), abs(b), 1e-12)
+
+
+# ---- evidence for the coordinator ---------------------------------------------------------
+
+KIND = verification_pb2.TrainingCall.Kind
+TrainingReply = (
+    training_pb2.TrainForwardResponse
+    | training_pb2.TrainBackwardResponse
+    | training_pb2.GradNormResponse
+    | training_pb2.OptimizerStepResponse
+)
+
+
+def answer_bytes(kind: int, request: object, reply: TrainingReply) -> bytes:
+    """The bytes a node's signature hashes for this answer (see the node's _sign)."""
+    if kind == KIND.FORWARD:
+        assert isinstance(reply, training_pb2.TrainForwardResponse)
+        if reply.HasField("output"):
+            return reply.output.data
+        return identity.training_loss_bytes(reply.loss, reply.label_tokens)
+    if kind == KIND.BACKWARD:
+        assert isinstance(reply, training_pb2.TrainBackwardResponse)
+        return reply.grad_input.data
+    if kind == KIND.NORM:
+        assert isinstance(reply, training_pb2.GradNormResponse)
+        return identity.training_norm_bytes(reply.sq_norm, reply.finite)
+    assert isinstance(reply, training_pb2.OptimizerStepResponse)
+    assert isinstance(request, training_pb2.OptimizerStepRequest)
+    return identity.training_step_bytes(request.clip_coef, reply.step)
+
+
+def signed_reply(
+    node_id: str, kind: int, request: object, reply: TrainingReply
+) -> verification_pb2.SignedTrainingReply:
+    return verification_pb2.SignedTrainingReply(
+        node_id=node_id,
+        input_digest=getattr(reply, "input_digest", b""),
+        output_sha256=hashlib.sha256(answer_bytes(kind, request, reply)).digest(),
+        signature=reply.signature,
+    )
+
+
+def logged_call(
+    kind: int,
+    request: Any,
+    primary: tuple[str, TrainingReply],
+    checker: tuple[str, TrainingReply],
+) -> verification_pb2.TrainingCall:
+    """One call both nodes answered, with what each signed: an entry of a dispute's log."""
+    call = verification_pb2.TrainingCall(
+        kind=kind,  # type: ignore[arg-type]
+        step=request.step,
+        primary=signed_reply(primary[0], kind, request, primary[1]),
+        checker=signed_reply(checker[0], kind, request, checker[1]),
+    )
+    if kind == KIND.FORWARD:
+        call.micro_batch = request.micro_batch
+        call.input.CopyFrom(request.input)
+        if request.HasField("labels"):
+            call.labels.CopyFrom(request.labels)
+    elif kind == KIND.BACKWARD:
+        call.micro_batch = request.micro_batch
+        if request.HasField("grad_output"):
+            call.input.CopyFrom(request.grad_output)
+    elif kind == KIND.OPTIMIZER_STEP:
+        call.clip_coef = request.clip_coef
+    return call
+
+
+def full_answer(reply: TrainingReply) -> verification_pb2.TrainingAnswer:
+    answer = verification_pb2.TrainingAnswer()
+    if isinstance(reply, training_pb2.TrainForwardResponse):
+        if reply.HasField("output"):
+            answer.output.CopyFrom(reply.output)
+        answer.loss, answer.label_tokens = reply.loss, reply.label_tokens
+    elif isinstance(reply, training_pb2.TrainBackwardResponse):
+        answer.output.CopyFrom(reply.grad_input)
+    elif isinstance(reply, training_pb2.GradNormResponse):
+        answer.sq_norm, answer.finite = reply.sq_norm, reply.finite
+    return answer

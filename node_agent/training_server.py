@@ -572,8 +572,25 @@ class TrainingStageServicer(training_pb2_grpc.TrainingStageServicer):
                     request.step,
                     reason,
                 )
-                return training_pb2.GradNormResponse(step=request.step, sq_norm=0.0, finite=False)
-        return training_pb2.GradNormResponse(step=request.step, sq_norm=sq_norm, finite=True)
+                return self._signed_norm(job, request.step, 0.0, False)
+        return self._signed_norm(job, request.step, sq_norm, True)
+
+    def _signed_norm(
+        self, job: _Job, step: int, sq_norm: float, finite: bool
+    ) -> training_pb2.GradNormResponse:
+        value = identity.training_norm_bytes(sq_norm, finite)
+        return training_pb2.GradNormResponse(
+            step=step, sq_norm=sq_norm, finite=finite,
+            signature=self._sign_scalar("norm", job, step, value),
+        )  # fmt: skip
+
+    def _sign_scalar(self, pass_name: str, job: _Job, step: int, value: bytes) -> bytes:
+        """Sign a GradNorm or OptimizerStep answer: evidence in a training dispute."""
+        digest = hashlib.sha256(value).digest()
+        payload = identity.training_payload(
+            pass_name, job.job_id, step, 0, job.start, job.end, digest, b""
+        )
+        return self._ctx.private_key.sign(payload)
 
     async def _optimizer_step(
         self, request: training_pb2.OptimizerStepRequest
@@ -600,7 +617,10 @@ class TrainingStageServicer(training_pb2_grpc.TrainingStageServicer):
             step = _lazy_step if lazy else _step
             version = await self._shards.run(lambda: step(trainer, clip, request.step))
             job.forget_step()
-        return training_pb2.OptimizerStepResponse(step=version)  # type: ignore[arg-type]
+        value = identity.training_step_bytes(clip, version)
+        return training_pb2.OptimizerStepResponse(
+            step=version, signature=self._sign_scalar("step", job, request.step, value)
+        )
 
     def _check_step_complete(self, job: _Job, step: int, what: str) -> None:
         if job.held:
