@@ -408,7 +408,7 @@ class TrainingDriver:
             self._check_signature(index, self.signatures.forward, request, reply)
             self.usage.received(hop.node_id, hop.start, hop.end, reply.usage)
             if shadow is not None:
-                compare = self.shadows.compare_forward
+                compare = self.shadows.compare
                 await self._checked(index, KIND.FORWARD, request, reply, shadow, compare)
             stage_ms[index] += reply.compute_ms
             if index == last:
@@ -427,7 +427,7 @@ class TrainingDriver:
             reply, shadow = await self._pair(index, "BackwardTrain", request, step, "backward")
             self._check_signature(index, self.signatures.backward, request, reply)
             if shadow is not None:
-                compare = self.shadows.compare_backward
+                compare = self.shadows.compare
                 await self._checked(index, KIND.BACKWARD, request, reply, shadow, compare)
             stage_ms[index] += reply.compute_ms
             grad = reply.grad_input if reply.HasField("grad_input") else None
@@ -440,7 +440,7 @@ class TrainingDriver:
             reply, shadow = await self._pair(index, "GradNorm", request, step, "norm")
             self._check_signature(index, self.signatures.norm, request, reply)
             if shadow is not None:
-                compare = self.shadows.compare_norm
+                compare = self.shadows.compare
                 await self._checked(index, KIND.NORM, request, reply, shadow, compare)
             return reply
 
@@ -533,7 +533,7 @@ class TrainingDriver:
         if compare is None:
             return
         try:
-            compare(index, primary.node_id, reply, shadow)
+            compare(index, primary.node_id, kind, reply, shadow)
         except ShadowMismatch as err:
             log.warning("training stage %d: %s", index, err)
             verdict = await self._dispute(index, state.anchor, state.anchor_sha256, reply, shadow)

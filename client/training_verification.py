@@ -16,13 +16,13 @@ from __future__ import annotations
 
 import hashlib
 import logging
-import math
 import random
 from dataclasses import dataclass, field
 from typing import Any
 
-from protos import codec, identity, output_check
-from protos.tessera.v1 import client_api_pb2, common_pb2, training_pb2, verification_pb2
+from protos import identity, output_check, training_answers
+from protos.tessera.v1 import client_api_pb2, training_pb2, verification_pb2
+from protos.training_answers import KIND
 
 log = logging.getLogger(__name__)
 
@@ -323,51 +323,25 @@ class ShadowChecks:
 
     # ---- comparisons ---------------------------------------------------------------
 
-    def compare_forward(
-        self,
-        index: int,
-        primary_node: str,
-        reply: training_pb2.TrainForwardResponse,
-        shadow: training_pb2.TrainForwardResponse,
+    def compare(
+        self, index: int, primary_node: str, kind: int, reply: TrainingReply, shadow: TrainingReply
     ) -> None:
-        if reply.HasField("output") or shadow.HasField("output"):
-            error = _tensor_error(reply.output, shadow.output)
-        else:
-            error = _scalar_error(reply.loss, shadow.loss)
-            if reply.label_tokens != shadow.label_tokens:
-                error = float("inf")
-        what = "loss" if not reply.HasField("output") else "forward output"
-        self._judge(index, primary_node, what, error)
-
-    def compare_backward(
-        self,
-        index: int,
-        primary_node: str,
-        reply: training_pb2.TrainBackwardResponse,
-        shadow: training_pb2.TrainBackwardResponse,
-    ) -> None:
-        if not (reply.HasField("grad_input") or shadow.HasField("grad_input")):
+        """Raise ShadowMismatch unless both answers agree within the fp32 tolerance."""
+        mine, theirs = full_answer(reply), full_answer(shadow)
+        if kind == KIND.BACKWARD and not (mine.HasField("output") or theirs.HasField("output")):
             return  # the first stage answers no input gradient: nothing to compare
-        error = _tensor_error(reply.grad_input, shadow.grad_input)
-        self._judge(index, primary_node, "input gradient", error)
-
-    def compare_norm(
-        self,
-        index: int,
-        primary_node: str,
-        reply: training_pb2.GradNormResponse,
-        shadow: training_pb2.GradNormResponse,
-    ) -> None:
-        error = _scalar_error(reply.sq_norm, shadow.sq_norm)
-        if reply.finite != shadow.finite:
-            error = float("inf")
-        self._judge(index, primary_node, "squared gradient norm", error)
+        what = {
+            KIND.FORWARD: "forward output" if mine.HasField("output") else "loss",
+            KIND.BACKWARD: "input gradient",
+            KIND.NORM: "squared gradient norm",
+        }[kind]
+        self._judge(index, primary_node, what, training_answers.answer_error(kind, mine, theirs))
 
     def _judge(self, index: int, primary_node: str, what: str, error: float) -> None:
         """Raise ShadowMismatch unless the error is within the fp32 tolerance."""
         self.stats.checks += 1
         self.stats.errors.append(error)
-        tol = output_check.tolerance("cpu", "float32")  # training computes in fp32
+        tol = training_answers.tolerance()
         if error <= tol:
             return
         self.stats.mismatches += 1
@@ -379,23 +353,8 @@ class ShadowChecks:
         )
 
 
-def _tensor_error(a: common_pb2.Tensor, b: common_pb2.Tensor) -> float:
-    if list(a.shape) != list(b.shape) or not a.dtype or not b.dtype:
-        return float("inf")
-    return output_check.relative_error(
-        codec.decode(a, finite=False), a.dtype, codec.decode(b, finite=False), b.dtype
-    )
-
-
-def _scalar_error(a: float, b: float) -> float:
-    if not (math.isfinite(a) and math.isfinite(b)):
-        return 0.0 if a == b else float("inf")
-    return abs(a - b) / max(abs(a), abs(b), 1e-12)
-
-
 # ---- evidence for the coordinator ---------------------------------------------------------
 
-KIND = verification_pb2.TrainingCall.Kind
 TrainingReply = (
     training_pb2.TrainForwardResponse
     | training_pb2.TrainBackwardResponse
@@ -406,20 +365,10 @@ TrainingReply = (
 
 def answer_bytes(kind: int, request: object, reply: TrainingReply) -> bytes:
     """The bytes a node's signature hashes for this answer (see the node's _sign)."""
-    if kind == KIND.FORWARD:
-        assert isinstance(reply, training_pb2.TrainForwardResponse)
-        if reply.HasField("output"):
-            return reply.output.data
-        return identity.training_loss_bytes(reply.loss, reply.label_tokens)
-    if kind == KIND.BACKWARD:
-        assert isinstance(reply, training_pb2.TrainBackwardResponse)
-        return reply.grad_input.data
-    if kind == KIND.NORM:
-        assert isinstance(reply, training_pb2.GradNormResponse)
-        return identity.training_norm_bytes(reply.sq_norm, reply.finite)
-    assert isinstance(reply, training_pb2.OptimizerStepResponse)
-    assert isinstance(request, training_pb2.OptimizerStepRequest)
-    return identity.training_step_bytes(request.clip_coef, reply.step)
+    if kind == KIND.OPTIMIZER_STEP:
+        assert isinstance(request, training_pb2.OptimizerStepRequest)
+        return identity.training_step_bytes(request.clip_coef, reply.step)
+    return training_answers.answer_bytes(kind, full_answer(reply))
 
 
 def signed_reply(
@@ -467,7 +416,8 @@ def full_answer(reply: TrainingReply) -> verification_pb2.TrainingAnswer:
             answer.output.CopyFrom(reply.output)
         answer.loss, answer.label_tokens = reply.loss, reply.label_tokens
     elif isinstance(reply, training_pb2.TrainBackwardResponse):
-        answer.output.CopyFrom(reply.grad_input)
+        if reply.HasField("grad_input"):  # none at the first stage
+            answer.output.CopyFrom(reply.grad_input)
     elif isinstance(reply, training_pb2.GradNormResponse):
         answer.sq_norm, answer.finite = reply.sq_norm, reply.finite
     return answer

@@ -3,7 +3,7 @@
 Set ``TESSERA_FAILPOINTS`` in the node agent's environment to a comma-separated list:
 
     corrupt=Q        with probability Q per output, add noise of 50% of the output's RMS
-                     (training: ForwardTrain hidden states, not the last stage's loss)
+                     (training: ForwardTrain hidden states; the last stage's loss)
     corrupt_backward=Q  training only: the same noise on BackwardTrain's grad_input
     skip_step=Q      training only: with probability Q an OptimizerStep answers the new
                      version but leaves the weights as they were (a lazy node)
@@ -158,6 +158,15 @@ class Failpoints:
         if scale == 0.0:
             return None
         return values + self._rng.normal(0.0, scale * rms, values.shape).astype(np.float32)
+
+    def tamper_loss(self, loss: float) -> float:
+        """corrupt, at a training pipeline's last stage: report a wrong loss."""
+        self.calls += 1
+        if not (self.spec.corrupt and self._rng.random() < self.spec.corrupt):
+            return loss
+        self.tampered += 1
+        log.warning("FAILPOINT reports a wrong loss (%d so far)", self.tampered)
+        return loss * (1.0 + CORRUPTION_SCALE)
 
     def tamper_backward(self, grad: common_pb2.Tensor) -> common_pb2.Tensor:
         """corrupt_backward: a training node's wrong input gradient (before signing)."""

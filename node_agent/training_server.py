@@ -438,6 +438,8 @@ class TrainingStageServicer(training_pb2_grpc.TrainingStageServicer):
         )
         if job.is_last:
             response.loss = float(out)
+            if self._failpoints is not None:  # tests and demos only: lie, then sign
+                response.loss = self._failpoints.tamper_loss(response.loss)
             response.label_tokens = int((labels != -100).sum()) if labels is not None else 0
             payload = identity.training_loss_bytes(response.loss, response.label_tokens)
         else:

@@ -122,6 +122,9 @@ class JobManager:
         self._assigning: dict[tuple[str, int, int], str] = {}  # (job, start, end) -> node
         # job -> stage index -> its verification-only checker in the current session.
         self._checkers: dict[str, dict[int, StageRecord]] = {}
+        # Arbitration job id -> (job, arbiter node, start, end): whose checkpoint part the
+        # arbiter of a training dispute may download under that id.
+        self._loans: dict[str, tuple[str, str, int, int]] = {}
         self._tasks: set[asyncio.Task[None]] = set()
 
     # ---- submit and read ----------------------------------------------------------------
@@ -432,6 +435,9 @@ class JobManager:
 
     def check_download(self, request: training_pb2.DownloadCheckpointRequest, node_id: str
                        ) -> CheckpointPartRecord:  # fmt: skip
+        loan = self._loans.get(request.job_id)
+        if loan is not None:
+            return self._lent_part(request, node_id, *loan)
         job = self.require_job(request.job_id)
         checkers = self._checkers.get(job.id, {}).values()
         checking = {(c.start, c.end) for c in checkers if c.node_id == node_id}
@@ -446,6 +452,53 @@ class JobManager:
             f"{request.layers.end}) at step {request.step} (the last consistent one is step "
             f"{job.checkpoint_step})"
         )
+
+    # ---- arbitration of training disputes ----------------------------------------------
+
+    def lend_checkpoint(
+        self, loan_id: str, job_id: str, node_id: str, start: int, end: int
+    ) -> None:
+        """Let ``node_id`` download the job's part of layers [start, end) as ``loan_id``."""
+        self._loans[loan_id] = (job_id, node_id, start, end)
+
+    def end_loan(self, loan_id: str) -> None:
+        self._loans.pop(loan_id, None)
+
+    def _lent_part(
+        self,
+        request: training_pb2.DownloadCheckpointRequest,
+        node_id: str,
+        job_id: str,
+        borrower: str,
+        start: int,
+        end: int,
+    ) -> CheckpointPartRecord:
+        if node_id != borrower or (request.layers.start, request.layers.end) != (start, end):
+            raise StoreError(
+                grpc.StatusCode.PERMISSION_DENIED,
+                f"node {node_id} may not download layers [{request.layers.start}, "
+                f"{request.layers.end}) of job {request.job_id}",
+            )
+        part = self.checkpoint_part(job_id, request.step, start, end)
+        if part is None:
+            raise not_found(f"job {request.job_id} has no checkpoint at step {request.step}")
+        return part
+
+    def checkpoint_part(
+        self, job_id: str, step: int, start: int, end: int
+    ) -> CheckpointPartRecord | None:
+        for part in self.repo.checkpoint_parts(job_id, step):
+            if (part.start, part.end) == (start, end):
+                return part
+        return None
+
+    def training_facts(
+        self, job_id: str, start: int, end: int
+    ) -> tuple[JobRecord, training_pb2.TrainingHyper, int]:
+        """(job, hyper-parameters, bytes of a stage's training state over [start, end))."""
+        job = self.require_job(job_id)
+        hyper = _hyper(job)
+        return job, hyper, self._state_bytes(job, self._require_model(job.model), hyper, start, end)
 
     # ---- conversions --------------------------------------------------------------------
 

@@ -19,6 +19,7 @@ from client.training_driver import StageFailed, StageOutOfSync, TrainingDriver
 from client.training_verification import ShadowChecks, ShadowMismatch
 from node_agent import failpoints
 from protos.tessera.v1 import training_pb2
+from protos.training_answers import KIND
 
 STEPS = 4
 CHECKPOINT = 2
@@ -229,9 +230,10 @@ def test_intervals_lockstep_keep_weights_and_check_the_next_steps_forwards() -> 
     checks.opened(0, 4)
     assert checks.start_interval(0, 4, True, rolled_back=True)
     with pytest.raises(ShadowMismatch) as info:
-        checks.compare_norm(
+        checks.compare(
             0,
             "primary",
+            KIND.NORM,
             training_pb2.GradNormResponse(step=4, sq_norm=2.0, finite=True),
             training_pb2.GradNormResponse(step=4, sq_norm=1.0, finite=True),
         )

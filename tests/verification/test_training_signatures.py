@@ -201,7 +201,7 @@ async def test_a_forward_failpoint_tampers_before_signing(
     start_train_node, keys, monkeypatch
 ) -> None:
     """TESSERA_FAILPOINTS reaches ForwardTrain: the node signs the corrupted hidden states
-    it sends, so the signature verifies (a signed wrong output is evidence) and only
+    (or loss) it sends, so the signature verifies (a signed wrong output is evidence) and only
     redundant execution could tell; the losses visibly differ from an honest run's."""
     honest_driver, _ = await pipeline(start_train_node, keys)
     try:
@@ -218,7 +218,8 @@ async def test_a_forward_failpoint_tampers_before_signing(
         await driver.close()
     first = nodes[0].training._failpoints
     assert first is not None and first.tampered == first.calls == 2  # both micro-batches
-    assert nodes[2].training._failpoints.tampered == 0  # the last stage sends a loss
+    last = nodes[2].training._failpoints
+    assert last is not None and last.tampered == last.calls == 2  # it reports a wrong loss
     assert driver.signatures.checked == 3 * 2 * 2 + 3 * 2  # and GradNorm, OptimizerStep
     assert abs(tampered - honest) > 1e-3
 
