@@ -119,8 +119,16 @@ def start_cheater(swarm: LocalSwarm, name: str, spec: str) -> LocalProcess:
     return proc
 
 
+def verified(client: Client) -> int:
+    return sum(n.trust.verified for n in client.nodes(include_offline=True))
+
+
 def test_honest_checked_jobs_agree_and_earn_trust(swarm, dataset, reference) -> None:
-    info, events = run_job(swarm, dataset)
+    with Client(swarm.address) as client:
+        before = verified(client)
+        info, events = run_job(swarm, dataset)
+        # One agreement per checked step: the stage node and its checker both earn it.
+        assert verified(client) - before == 2 * SPEC.steps
     assert info.replans == 0
     assert final_losses(events) == pytest.approx(reference, rel=1e-6)
     log = swarm.coordinator.log_text()

@@ -30,7 +30,8 @@ INPUT = codec.encode(np.ones((1, 4, 8), dtype=np.float32), "float32")
 
 @pytest.fixture
 async def job(start_jobs):  # noqa: F811 - the fixture
-    jc = await start_jobs(nodes=6, accounts=[f"op{i}" for i in range(6)])
+    # Trust after one verified result, so that falling probabilities show in a few reports.
+    jc = await start_jobs(nodes=6, accounts=[f"op{i}" for i in range(6)], verify_warmup=1)
     await jc.ready(replicas=2)
     dataset = await jc.upload(np.arange(400, dtype=np.int32) % 60)
     info = await jc.submit(dataset.id)
@@ -89,6 +90,12 @@ def dispute(
         primary_node_id=primary.node_id, checker_node_id=checker.node_id,
         calls=[call], primary_answer=answer["primary"], checker_answer=answer["checker"],
     )  # fmt: skip
+
+
+def claims_of(jc: JobsCoordinator, session):
+    claims = identity.open_capability(jc.coordinator.ctx.public_key, session.capability)
+    assert claims is not None
+    return claims
 
 
 def banned(jc: JobsCoordinator) -> list[str]:
@@ -182,7 +189,7 @@ def agreement(jc: JobsCoordinator, session, step: int) -> verification_pb2.Train
     )  # fmt: skip
 
 
-async def test_agreements_earn_both_nodes_trust_once(job) -> None:
+async def test_agreements_earn_both_nodes_trust_once_and_a_dispute_resets_it(job) -> None:
     jc, session = job
     report = stub(jc).ReportTrainingChecks
     checks = verification_pb2.TrainingChecks(
@@ -193,7 +200,13 @@ async def test_agreements_earn_both_nodes_trust_once(job) -> None:
     trust = jc.coordinator.ctx.verifier.reputation
     pair = (checks.agreements[0].primary.node_id, checks.agreements[0].checker.node_id)
     assert [trust.record(n).consecutive for n in pair] == [3, 3]
-    assert trust.probability(pair[0]) <= 1.0
+    # The check probability falls with trust, and the next session grants it.
+    assert trust.probability(pair[0]) == pytest.approx(1 / 3)
+    reopened = await jc.stub.OpenTrainingSession(
+        jobs_pb2.OpenTrainingSessionRequest(job_id=session.job_id)
+    )
+    grants = {g.node_id: g for g in claims_of(jc, reopened).grants}
+    assert grants[pair[0]].check_probability == pytest.approx(1 / 3)
     await refused(report, checks, grpc.StatusCode.ALREADY_EXISTS, "already reported")
     forged = verification_pb2.TrainingChecks(
         job_id=session.job_id, capability=session.capability,
@@ -207,3 +220,7 @@ async def test_agreements_earn_both_nodes_trust_once(job) -> None:
     )  # fmt: skip
     await refused(report, flood, grpc.StatusCode.RESOURCE_EXHAUSTED, "agreements")
     assert [trust.record(n).consecutive for n in pair] == [3, 3]
+    # A dispute nobody can settle costs both their streak: checked on every call again.
+    verdict = await stub(jc).ReportTrainingDispute(dispute(jc, reopened, step=5))
+    assert verdict.outcome == Outcome.UNRESOLVED
+    assert [trust.probability(n) for n in pair] == [1.0, 1.0]
