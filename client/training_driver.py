@@ -525,8 +525,8 @@ class TrainingDriver:
         primary's answer stands; otherwise the primary fails, and the job re-plans the
         stage and restores a checkpoint the shadow still vouches for."""
         state = self.shadows.shadows.get(index)
-        if state is None:
-            return  # dropped meanwhile
+        if state is None or state.disputed:
+            return  # dropped meanwhile, or one dispute of this stage is being arbitrated
         checker, primary = self._checkers[index], self.hops[index]
         call = logged_call(kind, request, (primary.node_id, reply), (checker.node_id, shadow))
         state.log.append(call)
@@ -536,6 +536,7 @@ class TrainingDriver:
             compare(index, primary.node_id, kind, reply, shadow)
         except ShadowMismatch as err:
             log.warning("training stage %d: %s", index, err)
+            state.disputed = True
             verdict = await self._dispute(index, state.anchor, state.anchor_sha256, reply, shadow)
             if verdict is not None and verdict.outcome == Outcome.CHECKER_WRONG:
                 self.shadows.drop(index, f"the arbiter proved checker {checker.node_id} wrong")

@@ -220,6 +220,7 @@ class Shadow:
     anchor_sha256: str = ""  # of the checkpoint part at ``anchor`` ("" at step 0)
     # Every call both nodes answered since ``anchor``, signed: a dispute's evidence.
     log: list[verification_pb2.TrainingCall] = field(default_factory=list)
+    disputed: bool = False  # a mismatch is being arbitrated: no more calls, one dispute
 
 
 class ShadowChecks:
@@ -292,13 +293,13 @@ class ShadowChecks:
         shadow = self.shadows[index]
         shadow.mode, shadow.version, shadow.anchor = LOCKSTEP, step, step
         shadow.anchor_sha256 = shadow.interval_sha256
-        shadow.log = []
+        shadow.log, shadow.disputed = [], False
         self.stats.reopened += 1
 
     def active(self, index: int, step: int, kind: str) -> Shadow | None:
         """The shadow that takes this call of stage ``index`` at ``step``, if any."""
         shadow = self.shadows.get(index)
-        if shadow is None or shadow.version != step:
+        if shadow is None or shadow.version != step or shadow.disputed:
             return None
         if shadow.mode == LOCKSTEP or (shadow.mode == FORWARD and kind == "forward"):
             return shadow

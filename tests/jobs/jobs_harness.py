@@ -136,6 +136,14 @@ class JobsCoordinator:
 
         await wait_until(covered, 10.0, f"{replicas} ready replica(s) of every layer")
 
+    async def all_ready(self) -> None:
+        """Every node's shard is READY (coverage counts shards still being confirmed)."""
+        placement = self.coordinator.ctx.planner
+        await wait_until(
+            lambda: len(placement.ready_holders(MODEL)) >= len(self.nodes), 10.0,
+            "every node's shard to be ready",
+        )
+
 
 def hyper(**overrides: Any) -> training_pb2.TrainingHyper:
     values: dict[str, Any] = dict(

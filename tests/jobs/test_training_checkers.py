@@ -24,6 +24,7 @@ from protos.tessera.v1 import client_api_pb2, jobs_pb2, training_pb2
 async def coordinator_with(start_jobs, accounts: list[str]) -> JobsCoordinator:
     jc = await start_jobs(nodes=len(accounts), accounts=accounts)
     await jc.ready(replicas=2)
+    await jc.all_ready()
     return jc
 
 

@@ -31,8 +31,12 @@ INPUT = codec.encode(np.ones((1, 4, 8), dtype=np.float32), "float32")
 @pytest.fixture
 async def job(start_jobs):  # noqa: F811 - the fixture
     # Trust after one verified result, so that falling probabilities show in a few reports.
-    jc = await start_jobs(nodes=6, accounts=[f"op{i}" for i in range(6)], verify_warmup=1)
-    await jc.ready(replicas=2)
+    # One stage holding the whole model: every other node can check it.
+    jc = await start_jobs(
+        nodes=4, accounts=[f"op{i}" for i in range(4)], verify_warmup=1, min_stages=1, replicas=4
+    )
+    await jc.ready(replicas=4)
+    await jc.all_ready()
     dataset = await jc.upload(np.arange(400, dtype=np.int32) % 60)
     info = await jc.submit(dataset.id)
     session = await jc.stub.OpenTrainingSession(
