@@ -152,3 +152,35 @@ def test_a_cheating_stage_node_is_arbitrated_banned_and_the_losses_stay_honest(
     log = swarm.coordinator.log_text()
     assert f"FRAUD PROVEN: node {cheater.node_id}" in log
     assert final_losses(events) == pytest.approx(reference, rel=1e-6)
+
+
+def test_a_cheating_checker_is_banned_and_the_job_goes_on(swarm, dataset, reference) -> None:
+    """Runs last: it adds a fast honest node. That node's (claimed) speed makes it the
+    stage node, the cheater is the next cheapest, so its checker; the arbiter sides with
+    the stage node, the checker is banned and dropped, and nothing is re-planned."""
+    os.environ[ENV_VAR] = "inflate_benchmark=500"  # an honest node that claims more speed
+    try:
+        fast = swarm.start_node("honest-fast", ["--account", "op-fast"])
+    finally:
+        os.environ.pop(ENV_VAR, None)
+    swarm.wait_registered([fast])
+    cheater = start_cheater(swarm, "cheat-checker", "corrupt=1.0")
+    with Client(swarm.address) as client:
+        wait_for(lambda: ready_replicas(client) >= 4, "the new nodes to hold the model")
+        wait_for(
+            lambda: {fast.node_id, cheater.node_id} <= ready_nodes(client),
+            "both new nodes to serve the model",
+        )
+        info, events = run_job(swarm, dataset)
+        assert state_of(client, cheater.node_id) == node_pb2.NODE_STATE_BANNED, story(swarm)
+        assert state_of(client, fast.node_id) == node_pb2.NODE_STATE_ONLINE
+    assert info.replans == 0 and [s.node_id for s in info.stages] == [fast.node_id]
+    assert f"FRAUD PROVEN: node {cheater.node_id}" in swarm.coordinator.log_text()
+    assert final_losses(events) == pytest.approx(reference, rel=1e-6)
+
+
+def ready_nodes(client: Client) -> set[str]:
+    return {
+        n.node_id for n in client.nodes()
+        if any(s.model == MODEL and s.state == node_pb2.SHARD_STATE_READY for s in n.shards)
+    }  # fmt: skip
