@@ -45,13 +45,23 @@ from client.training_driver import (
     TrainingDriver,
     TrainingHop,
 )
-from protos.tessera.v1 import jobs_pb2, jobs_pb2_grpc, ledger_pb2, training_pb2
+from protos.tessera.v1 import (
+    jobs_pb2,
+    jobs_pb2_grpc,
+    ledger_pb2,
+    training_pb2,
+    verification_pb2,
+    verification_pb2_grpc,
+)
 
 log = logging.getLogger("tessera.jobs")
 
 # Re-planning may find no node for a while (replacements still loading the shard).
 REPLAN_PATIENCE_S = 120.0
 MAX_RECOVERIES = 20
+# Arbitration replays a stage's calls since a checkpoint on a third node.
+DISPUTE_TIMEOUT_S = 600.0
+MAX_AGREEMENTS_PER_REPORT = 1024
 
 
 @dataclass(frozen=True)
@@ -108,6 +118,7 @@ class JobsApi:
 
     def __init__(self, channel: grpc.aio.Channel, call: Callable[..., Any]) -> None:
         self.stub = jobs_pb2_grpc.JobsStub(channel)
+        self.verification = verification_pb2_grpc.VerificationStub(channel)
         self.call = call
 
     async def upload_dataset(self, dataset: TokenDataset) -> jobs_pb2.DatasetInfo:
@@ -202,6 +213,11 @@ class JobRunner:
             hyper=job.hyper,
             channels=self.channels,
             usage=self.usage,
+            # Independent checkers the coordinator granted; each interval is checked with
+            # the primary's own trust-based probability (docs/verification.md).
+            checkers=[_hop(c) for c in session.checkers],
+            check_probability=None,
+            disputes=self._dispute,
         )
         try:
             failure: StageFailed | None = None
@@ -217,6 +233,7 @@ class JobRunner:
                     break
                 except StageFailed as failed:
                     failure = failed
+            await self._report_checks(driver)
             info = await self._finish(jobs_pb2.JOB_STATE_DONE)
             self.on_event(JobEvent("done", job.job_id, info.step, info.steps, info.last_loss))
             return info
@@ -247,6 +264,7 @@ class JobRunner:
             )
             if step == job.steps or (every and step % every == 0):
                 await driver.save_checkpoint(step)
+                await self._report_checks(driver)
                 self.on_event(JobEvent("checkpoint", job.job_id, step, job.steps))
             if self.after_step is not None:
                 outcome = self.after_step(step)
@@ -257,6 +275,7 @@ class JobRunner:
     async def _recover(self, driver: TrainingDriver, failure: StageFailed) -> int:
         """Re-plan the failed stage (or just re-sync), then roll every stage back."""
         self.recoveries += 1
+        await self._report_checks(driver)  # while the session that granted them holds
         if self.recoveries > MAX_RECOVERIES:
             raise TesseraError(f"gave up after {MAX_RECOVERIES} recoveries; last: {failure}")
         assert self._session is not None
@@ -264,6 +283,7 @@ class JobRunner:
             session = await self._open_session()
             for index, hop in enumerate(session.hops):
                 driver.replace_hop(index, _hop(hop), session.capability)
+            driver.set_checkers([_hop(c) for c in session.checkers])
             return await self._restore(driver, session, f"re-sync: {failure.cause}")
         request = jobs_pb2.StageFailureRequest(
             job_id=self.job_id,
@@ -272,12 +292,15 @@ class JobRunner:
             node_id=failure.node_id,
             cause=failure.cause[:4000],
         )
+        if failure.restore_at_most is not None:
+            request.restore_at_most = failure.restore_at_most
         session = await self._with_patience(
             "re-planning the failed stage", self.api.stub.ReportStageFailure, request
         )
         self._session = session
         index = session.replaced_stage
         driver.replace_hop(index, _hop(session.hops[index]), session.capability)
+        driver.set_checkers([_hop(c) for c in session.checkers])
         detail = (
             f"stage {index} [{failure_span(session, index)}) moved from {failure.node_id} to "
             f"{session.hops[index].node_id} ({failure.cause})"
@@ -325,6 +348,34 @@ class JobRunner:
                 log.info("%s: %s; retrying in %.1fs", what, err.details(), delay)
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, 5.0)
+
+    async def _dispute(
+        self, dispute: verification_pb2.TrainingDispute
+    ) -> verification_pb2.Verdict:
+        """A lockstep check disagreed: the coordinator arbitrates (docs/verification.md)."""
+        try:
+            return await self.api.verification.ReportTrainingDispute(
+                dispute, timeout=DISPUTE_TIMEOUT_S
+            )
+        except grpc.aio.AioRpcError as err:
+            raise CoordinatorError(
+                "reporting a training dispute", err.code(), err.details() or ""
+            ) from err
+
+    async def _report_checks(self, driver: TrainingDriver) -> None:
+        """Agreed lockstep checks raise both nodes' reputation; losing them only costs
+        trust, never the job, so a refusal is logged and dropped."""
+        assert self._session is not None
+        while driver.agreements:
+            batch = driver.agreements[:MAX_AGREEMENTS_PER_REPORT]
+            del driver.agreements[:MAX_AGREEMENTS_PER_REPORT]
+            request = verification_pb2.TrainingChecks(
+                job_id=self.job_id, capability=self._session.capability, agreements=batch
+            )
+            try:
+                await self.api.verification.ReportTrainingChecks(request, timeout=30.0)
+            except grpc.aio.AioRpcError as err:
+                log.warning("training checks not reported: %s: %s", err.code().name, err.details())
 
     def _receipts(self) -> list[ledger_pb2.SignedUsage]:
         return self.usage.countersign(self.job_id, self.key) if self.key is not None else []

@@ -41,18 +41,32 @@ from client.channels import ChannelPool
 from client.driver import CLIENT_FAULT_CODES
 from client.errors import RequestRejected, TesseraError
 from client.training_verification import (
+    KIND,
     BadTrainingSignature,
-    ForwardMismatch,
     ShadowChecks,
+    ShadowMismatch,
     TrainingReplyChecker,
+    full_answer,
+    logged_call,
 )
 from protos import codec
-from protos.tessera.v1 import client_api_pb2, common_pb2, training_pb2, training_pb2_grpc
+from protos.tessera.v1 import (
+    client_api_pb2,
+    common_pb2,
+    training_pb2,
+    training_pb2_grpc,
+    verification_pb2,
+)
 
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 IGNORE_INDEX = -100
+Outcome = verification_pb2.Verdict.Outcome
+# Reports a dispute to the coordinator's verifier and returns its verdict.
+DisputeReporter = Callable[
+    [verification_pb2.TrainingDispute], Awaitable[verification_pb2.Verdict]
+]
 
 
 @dataclass(frozen=True)
@@ -80,13 +94,19 @@ class StepResult:
 
 
 class StageFailed(TesseraError):
-    """A stage node failed; the caller re-plans the stage and restores every stage."""
+    """A stage node failed; the caller re-plans the stage and restores every stage.
 
-    def __init__(self, index: int, node_id: str, cause: str) -> None:
+    ``restore_at_most``: set when a redundant check proved the node's recent work wrong:
+    the newest checkpoint step that is not suspect (the node uploaded the later ones)."""
+
+    def __init__(
+        self, index: int, node_id: str, cause: str, restore_at_most: int | None = None
+    ) -> None:
         super().__init__(f"training stage {index} on node {node_id} failed: {cause}")
         self.index = index
         self.node_id = node_id
         self.cause = cause
+        self.restore_at_most = restore_at_most
 
 
 class StageOutOfSync(StageFailed):
@@ -123,12 +143,16 @@ class TrainingDriver:
         check_probability: float | None = None,
         check_seed: int | None = None,
         usage: UsageBook | None = None,
+        disputes: DisputeReporter | None = None,
     ) -> None:
         """``checkers``: independent replicas (another node, of another operator, granted
-        by the capability) that re-run a fraction of the forward calls of the stage with
-        the same layers, on a shadow state (client/training_verification.py). The
-        fraction is ``check_probability``, or when None each primary node's own
-        ``check_probability`` from the capability (set by the coordinator from its trust)."""
+        by the capability) of some stages' layers. In a sampled fraction of checkpoint
+        intervals a checker trains a shadow of its stage in lockstep and every answer is
+        compared (client/training_verification.py). The fraction is
+        ``check_probability``, or when None each primary node's own ``check_probability``
+        from the capability (set by the coordinator from its trust). ``disputes``: where a
+        mismatch goes for arbitration (the coordinator's ReportTrainingDispute); without
+        it a mismatch always fails the primary."""
         _check_hops(hops)
         if hyper.micro_batches < 1:
             raise ValueError(f"hyper.micro_batches must be >= 1, got {hyper.micro_batches}")
@@ -150,6 +174,10 @@ class TrainingDriver:
             check_probability,
             check_seed,
         )
+        self._disputes = disputes
+        self.verdicts: list[verification_pb2.Verdict] = []
+        # Agreed lockstep checks not reported yet (the job runner sends them in batches).
+        self.agreements: list[verification_pb2.TrainingAgreement] = []
         self._owns_channels = channels is None
         self._channels = channels or ChannelPool()
         self._version: int | None = None  # unknown until open()
@@ -194,7 +222,8 @@ class TrainingDriver:
                 0, self.hops[0].node_id, f"stages opened at different steps {steps}"
             )
         self._version = steps[0]
-        await self._open_shadows(restore_step, restore_sha256)
+        # Every stage rolled back: no shadow can continue, each is drawn afresh.
+        await self._start_intervals(steps[0], restore_sha256, rolled_back=True)
         return steps[0]
 
     def _open_request(
@@ -210,15 +239,18 @@ class TrainingDriver:
             restore_sha256=restore_sha256.get((hop.start, hop.end), "") if restore_step else "",
         )
 
-    async def _open_shadows(self, step: int, restore_sha256: dict[tuple[int, int], str]) -> None:
-        """(Re-)open each checker's shadow at ``step`` from the same checkpoint as its
-        stage, so that both hold identical weights while the stages are at ``step``."""
+    async def _start_intervals(
+        self, step: int, parts: dict[tuple[int, int], str], *, rolled_back: bool
+    ) -> None:
+        """A checkpoint interval begins at ``step``: draw, per checked stage, whether its
+        shadow trains in lockstep through it (with the primary's probability; the primary
+        cannot tell), and (re-)open the shadows that must start from this checkpoint."""
 
         async def open_shadow(index: int) -> None:
             hop = self._checkers[index]
             try:
                 reply = await self._call_hop(
-                    index, hop, "OpenTraining", self._open_request(hop, step, restore_sha256)
+                    index, hop, "OpenTraining", self._open_request(hop, step, parts)
                 )
             except (StageFailed, RequestRejected) as err:
                 self.shadows.drop(index, str(err))
@@ -228,7 +260,22 @@ class TrainingDriver:
             else:
                 self.shadows.drop(index, f"its shadow opened at step {reply.step}, not {step}")
 
-        await asyncio.gather(*(open_shadow(i) for i in list(self.shadows.checkers)))
+        reopen = []
+        for index in list(self.shadows.shadows):
+            primary = self.hops[index].node_id
+            sampled = self.shadows.sample(self.signatures.check_probability.get(primary, 1.0))
+            hop = self.hops[index]
+            sha256 = parts.get((hop.start, hop.end), "") if step else ""
+            if self.shadows.start_interval(
+                index, step, sampled, rolled_back=rolled_back, sha256=sha256
+            ):
+                reopen.append(index)
+        await asyncio.gather(*(open_shadow(i) for i in reopen))
+
+    def set_checkers(self, checkers: list[TrainingHop]) -> None:
+        """A new session's checkers (after a re-plan); they start at the next ``open``."""
+        self._checkers = _checker_stages(self.hops, checkers)
+        self.shadows.replace({i: (h.node_id, h.start, h.end) for i, h in self._checkers.items()})
 
     async def close(self) -> None:
         """Free the training state on every stage (best effort) and close channels."""
@@ -259,9 +306,10 @@ class TrainingDriver:
         self.hops[index] = hop
         self._capability = capability
         self.signatures.update(capability)
-        checker = self._checkers.get(index)
-        if checker is not None and checker.node_id == hop.node_id:
-            self.shadows.drop(index, f"node {hop.node_id} now runs the stage itself")
+        for checked, checker in list(self._checkers.items()):
+            if checker.node_id == hop.node_id:
+                self._checkers.pop(checked)
+                self.shadows.drop(checked, f"node {hop.node_id} now runs stage {index} itself")
         self._version = None
 
     # ---- one optimizer step ---------------------------------------------------------
@@ -285,6 +333,7 @@ class TrainingDriver:
                 await self._backward(step, mb, stage_ms)
 
         await _all_or_cancel([one(mb) for mb in range(len(micro_batches))])
+        self.shadows.passes_done(step)
         total_sq_norm = await self._global_sq_norm(step)
         clip = clip_coefficient(total_sq_norm, self.hyper.max_grad_norm)
 
@@ -292,7 +341,15 @@ class TrainingDriver:
             request = training_pb2.OptimizerStepRequest(
                 capability=self._capability, job_id=self.job_id, step=step, clip_coef=clip
             )
-            reply = await self._call(index, "OptimizerStep", request)
+            # A lockstep shadow applies the very same clip coefficient.
+            reply, shadow = await self._pair(index, "OptimizerStep", request, step, "step")
+            self._check_signature(index, self.signatures.optimizer_step, request, reply)
+            if shadow is not None:
+                await self._checked(index, KIND.OPTIMIZER_STEP, request, reply, shadow, None)
+                if shadow.step == step + 1:
+                    self.shadows.stepped(index, step)
+                else:
+                    self.shadows.drop(index, f"its shadow stepped to {shadow.step}")
             return reply.step
 
         versions = await self._all(step_one)
@@ -326,8 +383,9 @@ class TrainingDriver:
 
         digests = await self._all(save_one)
         parts = {(h.start, h.end): d for h, d in zip(self.hops, digests, strict=True)}
-        # The stages and their shadows hold identical weights again: check this step.
-        await self._open_shadows(step, parts)
+        # A new checkpoint interval: shadows are drawn again (a lockstep shadow never
+        # uploads: the stage's checkpoint is the primary's).
+        await self._start_intervals(step, parts, rolled_back=False)
         return parts
 
     # ---- the walk -------------------------------------------------------------------
@@ -346,12 +404,12 @@ class TrainingDriver:
                 request.labels.CopyFrom(codec.encode(labels, "int64"))
             hop = self.hops[index]
             self.usage.sent(hop.node_id, hop.start, hop.end, int(tokens.shape[0]))
-            reply = await self._call(index, "ForwardTrain", request)
+            reply, shadow = await self._pair(index, "ForwardTrain", request, step, "forward")
             self._check_signature(index, self.signatures.forward, request, reply)
             self.usage.received(hop.node_id, hop.start, hop.end, reply.usage)
-            trust_p = self.signatures.check_probability.get(self.hops[index].node_id, 1.0)
-            if self.shadows.should_check(index, step, trust_p):
-                await self._shadow_check(index, request, reply)
+            if shadow is not None:
+                compare = self.shadows.compare
+                await self._checked(index, KIND.FORWARD, request, reply, shadow, compare)
             stage_ms[index] += reply.compute_ms
             if index == last:
                 return reply.loss, reply.label_tokens
@@ -366,8 +424,11 @@ class TrainingDriver:
             )
             if grad is not None:
                 request.grad_output.CopyFrom(grad)
-            reply = await self._call(index, "BackwardTrain", request)
+            reply, shadow = await self._pair(index, "BackwardTrain", request, step, "backward")
             self._check_signature(index, self.signatures.backward, request, reply)
+            if shadow is not None:
+                compare = self.shadows.compare
+                await self._checked(index, KIND.BACKWARD, request, reply, shadow, compare)
             stage_ms[index] += reply.compute_ms
             grad = reply.grad_input if reply.HasField("grad_input") else None
 
@@ -376,7 +437,12 @@ class TrainingDriver:
             request = training_pb2.GradNormRequest(
                 capability=self._capability, job_id=self.job_id, step=step
             )
-            return await self._call(index, "GradNorm", request)
+            reply, shadow = await self._pair(index, "GradNorm", request, step, "norm")
+            self._check_signature(index, self.signatures.norm, request, reply)
+            if shadow is not None:
+                compare = self.shadows.compare
+                await self._checked(index, KIND.NORM, request, reply, shadow, compare)
+            return reply
 
         replies = await self._all(norm_one)
         refused = [self.hops[i].node_id for i, r in enumerate(replies) if not r.finite]
@@ -409,31 +475,121 @@ class TrainingDriver:
             log.warning("training stage %d on %s: %s", index, hop.node_id, err)
             raise StageFailed(index, hop.node_id, f"bad signature: {err}") from err
 
-    async def _shadow_check(
-        self,
-        index: int,
-        request: training_pb2.TrainForwardRequest,
-        reply: training_pb2.TrainForwardResponse,
-    ) -> None:
-        """Re-run this forward on the stage's shadow; a disagreement fails the primary, so
-        the job re-plans the stage and restores the last checkpoint (nothing of the
-        disputed micro-batch is ever applied)."""
-        checker = self._checkers[index]
-        samples = int(request.input.shape[0]) if request.input.shape else 0
-        self.usage.checked(checker.node_id, checker.start, checker.end, samples)
+    async def _pair(
+        self, index: int, method: str, request: Any, step: int, kind: str
+    ) -> tuple[Any, Any]:
+        """Call stage ``index``; when its shadow is active for this call, send it the very
+        same request at the same time. Returns (primary reply, shadow reply or None)."""
+        if self.shadows.active(index, step, kind) is None:
+            return await self._call(index, method, request), None
+        primary, checked = await _all_or_cancel(
+            [self._call(index, method, request), self._shadow_call(index, method, request)]
+        )
+        return primary, checked
+
+    async def _shadow_call(self, index: int, method: str, request: Any) -> Any:
+        """The shadow's answer, or None when it failed (then it stops checking: a checker
+        never fails the primary's job)."""
+        hop = self._checkers[index]
+        signatures = self.signatures
+        signed = {
+            "ForwardTrain": signatures.forward,
+            "BackwardTrain": signatures.backward,
+            "GradNorm": signatures.norm,
+            "OptimizerStep": signatures.optimizer_step,
+        }
+        if method == "ForwardTrain":
+            samples = int(request.input.shape[0]) if request.input.shape else 0
+            self.usage.checked(hop.node_id, hop.start, hop.end, samples)
         try:
-            shadow = await self._call_hop(index, checker, "ForwardTrain", request)
-            self._check_signature(index, self.signatures.forward, request, shadow, checker)
-            self.usage.received(checker.node_id, checker.start, checker.end, shadow.usage)
+            reply = await self._call_hop(index, hop, method, request)
+            self._check_signature(index, signed[method], request, reply, hop)
         except (StageFailed, RequestRejected) as err:
             self.shadows.drop(index, str(err))
+            return None
+        if method == "ForwardTrain":
+            self.usage.received(hop.node_id, hop.start, hop.end, reply.usage)
+        return reply
+
+    async def _checked(
+        self,
+        index: int,
+        kind: int,
+        request: Any,
+        reply: Any,
+        shadow: Any,
+        compare: Callable[..., None] | None,
+    ) -> None:
+        """Log the call both nodes answered (a dispute's evidence), then compare. On a
+        disagreement the coordinator arbitrates: a convicted checker is dropped and the
+        primary's answer stands; otherwise the primary fails, and the job re-plans the
+        stage and restores a checkpoint the shadow still vouches for."""
+        state = self.shadows.shadows.get(index)
+        if state is None or state.disputed:
+            return  # dropped meanwhile, or one dispute of this stage is being arbitrated
+        checker, primary = self._checkers[index], self.hops[index]
+        call = logged_call(kind, request, (primary.node_id, reply), (checker.node_id, shadow))
+        state.log.append(call)
+        if compare is None:
             return
-        primary = self.hops[index].node_id
         try:
-            self.shadows.compare(index, primary, reply, shadow)
-        except ForwardMismatch as err:
+            compare(index, primary.node_id, kind, reply, shadow)
+        except ShadowMismatch as err:
             log.warning("training stage %d: %s", index, err)
-            raise StageFailed(index, primary, f"redundant check failed: {err}") from err
+            state.disputed = True
+            verdict = await self._dispute(index, state.anchor, state.anchor_sha256, reply, shadow)
+            if verdict is not None and verdict.outcome == Outcome.CHECKER_WRONG:
+                self.shadows.drop(index, f"the arbiter proved checker {checker.node_id} wrong")
+                return
+            judged = f" ({verdict.detail})" if verdict is not None else ""
+            raise StageFailed(
+                index,
+                primary.node_id,
+                f"redundant check failed: {err}{judged}",
+                err.restore_at_most,
+            ) from err
+        if kind == KIND.FORWARD and request.micro_batch == self.hyper.micro_batches - 1:
+            # One agreement per checked step and stage earns both nodes trust.
+            self.agreements.append(
+                verification_pb2.TrainingAgreement(
+                    kind=call.kind, step=call.step, micro_batch=call.micro_batch,
+                    layers=common_pb2.LayerRange(start=primary.start, end=primary.end),
+                    primary=call.primary, checker=call.checker,
+                )  # fmt: skip
+            )
+
+    async def _dispute(
+        self, index: int, anchor: int, anchor_sha256: str, reply: Any, shadow: Any
+    ) -> verification_pb2.Verdict | None:
+        """Report the disagreement with every call since the checkpoint both nodes
+        started from; None without a reporter or when the coordinator cannot answer."""
+        state = self.shadows.shadows.get(index)
+        if self._disputes is None or state is None:
+            return None
+        hop, checker = self.hops[index], self._checkers[index]
+        dispute = verification_pb2.TrainingDispute(
+            job_id=self.job_id,
+            capability=self._capability,
+            layers=common_pb2.LayerRange(start=hop.start, end=hop.end),
+            primary_node_id=hop.node_id,
+            checker_node_id=checker.node_id,
+            restore_step=anchor,
+            restore_sha256=anchor_sha256,
+            calls=state.log,
+            primary_answer=full_answer(reply),
+            checker_answer=full_answer(shadow),
+        )
+        try:
+            verdict = await self._disputes(dispute)
+        except (grpc.aio.AioRpcError, TesseraError) as err:
+            log.warning("training stage %d: the dispute was not arbitrated: %s", index, err)
+            return None
+        log.warning(
+            "training stage %d: arbitration: %s (%s)",
+            index, Outcome.Name(verdict.outcome), verdict.detail,
+        )  # fmt: skip
+        self.verdicts.append(verdict)
+        return verdict
 
     async def _call(self, index: int, method: str, request: object) -> Any:
         return await self._call_hop(index, self.hops[index], method, request)

@@ -272,3 +272,11 @@ class VerificationService(verification_pb2_grpc.VerificationServicer):
     async def GetSessionRisk(self, request: Any, context: Any) -> Any:  # noqa: N802
         verifier = await _component(self.ctx, "verifier", context)
         return await verifier.get_session_risk(request, context)
+
+    async def ReportTrainingDispute(self, request: Any, context: Any) -> Any:  # noqa: N802
+        verifier = await _component(self.ctx, "verifier", context)
+        return await verifier.report_training_dispute(request, context)
+
+    async def ReportTrainingChecks(self, request: Any, context: Any) -> Any:  # noqa: N802
+        verifier = await _component(self.ctx, "verifier", context)
+        return await verifier.report_training_checks(request, context)

@@ -18,6 +18,7 @@ from typing import Any
 import grpc
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
+from coordinator.operators import same_operator
 from coordinator.placement import Placement
 from coordinator.router import Holder, Hop, NoRouteError, Stage, cover_span, route
 from protos import identity
@@ -266,7 +267,7 @@ class Sessions:
                 continue
             seen.add(holder.node_id)
             hop = self._hop(Hop(holder.node_id, holder.address, stage.start, stage.end))
-            if primary.account and hop.account == primary.account:
+            if same_operator(primary.account, hop.account):
                 continue  # one operator's nodes never check each other
             checkers.append(hop)
         return checkers

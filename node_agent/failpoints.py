@@ -3,6 +3,10 @@
 Set ``TESSERA_FAILPOINTS`` in the node agent's environment to a comma-separated list:
 
     corrupt=Q        with probability Q per output, add noise of 50% of the output's RMS
+                     (training: ForwardTrain hidden states; the last stage's loss)
+    corrupt_backward=Q  training only: the same noise on BackwardTrain's grad_input
+    skip_step=Q      training only: with probability Q an OptimizerStep answers the new
+                     version but leaves the weights as they were (a lazy node)
     noise=S          add Gaussian noise of S x the output's RMS to every output
     zeros            answer zeros (a lazy node that skips the work)
     echo             answer the input when it has the output's shape, else zeros
@@ -40,6 +44,8 @@ CORRUPTION_SCALE = 0.5  # relative size of a `corrupt` perturbation: far above a
 _FLAGS = frozenset({"zeros", "echo"})
 _VALUES = {
     "corrupt": float,
+    "corrupt_backward": float,
+    "skip_step": float,
     "noise": float,
     "delay_ms": int,
     "crash_after": int,
@@ -55,6 +61,8 @@ class FailpointError(ValueError):
 @dataclass(frozen=True)
 class FailpointSpec:
     corrupt: float = 0.0
+    corrupt_backward: float = 0.0
+    skip_step: float = 0.0
     noise: float = 0.0
     zeros: bool = False
     echo: bool = False
@@ -89,12 +97,14 @@ def parse(text: str) -> FailpointSpec:
         else:
             raise FailpointError(
                 f"{ENV_VAR}: cannot read {entry!r}; use a comma-separated list of "
-                "corrupt=Q, noise=S, zeros, echo, delay_ms=N, crash_after=N, seed=N, "
-                "inflate_benchmark=F"
+                "corrupt=Q, corrupt_backward=Q, skip_step=Q, noise=S, zeros, echo, "
+                "delay_ms=N, crash_after=N, seed=N, inflate_benchmark=F"
             )
     spec = FailpointSpec(**values)  # type: ignore[arg-type]
-    if not 0.0 <= spec.corrupt <= 1.0:
-        raise FailpointError(f"{ENV_VAR}: corrupt is a probability in [0, 1], got {spec.corrupt}")
+    for name in ("corrupt", "corrupt_backward", "skip_step"):
+        value = getattr(spec, name)
+        if not 0.0 <= value <= 1.0:
+            raise FailpointError(f"{ENV_VAR}: {name} is a probability in [0, 1], got {value}")
     if spec.noise < 0 or spec.delay_ms < 0 or spec.crash_after < 0 or spec.inflate_benchmark < 0:
         raise FailpointError(
             f"{ENV_VAR}: noise, delay_ms, crash_after and inflate_benchmark cannot be negative"
@@ -148,6 +158,34 @@ class Failpoints:
         if scale == 0.0:
             return None
         return values + self._rng.normal(0.0, scale * rms, values.shape).astype(np.float32)
+
+    def tamper_loss(self, loss: float) -> float:
+        """corrupt, at a training pipeline's last stage: report a wrong loss."""
+        self.calls += 1
+        if not (self.spec.corrupt and self._rng.random() < self.spec.corrupt):
+            return loss
+        self.tampered += 1
+        log.warning("FAILPOINT reports a wrong loss (%d so far)", self.tampered)
+        return loss * (1.0 + CORRUPTION_SCALE)
+
+    def tamper_backward(self, grad: common_pb2.Tensor) -> common_pb2.Tensor:
+        """corrupt_backward: a training node's wrong input gradient (before signing)."""
+        if not (self.spec.corrupt_backward and self._rng.random() < self.spec.corrupt_backward):
+            return grad
+        values = as_float32(codec.decode(grad, finite=False), grad.dtype)
+        rms = float(np.sqrt(np.mean(np.square(values, dtype=np.float64)))) or 1.0
+        noise = self._rng.normal(0.0, CORRUPTION_SCALE * rms, values.shape).astype(np.float32)
+        self.tampered += 1
+        log.warning("FAILPOINT corrupted a backward gradient (%d so far)", self.tampered)
+        return codec.encode(from_float32(values + noise, grad.dtype), grad.dtype)
+
+    def skips_step(self) -> bool:
+        """skip_step: this OptimizerStep should leave the weights unchanged."""
+        if not (self.spec.skip_step and self._rng.random() < self.spec.skip_step):
+            return False
+        self.tampered += 1
+        log.warning("FAILPOINT skips an optimizer step (%d tampered so far)", self.tampered)
+        return True
 
 
 def from_env(environ: Mapping[str, str] | None = None) -> Failpoints | None:

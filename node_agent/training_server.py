@@ -137,7 +137,8 @@ class TrainingStageServicer(training_pb2_grpc.TrainingStageServicer):
         self._jobs: dict[str, _Job] = {}
         self._locks: dict[str, asyncio.Lock] = {}
         self._expiry_task: asyncio.Task[None] | None = None
-        # None unless TESSERA_FAILPOINTS is set: tampers with ForwardTrain hidden states.
+        # None unless TESSERA_FAILPOINTS is set: tampers with ForwardTrain hidden states,
+        # BackwardTrain gradients or OptimizerStep (docs/failpoints.md).
         self._failpoints = failpoints.from_env()
         # Samples computed per (job, layers), signed on every forward reply: what the job's
         # client pays for per sample-layer (docs/ledger.md, "Jobs"). Kept after a job
@@ -437,6 +438,8 @@ class TrainingStageServicer(training_pb2_grpc.TrainingStageServicer):
         )
         if job.is_last:
             response.loss = float(out)
+            if self._failpoints is not None:  # tests and demos only: lie, then sign
+                response.loss = self._failpoints.tamper_loss(response.loss)
             response.label_tokens = int((labels != -100).sum()) if labels is not None else 0
             payload = identity.training_loss_bytes(response.loss, response.label_tokens)
         else:
@@ -526,7 +529,10 @@ class TrainingStageServicer(training_pb2_grpc.TrainingStageServicer):
             step=request.step, micro_batch=mb, compute_ms=compute_ms
         )
         if grad_input is not None:
-            response.grad_input.CopyFrom(codec.encode(grad_input.cpu().numpy(), "float32"))
+            grad_tensor = codec.encode(grad_input.cpu().numpy(), "float32")
+            if self._failpoints is not None:  # tests and demos only: tamper, then sign
+                grad_tensor = self._failpoints.tamper_backward(grad_tensor)
+            response.grad_input.CopyFrom(grad_tensor)
         grad_sent = request.grad_output if request.HasField("grad_output") else None
         self._sign(response, "backward", job, mb, response.grad_input.data, grad_sent)
         return response
@@ -568,8 +574,25 @@ class TrainingStageServicer(training_pb2_grpc.TrainingStageServicer):
                     request.step,
                     reason,
                 )
-                return training_pb2.GradNormResponse(step=request.step, sq_norm=0.0, finite=False)
-        return training_pb2.GradNormResponse(step=request.step, sq_norm=sq_norm, finite=True)
+                return self._signed_norm(job, request.step, 0.0, False)
+        return self._signed_norm(job, request.step, sq_norm, True)
+
+    def _signed_norm(
+        self, job: _Job, step: int, sq_norm: float, finite: bool
+    ) -> training_pb2.GradNormResponse:
+        value = identity.training_norm_bytes(sq_norm, finite)
+        return training_pb2.GradNormResponse(
+            step=step, sq_norm=sq_norm, finite=finite,
+            signature=self._sign_scalar("norm", job, step, value),
+        )  # fmt: skip
+
+    def _sign_scalar(self, pass_name: str, job: _Job, step: int, value: bytes) -> bytes:
+        """Sign a GradNorm or OptimizerStep answer: evidence in a training dispute."""
+        digest = hashlib.sha256(value).digest()
+        payload = identity.training_payload(
+            pass_name, job.job_id, step, 0, job.start, job.end, digest, b""
+        )
+        return self._ctx.private_key.sign(payload)
 
     async def _optimizer_step(
         self, request: training_pb2.OptimizerStepRequest
@@ -592,9 +615,14 @@ class TrainingStageServicer(training_pb2_grpc.TrainingStageServicer):
                     f"{job.poisoned}; call GradNorm (it abandons the step) and retry it",
                 )
             trainer = job.trainer
-            version = await self._shards.run(lambda: trainer.step(clip, request.step))
+            lazy = self._failpoints is not None and self._failpoints.skips_step()
+            step = _lazy_step if lazy else _step
+            version = await self._shards.run(lambda: step(trainer, clip, request.step))
             job.forget_step()
-        return training_pb2.OptimizerStepResponse(step=version)  # type: ignore[arg-type]
+        value = identity.training_step_bytes(clip, version)
+        return training_pb2.OptimizerStepResponse(
+            step=version, signature=self._sign_scalar("step", job, request.step, value)
+        )
 
     def _check_step_complete(self, job: _Job, step: int, what: str) -> None:
         if job.held:
@@ -976,3 +1004,18 @@ def build_training_servicer(ctx: AgentContext) -> TrainingStageServicer | None:
     if not isinstance(ctx.shard_handler, ShardManager):
         return None
     return TrainingStageServicer(ctx, ctx.shard_handler)
+
+
+def _step(trainer: StageTrainer, clip: float, version: int) -> int:
+    return trainer.step(clip, version)
+
+
+def _lazy_step(trainer: StageTrainer, clip: float, version: int) -> int:
+    """Failpoint skip_step: answer the next version, keep the weights (a lazy cheat)."""
+    params = trainer.trainable_parameters()
+    before = {name: p.detach().clone() for name, p in params.items()}
+    new_version = trainer.step(clip, version)
+    with torch.no_grad():
+        for name, param in params.items():
+            param.copy_(before[name])
+    return new_version

@@ -148,7 +148,17 @@ def output_payload(
     )
 
 
-TRAINING_PASSES = ("forward", "backward")
+TRAINING_PASSES = ("forward", "backward", "norm", "step")
+
+
+def training_norm_bytes(sq_norm: float, finite: bool) -> bytes:
+    """What a GradNorm signature hashes: the stage's squared norm and finiteness."""
+    return struct.pack("<d?", sq_norm, finite)
+
+
+def training_step_bytes(clip_coef: float, version: int) -> bytes:
+    """What an OptimizerStep signature hashes: the clip coefficient applied, new version."""
+    return struct.pack("<dQ", clip_coef, version)
 
 
 def training_loss_bytes(loss: float, label_tokens: int) -> bytes:

@@ -36,6 +36,7 @@ from coordinator.jobs.repository import (
 from coordinator.model_store.errors import StoreError, invalid, not_found
 from coordinator.model_store.importer import validate_name
 from coordinator.model_store.layout import ModelLayout
+from coordinator.operators import same_operator
 from coordinator.router import Holder, NoRouteError, route
 from protos import identity
 from protos.tessera.v1 import client_api_pb2, common_pb2, jobs_pb2, training_pb2
@@ -119,6 +120,11 @@ class JobManager:
         self._reserved: dict[tuple[str, str], int] = {}
         self._failed: dict[tuple[str, str], float] = {}  # (job, node) -> monotonic time
         self._assigning: dict[tuple[str, int, int], str] = {}  # (job, start, end) -> node
+        # job -> stage index -> its verification-only checker in the current session.
+        self._checkers: dict[str, dict[int, StageRecord]] = {}
+        # Arbitration job id -> (job, arbiter node, start, end): whose checkpoint part the
+        # arbiter of a training dispute may download under that id.
+        self._loans: dict[str, tuple[str, str, int, int]] = {}
         self._tasks: set[asyncio.Task[None]] = set()
 
     # ---- submit and read ----------------------------------------------------------------
@@ -234,6 +240,7 @@ class JobManager:
             session_issued_ms=issued_ms,
             updated_ms=_now_ms(),
         )
+        self._checkers[job.id] = self._pick_checkers(job, facts, hyper)
         self._reserve(job, facts, hyper)
         self.repo.put_job(job)
         log.info(
@@ -242,6 +249,7 @@ class JobManager:
         )  # fmt: skip
         self._publish(job, "state")
         session = self._session(job)
+        self._price_checkers(job)
         if quote is not None and self.billing is not None:
             session.quote.CopyFrom(quote)
             session.settled.extend(self.billing.settled(job.id))
@@ -311,24 +319,38 @@ class JobManager:
         facts = self._require_model(job.model)
         hyper = _hyper(job)
         self._failed[(job.id, stage.node_id)] = time.monotonic()
+        restore_step = job.checkpoint_step
+        if request.HasField("restore_at_most") and request.restore_at_most < restore_step:
+            # The failed node uploaded the newer checkpoints' part: roll back past them.
+            restore_step = self._consistent_at_most(job, request.restore_at_most)
         exclude = {s.node_id for s in job.stages} | self._recently_failed(job.id)
         replacement = self._pick_node(job, facts, hyper, stage.start, stage.end, exclude)
         stages = list(job.stages)
         stages[request.stage] = replacement
+        if restore_step < job.checkpoint_step:
+            # Forget the suspect checkpoints, so that a re-upload of one of their steps
+            # is never completed by a suspect part of another stage.
+            newer = self.repo.checkpoint_steps_after(job.id, restore_step)
+            self.repo.drop_checkpoints_except(
+                job.id, self.repo.checkpoint_steps_after(job.id, 0) - newer
+            )
         log.warning(
             "job %s: stage %d [%d, %d) failed on node %s (%s); re-planned onto node %s, "
             "resuming from checkpoint step %d",
             job.id, request.stage, stage.start, stage.end, stage.node_id,
-            request.cause or "no cause given", replacement.node_id, job.checkpoint_step,
+            request.cause or "no cause given", replacement.node_id, restore_step,
         )  # fmt: skip
         job = job.with_(
             stages=tuple(stages),
-            step=job.checkpoint_step,
+            checkpoint_step=restore_step,
+            step=restore_step,
             replans=job.replans + 1,
             session_issued_ms=self._next_issue_ms(),
             updated_ms=_now_ms(),
         )
+        self._checkers[job.id] = self._pick_checkers(job, facts, hyper)
         self._reserve(job, facts, hyper)
+        self._price_checkers(job)
         if self.billing is not None:
             self.billing.replanned(
                 job.id, replacement.node_id,
@@ -413,8 +435,15 @@ class JobManager:
 
     def check_download(self, request: training_pb2.DownloadCheckpointRequest, node_id: str
                        ) -> CheckpointPartRecord:  # fmt: skip
+        loan = self._loans.get(request.job_id)
+        if loan is not None:
+            return self._lent_part(request, node_id, *loan)
         job = self.require_job(request.job_id)
-        self._require_stage_holder(job, request.layers, node_id)
+        checkers = self._checkers.get(job.id, {}).values()
+        checking = {(c.start, c.end) for c in checkers if c.node_id == node_id}
+        if (request.layers.start, request.layers.end) not in checking:
+            # A stage's checker re-opens its shadow from the stage's checkpoint too.
+            self._require_stage_holder(job, request.layers, node_id)
         for part in self.repo.checkpoint_parts(job.id, request.step):
             if (part.start, part.end) == (request.layers.start, request.layers.end):
                 return part
@@ -423,6 +452,53 @@ class JobManager:
             f"{request.layers.end}) at step {request.step} (the last consistent one is step "
             f"{job.checkpoint_step})"
         )
+
+    # ---- arbitration of training disputes ----------------------------------------------
+
+    def lend_checkpoint(
+        self, loan_id: str, job_id: str, node_id: str, start: int, end: int
+    ) -> None:
+        """Let ``node_id`` download the job's part of layers [start, end) as ``loan_id``."""
+        self._loans[loan_id] = (job_id, node_id, start, end)
+
+    def end_loan(self, loan_id: str) -> None:
+        self._loans.pop(loan_id, None)
+
+    def _lent_part(
+        self,
+        request: training_pb2.DownloadCheckpointRequest,
+        node_id: str,
+        job_id: str,
+        borrower: str,
+        start: int,
+        end: int,
+    ) -> CheckpointPartRecord:
+        if node_id != borrower or (request.layers.start, request.layers.end) != (start, end):
+            raise StoreError(
+                grpc.StatusCode.PERMISSION_DENIED,
+                f"node {node_id} may not download layers [{request.layers.start}, "
+                f"{request.layers.end}) of job {request.job_id}",
+            )
+        part = self.checkpoint_part(job_id, request.step, start, end)
+        if part is None:
+            raise not_found(f"job {request.job_id} has no checkpoint at step {request.step}")
+        return part
+
+    def checkpoint_part(
+        self, job_id: str, step: int, start: int, end: int
+    ) -> CheckpointPartRecord | None:
+        for part in self.repo.checkpoint_parts(job_id, step):
+            if (part.start, part.end) == (start, end):
+                return part
+        return None
+
+    def training_facts(
+        self, job_id: str, start: int, end: int
+    ) -> tuple[JobRecord, training_pb2.TrainingHyper, int]:
+        """(job, hyper-parameters, bytes of a stage's training state over [start, end))."""
+        job = self.require_job(job_id)
+        hyper = _hyper(job)
+        return job, hyper, self._state_bytes(job, self._require_model(job.model), hyper, start, end)
 
     # ---- conversions --------------------------------------------------------------------
 
@@ -698,6 +774,11 @@ class JobManager:
             nbytes = self._state_bytes(job, facts, hyper, stage.start, stage.end)
             placement.reserve_training(f"{job.id}/{index}", stage.node_id, nbytes)
             self._reserved[(job.id, stage.node_id)] = nbytes
+        # A checker's shadow is a full training state of its stage too.
+        for index, checker in self._checkers.get(job.id, {}).items():
+            nbytes = self._state_bytes(job, facts, hyper, checker.start, checker.end)
+            placement.reserve_training(f"{job.id}/check{index}", checker.node_id, nbytes)
+            self._reserved[(job.id, checker.node_id)] = nbytes
 
     def _release(self, job: JobRecord) -> None:
         placement = self._placement()
@@ -705,6 +786,7 @@ class JobManager:
             return
         for index in range(len(job.stages)):
             placement.release_training(f"{job.id}/{index}")
+            placement.release_training(f"{job.id}/check{index}")
         for key in [k for k in self._reserved if k[0] == job.id]:
             del self._reserved[key]
 
@@ -715,18 +797,74 @@ class JobManager:
             if facts is not None:
                 self._reserve(job, facts, _hyper(job))
 
-    def _session(self, job: JobRecord) -> jobs_pb2.TrainingSession:
-        hops = [
-            client_api_pb2.Hop(node_id=s.node_id, address=s.address, layers=_range(s.start, s.end))
-            for s in job.stages
-        ]
+    def _consistent_at_most(self, job: JobRecord, step: int) -> int:
+        """The newest step <= ``step`` whose checkpoint holds every stage (0: none)."""
+        spans = {(s.start, s.end) for s in job.stages}
+        for candidate in sorted(self.repo.checkpoint_steps_after(job.id, 0), reverse=True):
+            if candidate > step:
+                continue
+            have = {(p.start, p.end) for p in self.repo.checkpoint_parts(job.id, candidate)}
+            if have >= spans:
+                return candidate
+        return 0
+
+    def _pick_checkers(
+        self, job: JobRecord, facts: ModelFacts, hyper: training_pb2.TrainingHyper
+    ) -> dict[int, StageRecord]:
+        """Per stage, where the swarm has one, a ready holder of its layers outside the
+        pipeline, of another operator account than the stage's node, with memory for the
+        stage's training state (the job planner's estimate): the driver trains a shadow of
+        the stage on it in sampled intervals. One stage per checker node. None without a
+        verifier component (no keys, no accounts, nobody to report to)."""
+        placement = self._placement()
+        if self._hop_details is None or placement is None:
+            return {}
+        holders = placement.ready_holders(job.model)
+        taken = {s.node_id for s in job.stages} | self._recently_failed(job.id)
+        chosen: dict[int, StageRecord] = {}
+        for index, stage in enumerate(job.stages):
+            account = self._hop(stage).account
+            need = self._state_bytes(job, facts, hyper, stage.start, stage.end)
+            candidates = sorted(
+                (h for h in holders if h.start <= stage.start and stage.end <= h.end),
+                key=lambda h: (h.cost(stage.end - stage.start), h.node_id),
+            )
+            for holder in candidates:
+                if holder.node_id in taken:
+                    continue
+                free = placement.free_bytes(holder.node_id)
+                free += self._own_reservation(job, holder.node_id)
+                if free < need or same_operator(account, self._hop(holder).account):
+                    continue
+                chosen[index] = StageRecord(stage.start, stage.end, holder.node_id, holder.address)
+                taken.add(holder.node_id)
+                break
+        return chosen
+
+    def _price_checkers(self, job: JobRecord) -> None:
+        """A checker's receipts bill nothing (checks are not the client's calls), but the
+        ledger settles only receipts of nodes it holds a price for."""
+        if self.billing is None:
+            return
+        expires_ms = job.session_issued_ms + int(TRAINING_TOKEN_TTL_S * 1000)
+        for checker in self._checkers.get(job.id, {}).values():
+            self.billing.replanned(job.id, checker.node_id, expires_ms)
+
+    def _hop(self, stage: StageRecord | Holder) -> client_api_pb2.Hop:
+        hop = client_api_pb2.Hop(
+            node_id=stage.node_id, address=stage.address, layers=_range(stage.start, stage.end)
+        )
         if self._hop_details is not None:
-            for hop in hops:
-                self._hop_details(hop)
+            self._hop_details(hop)
+        return hop
+
+    def _session(self, job: JobRecord) -> jobs_pb2.TrainingSession:
+        hops = [self._hop(s) for s in job.stages]
+        checkers = [self._hop(c) for _, c in sorted(self._checkers.get(job.id, {}).items())]
         claims = client_api_pb2.CapabilityClaims(
             session_id=job.id,
             model=job.model,
-            grants=hops,
+            grants=[*hops, *checkers],
             issued_unix_ms=job.session_issued_ms,
             expires_unix_ms=job.session_issued_ms + int(TRAINING_TOKEN_TTL_S * 1000),
             max_tokens=min(job.batch_size * job.seq_len, 2**32 - 1),
@@ -739,6 +877,7 @@ class JobManager:
             job_id=job.id,
             model=job.model,
             hops=hops,
+            checkers=checkers,
             capability=identity.sign_capability(self._key, claims),
             restore_step=job.checkpoint_step,
             restore=[

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import json
 import logging
 import time
@@ -24,6 +25,7 @@ from typing import Any
 
 import grpc
 
+from coordinator.model_store.errors import StoreError
 from coordinator.node_state import NodeState
 from coordinator.placement import compute_dtype
 from coordinator.registry import RegistryError
@@ -39,8 +41,16 @@ from coordinator.verifier.evidence import (
 )
 from coordinator.verifier.reputation import Reputation, Schedule
 from coordinator.verifier.stage_runner import StageRunner
-from protos import codec, identity, output_check
-from protos.tessera.v1 import client_api_pb2, node_pb2, verification_pb2
+from coordinator.verifier.training_evidence import (
+    MAX_AGREEMENTS,
+    TrainingCase,
+    check_agreement,
+    check_dispute,
+    dispute_id,
+)
+from coordinator.verifier.training_replay import TrainingReplayer
+from protos import codec, identity, output_check, training_answers
+from protos.tessera.v1 import client_api_pb2, node_pb2, training_pb2, verification_pb2
 
 log = logging.getLogger("tessera.verifier")
 Outcome = verification_pb2.Verdict.Outcome
@@ -103,6 +113,7 @@ class Verifier:
         self.reputation = reputation
         # Checks are dressed like client sessions: same grants, keys and probabilities.
         self.runner = StageRunner(ctx.signing_key, describe=self.describe_hop)
+        self.trainer = TrainingReplayer(ctx.signing_key, describe=self.describe_hop)
         self._listeners: list[Listener] = []
         self._keys: dict[str, bytes] = {}
         self.canaries = Canaries(self)
@@ -205,6 +216,26 @@ class Verifier:
             await context.abort(err.code, err.message)
         return self._risk(request.session_id)
 
+    async def report_training_dispute(
+        self, request: verification_pb2.TrainingDispute, context: grpc.aio.ServicerContext
+    ) -> verification_pb2.Verdict:
+        try:
+            return await self._training_dispute(request)
+        except ReportError as err:
+            log.info("refused a training dispute: %s: %s", err.code.name, err.message)
+            await context.abort(err.code, err.message)
+            raise AssertionError("unreachable") from err
+
+    async def report_training_checks(
+        self, request: verification_pb2.TrainingChecks, context: grpc.aio.ServicerContext
+    ) -> verification_pb2.TrainingChecksAck:
+        try:
+            return self._training_checks(request)
+        except ReportError as err:
+            log.info("refused training checks: %s: %s", err.code.name, err.message)
+            await context.abort(err.code, err.message)
+            raise AssertionError("unreachable") from err
+
     # ---- reports ------------------------------------------------------------------
 
     def _claims(
@@ -259,6 +290,10 @@ class Verifier:
         for comparison in request.comparisons:
             keys += [signature_key(comparison.primary.signature)]
             keys += [signature_key(comparison.checker.signature)]
+        self._claim_keys(keys, request.session_id)
+
+    def _claim_keys(self, keys: list[str], session_id: str) -> None:
+        """Each signed output counts once: refuse a report that repeats one."""
         if len(set(keys)) != len(keys):
             raise ReportError(
                 grpc.StatusCode.INVALID_ARGUMENT, "the report names one signed output twice"
@@ -275,7 +310,7 @@ class Verifier:
                 )
         now = int(time.time() * 1000)
         db["reported_outputs"].insert_all(
-            [{"signature_sha256": k, "session_id": request.session_id, "ts_ms": now} for k in keys]
+            [{"signature_sha256": k, "session_id": session_id, "ts_ms": now} for k in keys]
         )
 
     def _record_calls(self, request: verification_pb2.VerificationReport, mismatches: int) -> None:
@@ -312,6 +347,167 @@ class Verifier:
             row["mismatches"],
             self._ctx.settings.assumed_corruption,
         )
+
+    # ---- training -----------------------------------------------------------------
+
+    def _job_claims(
+        self, job_id: str, capability: client_api_pb2.SignedCapability
+    ) -> client_api_pb2.CapabilityClaims:
+        jobs = self._ctx.jobs
+        if jobs is None:
+            raise ReportError(grpc.StatusCode.UNIMPLEMENTED, "this coordinator runs no jobs")
+        try:
+            jobs.manager.require_job(job_id)
+        except StoreError as err:
+            raise ReportError(err.code, err.message) from None
+        return self._claims(job_id, capability)
+
+    async def _training_dispute(
+        self, dispute: verification_pb2.TrainingDispute
+    ) -> verification_pb2.Verdict:
+        claims = self._job_claims(dispute.job_id, dispute.capability)
+        start, end = dispute.layers.start, dispute.layers.end
+        manager = self._ctx.jobs.manager
+        job, hyper, need = manager.training_facts(dispute.job_id, start, end)
+        case = check_dispute(claims, dispute, hyper.micro_batches)
+        if dispute.restore_step:
+            part = manager.checkpoint_part(job.id, dispute.restore_step, start, end)
+            if part is None or part.sha256 != dispute.restore_sha256:
+                raise ReportError(
+                    grpc.StatusCode.FAILED_PRECONDITION,
+                    f"the coordinator holds no checkpoint of layers [{start}, {end}) at step "
+                    f"{dispute.restore_step} with that sha256; an arbiter cannot start there",
+                )
+        disputed = dispute.calls[-1]
+        with self._ctx.db.atomic():
+            signed = (disputed.primary.signature, disputed.checker.signature)
+            self._claim_keys([signature_key(s) for s in signed], dispute.job_id)
+        verdict = await self._arbitrate_training(case, job.model, hyper, need,
+                                                 job.batch_size * job.seq_len)  # fmt: skip
+        self._record_calls_mismatch(dispute.job_id)
+        return verdict
+
+    def _record_calls_mismatch(self, session_id: str) -> None:
+        row = self._session_row(session_id)
+        self._ctx.db["session_verification"].upsert(
+            {"session_id": session_id, "calls": row["calls"], "checked": row["checked"],
+             "mismatches": row["mismatches"] + 1, "updated_ms": int(time.time() * 1000)},
+            pk="session_id",
+        )  # fmt: skip
+
+    async def _arbitrate_training(
+        self,
+        case: TrainingCase,
+        model: str,
+        hyper: training_pb2.TrainingHyper,
+        need: int,
+        max_tokens: int,
+    ) -> verification_pb2.Verdict:
+        dispute = case.dispute
+        start, end = dispute.layers.start, dispute.layers.end
+        manager = self._ctx.jobs.manager
+        accounts = {a for a in (case.primary.account, case.checker.account) if a}
+        excluded = {case.primary.node_id, case.checker.node_id}
+        arbiters = [
+            a for a in self._holders(model, start, end, excluded, accounts)
+            if self._ctx.planner.free_bytes(a.node_id) >= need
+        ]  # fmt: skip
+        kind = case.disputed.kind
+        for arbiter in arbiters[:MAX_ARBITERS_TRIED]:
+            loan = self.trainer.new_job_id()
+            manager.lend_checkpoint(loan, dispute.job_id, arbiter.node_id, start, end)
+            try:
+                reply = await self.trainer.replay(
+                    loan, arbiter.node_id, arbiter.address, model, hyper, max_tokens, dispute
+                )
+            except (grpc.aio.AioRpcError, ConnectionError) as err:
+                log.warning("training arbiter %s could not replay: %s", arbiter.node_id, err)
+                continue
+            finally:
+                manager.end_loan(loan)
+            answer = _training_answer(reply)
+            if not self._signed_by(arbiter.node_id, loan, kind, case, reply, answer):
+                log.warning("training arbiter %s answered unsigned or for another input",
+                            arbiter.node_id)  # fmt: skip
+                continue
+            tol = training_answers.tolerance()
+            agrees_p = training_answers.answer_error(kind, answer, dispute.primary_answer) <= tol
+            agrees_c = training_answers.answer_error(kind, answer, dispute.checker_answer) <= tol
+            if agrees_p != agrees_c:
+                loser, winner = (case.primary, case.checker) if agrees_c else (
+                    case.checker, case.primary)  # fmt: skip
+                self.reputation.verified(winner.node_id)
+                self.reputation.verified(arbiter.node_id)
+                what = training_answers.KIND.Name(kind).lower()
+                evidence = self.convict(
+                    loser.node_id,
+                    loser.account,
+                    dispute.job_id,
+                    "training-arbitration",
+                    f"{what} of layers [{start}, {end}) at step {case.disputed.step} of job "
+                    f"{dispute.job_id} contradicted by {winner.node_id} and arbiter "
+                    f"{arbiter.node_id} (relative error {case.error:.3g}), replayed from "
+                    f"checkpoint step {dispute.restore_step}",
+                    dispute.SerializeToString(),
+                    dispute_id(dispute),
+                )
+                return verification_pb2.Verdict(
+                    outcome=Outcome.PRIMARY_WRONG if agrees_c else Outcome.CHECKER_WRONG,
+                    arbiter_node_id=arbiter.node_id,
+                    evidence_id=evidence,
+                    detail=f"{loser.node_id} was wrong",
+                )
+            detail = "the arbiter agreed with " + ("both" if agrees_p else "neither")
+            return self._unresolved_pair(
+                dispute.job_id, case.primary.node_id, case.checker.node_id, detail,
+                arbiter.node_id,
+            )  # fmt: skip
+        return self._unresolved_pair(
+            dispute.job_id, case.primary.node_id, case.checker.node_id,
+            "no independent arbiter could replay it", "",
+        )  # fmt: skip
+
+    def _signed_by(
+        self,
+        node_id: str,
+        job_id: str,
+        kind: int,
+        case: TrainingCase,
+        reply: Any,
+        answer: verification_pb2.TrainingAnswer,
+    ) -> bool:
+        """The arbiter's answer carries its valid signature, over the disputed input."""
+        sent = getattr(reply, "input_digest", b"")
+        if sent != case.disputed.primary.input_digest:
+            return False
+        digest = hashlib.sha256(training_answers.answer_bytes(kind, answer)).digest()
+        micro_batch = case.disputed.micro_batch if kind != training_answers.KIND.NORM else 0
+        payload = identity.training_payload(
+            training_answers.PASS_NAMES[kind],
+            job_id, case.disputed.step, micro_batch, case.dispute.layers.start,
+            case.dispute.layers.end, digest, sent,
+        )  # fmt: skip
+        return identity.verify(self.public_key(node_id), reply.signature, payload)
+
+    def _training_checks(
+        self, request: verification_pb2.TrainingChecks
+    ) -> verification_pb2.TrainingChecksAck:
+        claims = self._job_claims(request.job_id, request.capability)
+        if len(request.agreements) > MAX_AGREEMENTS:
+            raise ReportError(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"{len(request.agreements)} agreements in one report; send at most "
+                f"{MAX_AGREEMENTS}",
+            )
+        pairs = [check_agreement(claims, a) for a in request.agreements]
+        keys = [signature_key(s.signature) for a in request.agreements
+                for s in (a.primary, a.checker)]  # fmt: skip
+        with self._ctx.db.atomic():
+            self._claim_keys(keys, request.job_id)
+            for primary, checker in pairs:
+                self.reputation.verified(primary)
+                self.reputation.verified(checker)
+        return verification_pb2.TrainingChecksAck(accepted=len(pairs))
 
     # ---- arbitration --------------------------------------------------------------
 
@@ -389,14 +585,21 @@ class Verifier:
         detail: str,
         arbiter_id: str,
     ) -> verification_pb2.Verdict:
-        p = mismatch.comparison.primary
+        comparison = mismatch.comparison
+        return self._unresolved_pair(
+            claims.session_id, comparison.primary.node_id, comparison.checker.node_id, detail,
+            arbiter_id,
+        )  # fmt: skip
+
+    def _unresolved_pair(
+        self, session_id: str, primary: str, checker: str, detail: str, arbiter_id: str
+    ) -> verification_pb2.Verdict:
         # Nobody is proven wrong, so nobody is banned; but the client could not use the
         # primary's output, and both nodes' records lose their streak.
-        self.reputation.failed(p.node_id)
-        self.reputation.failed(mismatch.comparison.checker.node_id)
-        self._notify(WorkRejected(p.node_id, claims.session_id, f"unresolved mismatch: {detail}"))
-        log.warning("mismatch %s vs %s unresolved: %s", p.node_id,
-                    mismatch.comparison.checker.node_id, detail)  # fmt: skip
+        self.reputation.failed(primary)
+        self.reputation.failed(checker)
+        self._notify(WorkRejected(primary, session_id, f"unresolved mismatch: {detail}"))
+        log.warning("mismatch %s vs %s unresolved: %s", primary, checker, detail)
         return verification_pb2.Verdict(
             outcome=Outcome.UNRESOLVED, arbiter_node_id=arbiter_id, detail=detail
         )
@@ -404,6 +607,13 @@ class Verifier:
     def _arbiters(self, model: str, start: int, end: int, mismatch: Mismatch) -> list[NodeFacts]:
         excluded = {mismatch.primary.node_id, mismatch.checker.node_id}
         accounts = {a for a in (mismatch.primary.account, mismatch.checker.account) if a}
+        return self._holders(model, start, end, excluded, accounts)
+
+    def _holders(
+        self, model: str, start: int, end: int, excluded: set[str], accounts: set[str]
+    ) -> list[NodeFacts]:
+        """Routable ready holders of [start, end), none of ``excluded`` or of one of
+        ``accounts`` (independent of both disputing nodes), the most trusted first."""
         planner = self._ctx.planner
         holders = planner.ready_holders(model) if planner is not None else []
         found: list[NodeFacts] = []
@@ -462,3 +672,18 @@ class Verifier:
         self._notify(WorkRejected(node_id, session_id, reason))
         self._notify(FraudProven(node_id, account, evidence, reason))
         return evidence
+
+
+def _training_answer(reply: Any) -> verification_pb2.TrainingAnswer:
+    """An arbiter's reply as a comparable answer (the same shape the driver reports)."""
+    answer = verification_pb2.TrainingAnswer()
+    if isinstance(reply, training_pb2.TrainForwardResponse):
+        if reply.HasField("output"):
+            answer.output.CopyFrom(reply.output)
+        answer.loss, answer.label_tokens = reply.loss, reply.label_tokens
+    elif isinstance(reply, training_pb2.TrainBackwardResponse):
+        if reply.HasField("grad_input"):
+            answer.output.CopyFrom(reply.grad_input)
+    elif isinstance(reply, training_pb2.GradNormResponse):
+        answer.sq_norm, answer.finite = reply.sq_norm, reply.finite
+    return answer

@@ -113,9 +113,10 @@ class JobsCoordinator:
         self.jobs.limits = limits
         self.jobs.manager.limits = limits
 
-    async def add_node(self, name: str, **capabilities: Any) -> StageNode:
+    async def add_node(self, name: str, account: str = "alice", **capabilities: Any) -> StageNode:
+        """A node of operator ``account`` (all of one operator by default)."""
         node = StageNode(self.channel, name)
-        await node.join(capabilities=good_capabilities(**capabilities))
+        await node.join(account=account, capabilities=good_capabilities(**capabilities))
         self.nodes.append(node)
         return node
 
@@ -134,6 +135,14 @@ class JobsCoordinator:
             return bool(counts) and min(counts) >= replicas
 
         await wait_until(covered, 10.0, f"{replicas} ready replica(s) of every layer")
+
+    async def all_ready(self) -> None:
+        """Every node's shard is READY (coverage counts shards still being confirmed)."""
+        placement = self.coordinator.ctx.planner
+        await wait_until(
+            lambda: len(placement.ready_holders(MODEL)) >= len(self.nodes), 10.0,
+            "every node's shard to be ready",
+        )
 
 
 def hyper(**overrides: Any) -> training_pb2.TrainingHyper:
@@ -191,10 +200,13 @@ def tiny_model(tmp_path: Path) -> Path:
 async def start_jobs(
     tmp_path: Path, tiny_model: Path
 ) -> AsyncIterator[Callable[..., Awaitable[JobsCoordinator]]]:
-    """start_jobs(nodes=6, **settings) -> a coordinator with MODEL placed on `nodes` nodes."""
+    """start_jobs(nodes=6, accounts=None, **settings) -> a coordinator with MODEL placed on
+    `nodes` nodes (of operator accounts[i], else all of one operator)."""
     async with contextlib.AsyncExitStack() as stack:
 
-        async def start(nodes: int = 6, **overrides: Any) -> JobsCoordinator:
+        async def start(
+            nodes: int = 6, accounts: list[str] | None = None, **overrides: Any
+        ) -> JobsCoordinator:
             overrides.setdefault("min_stages", NUM_LAYERS)
             overrides.setdefault("replicas", 2)
             overrides.setdefault("kv_tokens_per_shard", 64)
@@ -207,7 +219,7 @@ async def start_jobs(
                 aiter_of(model_messages(tiny_model, MODEL))
             )
             for index in range(nodes):
-                await served.add_node(f"n{index}")
+                await served.add_node(f"n{index}", *([accounts[index]] if accounts else []))
 
             async def leave_all() -> None:
                 for node in served.nodes:

@@ -24,14 +24,22 @@ def test_unset_or_empty_means_no_failpoints() -> None:
 
 
 def test_parse_reads_every_failpoint() -> None:
-    spec = failpoints.parse("corrupt=0.05, noise=0.01,zeros,echo,delay_ms=20,crash_after=7,seed=3")
-    assert spec == failpoints.FailpointSpec(
-        corrupt=0.05, noise=0.01, zeros=True, echo=True, delay_ms=20, crash_after=7, seed=3
+    spec = failpoints.parse(
+        "corrupt=0.05, noise=0.01,zeros,echo,delay_ms=20,crash_after=7,seed=3,"
+        "corrupt_backward=0.5,skip_step=1"
     )
+    assert spec == failpoints.FailpointSpec(
+        corrupt=0.05, noise=0.01, zeros=True, echo=True, delay_ms=20, crash_after=7, seed=3,
+        corrupt_backward=0.5, skip_step=1.0,
+    )  # fmt: skip
 
 
 @pytest.mark.parametrize(
-    "text", ["corrupt", "corrupt=x", "corrupt=1.5", "delay_ms=-1", "explode", "zeros=1"]
+    "text",
+    [
+        "corrupt", "corrupt=x", "corrupt=1.5", "delay_ms=-1", "explode", "zeros=1",
+        "corrupt_backward=2", "skip_step=-0.1", "skip_step",
+    ],  # fmt: skip
 )
 def test_bad_failpoints_are_refused_with_the_accepted_form(text: str) -> None:
     with pytest.raises(failpoints.FailpointError, match="TESSERA_FAILPOINTS"):

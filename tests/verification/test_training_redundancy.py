@@ -1,9 +1,12 @@
-"""Sampled redundant execution for training: shadow replicas re-run ForwardTrain.
+"""Sampled redundant execution for training: shadow replicas train in lockstep.
 
-A stage node with TESSERA_FAILPOINTS corrupting its ForwardTrain outputs is caught by an
-independent checker on the first sampled forward, the stage is re-planned onto another
-node, and the job's losses equal those of an honest run. Honest runs with checks on every
-stage produce 0 mismatches and the very same losses. Real stage servers on loopback.
+In a sampled checkpoint interval a stage's checker gets the very same ForwardTrain,
+BackwardTrain, GradNorm and OptimizerStep as the stage's node, and every answer is
+compared. A stage node with TESSERA_FAILPOINTS corrupting its forwards, its backward
+gradients, or skipping its optimizer updates is caught, the stage is re-planned onto
+another node, and the job's losses equal those of an honest run. Honest runs with checks
+on every stage produce 0 mismatches and the very same losses. Real stage servers on
+loopback.
 """
 
 from __future__ import annotations
@@ -13,7 +16,10 @@ from training.training_harness import SPLIT, counting_batch, hyper
 from verification.training_verification_harness import JOB, keyed_capability
 
 from client.training_driver import StageFailed, StageOutOfSync, TrainingDriver
+from client.training_verification import ShadowChecks, ShadowMismatch
 from node_agent import failpoints
+from protos.tessera.v1 import training_pb2
+from protos.training_answers import KIND
 
 STEPS = 4
 CHECKPOINT = 2
@@ -69,19 +75,30 @@ async def test_honest_checked_runs_have_no_mismatch_and_the_same_losses(
     finally:
         await driver.close()
     stats = driver.shadows.stats
-    # Checked: every micro-batch of every stage at step 0 (fresh) and step 2 (restored).
-    assert stats.checks == 2 * len(SPLIT) * 2
+    # Every call of every step compared: per step, 2 forwards per stage, 2 input gradients
+    # on the two stages that have one, and each stage's gradient norm.
+    assert stats.checks == STEPS * (3 * 2 + 2 * 2 + 3)
+    # Opened once, at step 0: across the checkpoint each shadow kept its own weights.
+    assert stats.reopened == 3 and stats.intervals == 3 * 2
     assert stats.mismatches == 0 and max(stats.errors) <= 1e-5, stats.errors
     assert losses == pytest.approx(honest, rel=1e-6)
 
 
-async def test_a_corrupting_stage_is_caught_replanned_and_the_losses_stay_honest(
-    start_train_node, keys, store, monkeypatch
+@pytest.mark.parametrize(
+    ("cheat", "caught"),
+    [
+        ("corrupt=1.0", "forward output"),
+        ("corrupt_backward=1.0", "input gradient"),
+        ("skip_step=1.0", "forward output"),  # step 1's forwards show step 0 was skipped
+    ],
+)
+async def test_a_cheating_stage_is_caught_replanned_and_the_losses_stay_honest(
+    start_train_node, keys, store, monkeypatch, cheat: str, caught: str
 ) -> None:
     store.stages[JOB] = set(SPLIT)
     honest = await honest_losses(start_train_node, keys)
     first = await start_train_node([SPLIT[0]])
-    monkeypatch.setenv(failpoints.ENV_VAR, "corrupt=1.0,seed=2")
+    monkeypatch.setenv(failpoints.ENV_VAR, f"{cheat},seed=2")
     cheat = await start_train_node([SPLIT[1]])
     monkeypatch.delenv(failpoints.ENV_VAR)
     last = await start_train_node([SPLIT[2]])
@@ -92,10 +109,12 @@ async def test_a_corrupting_stage_is_caught_replanned_and_the_losses_stay_honest
     )
     try:
         await driver.open()
-        with pytest.raises(StageFailed, match="redundant check failed") as info:
-            await driver.train_step(0, *counting_batch(0))
+        with pytest.raises(StageFailed, match=f"redundant check failed: {caught}") as info:
+            for step in range(STEPS):
+                await driver.train_step(step, *counting_batch(step))
         assert not isinstance(info.value, StageOutOfSync)  # a node fault: re-plan it
         assert info.value.index == 1 and info.value.node_id == cheat.node_id
+        assert info.value.restore_at_most == 0  # the shadow was opened at step 0
         assert driver.shadows.stats.mismatches == 1
         assert cheat.training._failpoints.tampered >= 1
         # The job runner's path: the stage moves to another node and every stage rolls
@@ -106,8 +125,33 @@ async def test_a_corrupting_stage_is_caught_replanned_and_the_losses_stay_honest
     finally:
         await driver.close()
     assert driver.shadows.stats.mismatches == 1  # the honest replacement agrees
-    assert driver.shadows.stats.checks == 1 + 2 * 2
     assert losses == pytest.approx(honest, rel=1e-6)
+
+
+async def test_a_skipped_step_before_a_checkpoint_makes_that_checkpoint_suspect(
+    start_train_node, keys, store, monkeypatch
+) -> None:
+    """A lazy optimizer step right before a checkpoint is baked into the checkpoint the
+    node uploads. The shadow kept its own weights across it, so the next step's forwards
+    disagree, and the failure names the last checkpoint the shadow vouches for."""
+    store.stages[JOB] = set(SPLIT)
+    first = await start_train_node([SPLIT[0]])
+    monkeypatch.setenv(failpoints.ENV_VAR, "skip_step=1.0")
+    cheat = await start_train_node([SPLIT[1]])
+    monkeypatch.delenv(failpoints.ENV_VAR)
+    last = await start_train_node([SPLIT[2]])
+    checker = await start_train_node([SPLIT[1]])
+    driver = make_driver(keys, [first, cheat, last], [(checker, SPLIT[1])])
+    try:
+        await driver.open()
+        await driver.train_step(0, *counting_batch(0))
+        await driver.save_checkpoint(1)  # carries the skipped step
+        with pytest.raises(StageFailed, match="forward output") as info:
+            await driver.train_step(1, *counting_batch(1))
+    finally:
+        await driver.close()
+    assert info.value.node_id == cheat.node_id
+    assert info.value.restore_at_most == 0  # not the suspect checkpoint at step 1
 
 
 async def test_without_a_flat_fraction_each_node_is_checked_as_the_coordinator_says(
@@ -125,7 +169,8 @@ async def test_without_a_flat_fraction_each_node_is_checked_as_the_coordinator_s
         await driver.train_step(0, *counting_batch(0))
     finally:
         await driver.close()
-    assert driver.shadows.stats.checks == 2  # both micro-batches of stage 0 only
+    # Stage 0 only: its 2 forwards and its gradient norm (it answers no input gradient).
+    assert driver.shadows.stats.checks == 3
     assert driver.shadows.stats.mismatches == 0
 
 
@@ -157,3 +202,39 @@ async def test_bad_checker_configurations_are_refused(start_train_node, keys) ->
             make_driver(keys, nodes, checkers)
     with pytest.raises(ValueError, match="probability"):
         make_driver(keys, nodes, [], probability=1.5)
+
+
+def test_intervals_lockstep_keep_weights_and_check_the_next_steps_forwards() -> None:
+    """The shadow's schedule over checkpoint intervals (no servers: the state machine)."""
+    checks = ShadowChecks({0: ("checker", 0, 1)}, probability=None)
+    assert checks.start_interval(0, 0, True, rolled_back=True)  # open: from the start
+    checks.opened(0, 0)
+    for kind in ("forward", "backward", "norm", "step"):
+        assert checks.active(0, 0, kind) is not None
+    checks.passes_done(0)
+    checks.stepped(0, 0)
+    # Sampled again at the checkpoint of step 1: it keeps its own weights (no re-open).
+    assert not checks.start_interval(0, 1, True, rolled_back=False)
+    assert checks.active(0, 1, "step") is not None
+    checks.passes_done(1)
+    assert checks.shadows[0].anchor == 1  # step 1's forwards agreed after the checkpoint
+    checks.stepped(0, 1)
+    # Not sampled at step 2: only step 2's forwards are still checked, then it stops.
+    assert not checks.start_interval(0, 2, False, rolled_back=False)
+    assert checks.active(0, 2, "forward") is not None
+    assert checks.active(0, 2, "backward") is None and checks.active(0, 2, "step") is None
+    checks.passes_done(2)
+    assert checks.active(0, 2, "forward") is None
+    # Sampled later: it must re-open from that checkpoint; a rollback always re-opens.
+    assert checks.start_interval(0, 4, True, rolled_back=False)
+    checks.opened(0, 4)
+    assert checks.start_interval(0, 4, True, rolled_back=True)
+    with pytest.raises(ShadowMismatch) as info:
+        checks.compare(
+            0,
+            "primary",
+            KIND.NORM,
+            training_pb2.GradNormResponse(step=4, sq_norm=2.0, finite=True),
+            training_pb2.GradNormResponse(step=4, sq_norm=1.0, finite=True),
+        )
+    assert info.value.restore_at_most == 4 and checks.stats.mismatches == 1

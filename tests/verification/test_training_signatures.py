@@ -69,6 +69,23 @@ class OtherInputServicer(TrainingStageServicer):
         return reply
 
 
+class UnsignedNormServicer(TrainingStageServicer):
+    """Strips the signature of its GradNorm replies."""
+
+    async def GradNorm(self, request, context):  # noqa: N802
+        reply = await super().GradNorm(request, context)
+        reply.signature = b""
+        return reply
+
+
+class OtherClipServicer(TrainingStageServicer):
+    """Applies half the clip coefficient it was sent (and signs what it applied)."""
+
+    async def OptimizerStep(self, request, context):  # noqa: N802
+        request.clip_coef /= 2
+        return await super().OptimizerStep(request, context)
+
+
 async def pipeline(start_train_node, keys, *, middle: dict | None = None, keyless: bool = False):
     nodes = [
         await start_train_node([span], **((middle or {}) if i == 1 else {}))
@@ -94,9 +111,10 @@ async def test_honest_replies_are_all_signed_and_verified(start_train_node, keys
             await driver.train_step(step, *counting_batch(step))
     finally:
         await driver.close()
-    # forward + backward, 3 stages, 2 micro-batches, 2 steps: every reply checked.
+    # forward + backward, 3 stages, 2 micro-batches, 2 steps, and each stage's GradNorm
+    # and OptimizerStep of each step: every reply checked.
     assert driver.signatures.keyed
-    assert driver.signatures.checked == 2 * 3 * 2 * 2
+    assert driver.signatures.checked == 2 * 3 * 2 * 2 + 2 * 3 * 2
 
 
 @pytest.mark.parametrize(
@@ -105,6 +123,8 @@ async def test_honest_replies_are_all_signed_and_verified(start_train_node, keys
         (UnsignedServicer, "unsigned forward reply"),
         (ForeignKeyServicer, "backward reply whose signature does not verify"),
         (OtherInputServicer, "over another input"),
+        (UnsignedNormServicer, "norm reply that is unsigned"),
+        (OtherClipServicer, "step reply that is unsigned or whose signature does not verify"),
     ],
 )
 async def test_a_badly_signed_reply_is_a_failure_of_its_node(
@@ -181,7 +201,7 @@ async def test_a_forward_failpoint_tampers_before_signing(
     start_train_node, keys, monkeypatch
 ) -> None:
     """TESSERA_FAILPOINTS reaches ForwardTrain: the node signs the corrupted hidden states
-    it sends, so the signature verifies (a signed wrong output is evidence) and only
+    (or loss) it sends, so the signature verifies (a signed wrong output is evidence) and only
     redundant execution could tell; the losses visibly differ from an honest run's."""
     honest_driver, _ = await pipeline(start_train_node, keys)
     try:
@@ -198,8 +218,9 @@ async def test_a_forward_failpoint_tampers_before_signing(
         await driver.close()
     first = nodes[0].training._failpoints
     assert first is not None and first.tampered == first.calls == 2  # both micro-batches
-    assert nodes[2].training._failpoints.tampered == 0  # the last stage sends a loss
-    assert driver.signatures.checked == 3 * 2 * 2
+    last = nodes[2].training._failpoints
+    assert last is not None and last.tampered == last.calls == 2  # it reports a wrong loss
+    assert driver.signatures.checked == 3 * 2 * 2 + 3 * 2  # and GradNorm, OptimizerStep
     assert abs(tampered - honest) > 1e-3
 
 

@@ -221,7 +221,7 @@ class OpenTrainingSessionRequest(_message.Message):
     def __init__(self, job_id: _Optional[str] = ..., client_public_key: _Optional[bytes] = ..., client_signature: _Optional[bytes] = ..., request_unix_ms: _Optional[int] = ..., max_price: _Optional[int] = ...) -> None: ...
 
 class TrainingSession(_message.Message):
-    __slots__ = ("job_id", "model", "hops", "capability", "restore_step", "restore", "job", "replaced_stage", "quote", "settled")
+    __slots__ = ("job_id", "model", "hops", "capability", "restore_step", "restore", "job", "replaced_stage", "quote", "settled", "checkers")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     HOPS_FIELD_NUMBER: _ClassVar[int]
@@ -232,6 +232,7 @@ class TrainingSession(_message.Message):
     REPLACED_STAGE_FIELD_NUMBER: _ClassVar[int]
     QUOTE_FIELD_NUMBER: _ClassVar[int]
     SETTLED_FIELD_NUMBER: _ClassVar[int]
+    CHECKERS_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     model: str
     hops: _containers.RepeatedCompositeFieldContainer[_client_api_pb2.Hop]
@@ -242,7 +243,8 @@ class TrainingSession(_message.Message):
     replaced_stage: int
     quote: _ledger_pb2.Quote
     settled: _containers.RepeatedCompositeFieldContainer[_ledger_pb2.UsageReceipt]
-    def __init__(self, job_id: _Optional[str] = ..., model: _Optional[str] = ..., hops: _Optional[_Iterable[_Union[_client_api_pb2.Hop, _Mapping]]] = ..., capability: _Optional[_Union[_client_api_pb2.SignedCapability, _Mapping]] = ..., restore_step: _Optional[int] = ..., restore: _Optional[_Iterable[_Union[CheckpointPart, _Mapping]]] = ..., job: _Optional[_Union[JobInfo, _Mapping]] = ..., replaced_stage: _Optional[int] = ..., quote: _Optional[_Union[_ledger_pb2.Quote, _Mapping]] = ..., settled: _Optional[_Iterable[_Union[_ledger_pb2.UsageReceipt, _Mapping]]] = ...) -> None: ...
+    checkers: _containers.RepeatedCompositeFieldContainer[_client_api_pb2.Hop]
+    def __init__(self, job_id: _Optional[str] = ..., model: _Optional[str] = ..., hops: _Optional[_Iterable[_Union[_client_api_pb2.Hop, _Mapping]]] = ..., capability: _Optional[_Union[_client_api_pb2.SignedCapability, _Mapping]] = ..., restore_step: _Optional[int] = ..., restore: _Optional[_Iterable[_Union[CheckpointPart, _Mapping]]] = ..., job: _Optional[_Union[JobInfo, _Mapping]] = ..., replaced_stage: _Optional[int] = ..., quote: _Optional[_Union[_ledger_pb2.Quote, _Mapping]] = ..., settled: _Optional[_Iterable[_Union[_ledger_pb2.UsageReceipt, _Mapping]]] = ..., checkers: _Optional[_Iterable[_Union[_client_api_pb2.Hop, _Mapping]]] = ...) -> None: ...
 
 class CheckpointPart(_message.Message):
     __slots__ = ("layers", "sha256", "total_bytes")
@@ -279,18 +281,20 @@ class ReportStepRequest(_message.Message):
     def __init__(self, job_id: _Optional[str] = ..., capability: _Optional[_Union[_client_api_pb2.SignedCapability, _Mapping]] = ..., step: _Optional[int] = ..., loss: _Optional[float] = ..., grad_norm: _Optional[float] = ..., tokens: _Optional[int] = ..., tokens_per_s: _Optional[float] = ..., stage_ms: _Optional[_Iterable[float]] = ..., wall_s: _Optional[float] = ..., usage: _Optional[_Iterable[_Union[_ledger_pb2.SignedUsage, _Mapping]]] = ...) -> None: ...
 
 class StageFailureRequest(_message.Message):
-    __slots__ = ("job_id", "capability", "stage", "node_id", "cause")
+    __slots__ = ("job_id", "capability", "stage", "node_id", "cause", "restore_at_most")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     CAPABILITY_FIELD_NUMBER: _ClassVar[int]
     STAGE_FIELD_NUMBER: _ClassVar[int]
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     CAUSE_FIELD_NUMBER: _ClassVar[int]
+    RESTORE_AT_MOST_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     capability: _client_api_pb2.SignedCapability
     stage: int
     node_id: str
     cause: str
-    def __init__(self, job_id: _Optional[str] = ..., capability: _Optional[_Union[_client_api_pb2.SignedCapability, _Mapping]] = ..., stage: _Optional[int] = ..., node_id: _Optional[str] = ..., cause: _Optional[str] = ...) -> None: ...
+    restore_at_most: int
+    def __init__(self, job_id: _Optional[str] = ..., capability: _Optional[_Union[_client_api_pb2.SignedCapability, _Mapping]] = ..., stage: _Optional[int] = ..., node_id: _Optional[str] = ..., cause: _Optional[str] = ..., restore_at_most: _Optional[int] = ...) -> None: ...
 
 class FinishJobRequest(_message.Message):
     __slots__ = ("job_id", "capability", "state", "error", "usage")

@@ -141,14 +141,16 @@ class GradNormRequest(_message.Message):
     def __init__(self, capability: _Optional[_Union[_client_api_pb2.SignedCapability, _Mapping]] = ..., job_id: _Optional[str] = ..., step: _Optional[int] = ...) -> None: ...
 
 class GradNormResponse(_message.Message):
-    __slots__ = ("step", "sq_norm", "finite")
+    __slots__ = ("step", "sq_norm", "finite", "signature")
     STEP_FIELD_NUMBER: _ClassVar[int]
     SQ_NORM_FIELD_NUMBER: _ClassVar[int]
     FINITE_FIELD_NUMBER: _ClassVar[int]
+    SIGNATURE_FIELD_NUMBER: _ClassVar[int]
     step: int
     sq_norm: float
     finite: bool
-    def __init__(self, step: _Optional[int] = ..., sq_norm: _Optional[float] = ..., finite: _Optional[bool] = ...) -> None: ...
+    signature: bytes
+    def __init__(self, step: _Optional[int] = ..., sq_norm: _Optional[float] = ..., finite: _Optional[bool] = ..., signature: _Optional[bytes] = ...) -> None: ...
 
 class OptimizerStepRequest(_message.Message):
     __slots__ = ("capability", "job_id", "step", "clip_coef")
@@ -163,10 +165,12 @@ class OptimizerStepRequest(_message.Message):
     def __init__(self, capability: _Optional[_Union[_client_api_pb2.SignedCapability, _Mapping]] = ..., job_id: _Optional[str] = ..., step: _Optional[int] = ..., clip_coef: _Optional[float] = ...) -> None: ...
 
 class OptimizerStepResponse(_message.Message):
-    __slots__ = ("step",)
+    __slots__ = ("step", "signature")
     STEP_FIELD_NUMBER: _ClassVar[int]
+    SIGNATURE_FIELD_NUMBER: _ClassVar[int]
     step: int
-    def __init__(self, step: _Optional[int] = ...) -> None: ...
+    signature: bytes
+    def __init__(self, step: _Optional[int] = ..., signature: _Optional[bytes] = ...) -> None: ...
 
 class SaveCheckpointRequest(_message.Message):
     __slots__ = ("capability", "job_id", "step")

@@ -26,31 +26,47 @@ from protos.tessera.v1 import common_pb2 as tessera_dot_v1_dot_common__pb2
 from protos.tessera.v1 import client_api_pb2 as tessera_dot_v1_dot_client__api__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1dtessera/v1/verification.proto\x12\ntessera.v1\x1a\x17tessera/v1/common.proto\x1a\x1btessera/v1/client_api.proto\"\xb9\x01\n\x0cSignedOutput\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x0c\n\x04step\x18\x02 \x01(\x04\x12&\n\x06layers\x18\x03 \x01(\x0b\x32\x16.tessera.v1.LayerRange\x12\x14\n\x0cinput_digest\x18\x04 \x01(\x0c\x12\x15\n\routput_sha256\x18\x05 \x01(\x0c\x12\x11\n\tsignature\x18\x06 \x01(\x0c\x12\"\n\x06output\x18\x07 \x01(\x0b\x32\x12.tessera.v1.Tensor\"\xd5\x01\n\nComparison\x12)\n\x07primary\x18\x01 \x01(\x0b\x32\x18.tessera.v1.SignedOutput\x12)\n\x07\x63hecker\x18\x02 \x01(\x0b\x32\x18.tessera.v1.SignedOutput\x12\x0e\n\x06\x61greed\x18\x03 \x01(\x08\x12\"\n\x06prefix\x18\x04 \x03(\x0b\x32\x12.tessera.v1.Tensor\x12!\n\x05input\x18\x05 \x01(\x0b\x32\x12.tessera.v1.Tensor\x12\x1a\n\x12last_position_only\x18\x06 \x01(\x08\"<\n\tNodeCalls\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\r\n\x05\x63\x61lls\x18\x02 \x01(\x04\x12\x0f\n\x07\x63hecked\x18\x03 \x01(\x04\"\xad\x01\n\x12VerificationReport\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x30\n\ncapability\x18\x02 \x01(\x0b\x32\x1c.tessera.v1.SignedCapability\x12+\n\x0b\x63omparisons\x18\x03 \x03(\x0b\x32\x16.tessera.v1.Comparison\x12$\n\x05\x63\x61lls\x18\x04 \x03(\x0b\x32\x15.tessera.v1.NodeCalls\"\xcf\x01\n\x07Verdict\x12,\n\x07outcome\x18\x01 \x01(\x0e\x32\x1b.tessera.v1.Verdict.Outcome\x12\x17\n\x0f\x61rbiter_node_id\x18\x02 \x01(\t\x12\x13\n\x0b\x65vidence_id\x18\x03 \x01(\t\x12\x0e\n\x06\x64\x65tail\x18\x04 \x01(\t\"X\n\x07Outcome\x12\x17\n\x13OUTCOME_UNSPECIFIED\x10\x00\x12\x11\n\rPRIMARY_WRONG\x10\x01\x12\x11\n\rCHECKER_WRONG\x10\x02\x12\x0e\n\nUNRESOLVED\x10\x03\"]\n\rReportVerdict\x12%\n\x08verdicts\x18\x01 \x03(\x0b\x32\x13.tessera.v1.Verdict\x12%\n\x04risk\x18\x02 \x01(\x0b\x32\x17.tessera.v1.SessionRisk\"Z\n\x12SessionRiskRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x30\n\ncapability\x18\x02 \x01(\x0b\x32\x1c.tessera.v1.SignedCapability\"\xc8\x01\n\x0bSessionRisk\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\r\n\x05\x63\x61lls\x18\x02 \x01(\x04\x12\x0f\n\x07\x63hecked\x18\x03 \x01(\x04\x12\x12\n\nmismatches\x18\x04 \x01(\r\x12\x16\n\x0e\x63heck_fraction\x18\x05 \x01(\x01\x12\x1a\n\x12\x61ssumed_corruption\x18\x06 \x01(\x01\x12\x1d\n\x15\x64\x65tection_probability\x18\x07 \x01(\x01\x12\x1e\n\x16undetected_probability\x18\x08 \x01(\x01\x32\x9e\x01\n\x0cVerification\x12\x43\n\x06Report\x12\x1e.tessera.v1.VerificationReport\x1a\x19.tessera.v1.ReportVerdict\x12I\n\x0eGetSessionRisk\x12\x1e.tessera.v1.SessionRiskRequest\x1a\x17.tessera.v1.SessionRiskb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1dtessera/v1/verification.proto\x12\ntessera.v1\x1a\x17tessera/v1/common.proto\x1a\x1btessera/v1/client_api.proto\"f\n\x13SignedTrainingReply\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x14\n\x0cinput_digest\x18\x02 \x01(\x0c\x12\x15\n\routput_sha256\x18\x03 \x01(\x0c\x12\x11\n\tsignature\x18\x04 \x01(\x0c\"\xf3\x02\n\x0cTrainingCall\x12+\n\x04kind\x18\x01 \x01(\x0e\x32\x1d.tessera.v1.TrainingCall.Kind\x12\x0c\n\x04step\x18\x02 \x01(\x04\x12\x13\n\x0bmicro_batch\x18\x03 \x01(\r\x12!\n\x05input\x18\x04 \x01(\x0b\x32\x12.tessera.v1.Tensor\x12\"\n\x06labels\x18\x05 \x01(\x0b\x32\x12.tessera.v1.Tensor\x12\x11\n\tclip_coef\x18\x06 \x01(\x01\x12\x30\n\x07primary\x18\x07 \x01(\x0b\x32\x1f.tessera.v1.SignedTrainingReply\x12\x30\n\x07\x63hecker\x18\x08 \x01(\x0b\x32\x1f.tessera.v1.SignedTrainingReply\"U\n\x04Kind\x12\x14\n\x10KIND_UNSPECIFIED\x10\x00\x12\x0b\n\x07\x46ORWARD\x10\x01\x12\x0c\n\x08\x42\x41\x43KWARD\x10\x02\x12\x08\n\x04NORM\x10\x03\x12\x12\n\x0eOPTIMIZER_STEP\x10\x04\"y\n\x0eTrainingAnswer\x12\"\n\x06output\x18\x01 \x01(\x0b\x32\x12.tessera.v1.Tensor\x12\x0c\n\x04loss\x18\x02 \x01(\x01\x12\x14\n\x0clabel_tokens\x18\x03 \x01(\x04\x12\x0f\n\x07sq_norm\x18\x04 \x01(\x01\x12\x0e\n\x06\x66inite\x18\x05 \x01(\x08\"\xec\x02\n\x0fTrainingDispute\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x30\n\ncapability\x18\x02 \x01(\x0b\x32\x1c.tessera.v1.SignedCapability\x12&\n\x06layers\x18\x03 \x01(\x0b\x32\x16.tessera.v1.LayerRange\x12\x17\n\x0fprimary_node_id\x18\x04 \x01(\t\x12\x17\n\x0f\x63hecker_node_id\x18\x05 \x01(\t\x12\x14\n\x0crestore_step\x18\x06 \x01(\x04\x12\x16\n\x0erestore_sha256\x18\x07 \x01(\t\x12\'\n\x05\x63\x61lls\x18\x08 \x03(\x0b\x32\x18.tessera.v1.TrainingCall\x12\x32\n\x0eprimary_answer\x18\t \x01(\x0b\x32\x1a.tessera.v1.TrainingAnswer\x12\x32\n\x0e\x63hecker_answer\x18\n \x01(\x0b\x32\x1a.tessera.v1.TrainingAnswer\"\xef\x01\n\x11TrainingAgreement\x12+\n\x04kind\x18\x01 \x01(\x0e\x32\x1d.tessera.v1.TrainingCall.Kind\x12\x0c\n\x04step\x18\x02 \x01(\x04\x12\x13\n\x0bmicro_batch\x18\x03 \x01(\r\x12&\n\x06layers\x18\x04 \x01(\x0b\x32\x16.tessera.v1.LayerRange\x12\x30\n\x07primary\x18\x05 \x01(\x0b\x32\x1f.tessera.v1.SignedTrainingReply\x12\x30\n\x07\x63hecker\x18\x06 \x01(\x0b\x32\x1f.tessera.v1.SignedTrainingReply\"\x85\x01\n\x0eTrainingChecks\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x30\n\ncapability\x18\x02 \x01(\x0b\x32\x1c.tessera.v1.SignedCapability\x12\x31\n\nagreements\x18\x03 \x03(\x0b\x32\x1d.tessera.v1.TrainingAgreement\"%\n\x11TrainingChecksAck\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\r\"\xb9\x01\n\x0cSignedOutput\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x0c\n\x04step\x18\x02 \x01(\x04\x12&\n\x06layers\x18\x03 \x01(\x0b\x32\x16.tessera.v1.LayerRange\x12\x14\n\x0cinput_digest\x18\x04 \x01(\x0c\x12\x15\n\routput_sha256\x18\x05 \x01(\x0c\x12\x11\n\tsignature\x18\x06 \x01(\x0c\x12\"\n\x06output\x18\x07 \x01(\x0b\x32\x12.tessera.v1.Tensor\"\xd5\x01\n\nComparison\x12)\n\x07primary\x18\x01 \x01(\x0b\x32\x18.tessera.v1.SignedOutput\x12)\n\x07\x63hecker\x18\x02 \x01(\x0b\x32\x18.tessera.v1.SignedOutput\x12\x0e\n\x06\x61greed\x18\x03 \x01(\x08\x12\"\n\x06prefix\x18\x04 \x03(\x0b\x32\x12.tessera.v1.Tensor\x12!\n\x05input\x18\x05 \x01(\x0b\x32\x12.tessera.v1.Tensor\x12\x1a\n\x12last_position_only\x18\x06 \x01(\x08\"<\n\tNodeCalls\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\r\n\x05\x63\x61lls\x18\x02 \x01(\x04\x12\x0f\n\x07\x63hecked\x18\x03 \x01(\x04\"\xad\x01\n\x12VerificationReport\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x30\n\ncapability\x18\x02 \x01(\x0b\x32\x1c.tessera.v1.SignedCapability\x12+\n\x0b\x63omparisons\x18\x03 \x03(\x0b\x32\x16.tessera.v1.Comparison\x12$\n\x05\x63\x61lls\x18\x04 \x03(\x0b\x32\x15.tessera.v1.NodeCalls\"\xcf\x01\n\x07Verdict\x12,\n\x07outcome\x18\x01 \x01(\x0e\x32\x1b.tessera.v1.Verdict.Outcome\x12\x17\n\x0f\x61rbiter_node_id\x18\x02 \x01(\t\x12\x13\n\x0b\x65vidence_id\x18\x03 \x01(\t\x12\x0e\n\x06\x64\x65tail\x18\x04 \x01(\t\"X\n\x07Outcome\x12\x17\n\x13OUTCOME_UNSPECIFIED\x10\x00\x12\x11\n\rPRIMARY_WRONG\x10\x01\x12\x11\n\rCHECKER_WRONG\x10\x02\x12\x0e\n\nUNRESOLVED\x10\x03\"]\n\rReportVerdict\x12%\n\x08verdicts\x18\x01 \x03(\x0b\x32\x13.tessera.v1.Verdict\x12%\n\x04risk\x18\x02 \x01(\x0b\x32\x17.tessera.v1.SessionRisk\"Z\n\x12SessionRiskRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x30\n\ncapability\x18\x02 \x01(\x0b\x32\x1c.tessera.v1.SignedCapability\"\xc8\x01\n\x0bSessionRisk\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\r\n\x05\x63\x61lls\x18\x02 \x01(\x04\x12\x0f\n\x07\x63hecked\x18\x03 \x01(\x04\x12\x12\n\nmismatches\x18\x04 \x01(\r\x12\x16\n\x0e\x63heck_fraction\x18\x05 \x01(\x01\x12\x1a\n\x12\x61ssumed_corruption\x18\x06 \x01(\x01\x12\x1d\n\x15\x64\x65tection_probability\x18\x07 \x01(\x01\x12\x1e\n\x16undetected_probability\x18\x08 \x01(\x01\x32\xbc\x02\n\x0cVerification\x12\x43\n\x06Report\x12\x1e.tessera.v1.VerificationReport\x1a\x19.tessera.v1.ReportVerdict\x12I\n\x0eGetSessionRisk\x12\x1e.tessera.v1.SessionRiskRequest\x1a\x17.tessera.v1.SessionRisk\x12I\n\x15ReportTrainingDispute\x12\x1b.tessera.v1.TrainingDispute\x1a\x13.tessera.v1.Verdict\x12Q\n\x14ReportTrainingChecks\x12\x1a.tessera.v1.TrainingChecks\x1a\x1d.tessera.v1.TrainingChecksAckb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'tessera.v1.verification_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_SIGNEDOUTPUT']._serialized_start=100
-  _globals['_SIGNEDOUTPUT']._serialized_end=285
-  _globals['_COMPARISON']._serialized_start=288
-  _globals['_COMPARISON']._serialized_end=501
-  _globals['_NODECALLS']._serialized_start=503
-  _globals['_NODECALLS']._serialized_end=563
-  _globals['_VERIFICATIONREPORT']._serialized_start=566
-  _globals['_VERIFICATIONREPORT']._serialized_end=739
-  _globals['_VERDICT']._serialized_start=742
-  _globals['_VERDICT']._serialized_end=949
-  _globals['_VERDICT_OUTCOME']._serialized_start=861
-  _globals['_VERDICT_OUTCOME']._serialized_end=949
-  _globals['_REPORTVERDICT']._serialized_start=951
-  _globals['_REPORTVERDICT']._serialized_end=1044
-  _globals['_SESSIONRISKREQUEST']._serialized_start=1046
-  _globals['_SESSIONRISKREQUEST']._serialized_end=1136
-  _globals['_SESSIONRISK']._serialized_start=1139
-  _globals['_SESSIONRISK']._serialized_end=1339
-  _globals['_VERIFICATION']._serialized_start=1342
-  _globals['_VERIFICATION']._serialized_end=1500
+  _globals['_SIGNEDTRAININGREPLY']._serialized_start=99
+  _globals['_SIGNEDTRAININGREPLY']._serialized_end=201
+  _globals['_TRAININGCALL']._serialized_start=204
+  _globals['_TRAININGCALL']._serialized_end=575
+  _globals['_TRAININGCALL_KIND']._serialized_start=490
+  _globals['_TRAININGCALL_KIND']._serialized_end=575
+  _globals['_TRAININGANSWER']._serialized_start=577
+  _globals['_TRAININGANSWER']._serialized_end=698
+  _globals['_TRAININGDISPUTE']._serialized_start=701
+  _globals['_TRAININGDISPUTE']._serialized_end=1065
+  _globals['_TRAININGAGREEMENT']._serialized_start=1068
+  _globals['_TRAININGAGREEMENT']._serialized_end=1307
+  _globals['_TRAININGCHECKS']._serialized_start=1310
+  _globals['_TRAININGCHECKS']._serialized_end=1443
+  _globals['_TRAININGCHECKSACK']._serialized_start=1445
+  _globals['_TRAININGCHECKSACK']._serialized_end=1482
+  _globals['_SIGNEDOUTPUT']._serialized_start=1485
+  _globals['_SIGNEDOUTPUT']._serialized_end=1670
+  _globals['_COMPARISON']._serialized_start=1673
+  _globals['_COMPARISON']._serialized_end=1886
+  _globals['_NODECALLS']._serialized_start=1888
+  _globals['_NODECALLS']._serialized_end=1948
+  _globals['_VERIFICATIONREPORT']._serialized_start=1951
+  _globals['_VERIFICATIONREPORT']._serialized_end=2124
+  _globals['_VERDICT']._serialized_start=2127
+  _globals['_VERDICT']._serialized_end=2334
+  _globals['_VERDICT_OUTCOME']._serialized_start=2246
+  _globals['_VERDICT_OUTCOME']._serialized_end=2334
+  _globals['_REPORTVERDICT']._serialized_start=2336
+  _globals['_REPORTVERDICT']._serialized_end=2429
+  _globals['_SESSIONRISKREQUEST']._serialized_start=2431
+  _globals['_SESSIONRISKREQUEST']._serialized_end=2521
+  _globals['_SESSIONRISK']._serialized_start=2524
+  _globals['_SESSIONRISK']._serialized_end=2724
+  _globals['_VERIFICATION']._serialized_start=2727
+  _globals['_VERIFICATION']._serialized_end=3043
 # @@protoc_insertion_point(module_scope)

@@ -9,6 +9,120 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class SignedTrainingReply(_message.Message):
+    __slots__ = ("node_id", "input_digest", "output_sha256", "signature")
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    INPUT_DIGEST_FIELD_NUMBER: _ClassVar[int]
+    OUTPUT_SHA256_FIELD_NUMBER: _ClassVar[int]
+    SIGNATURE_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    input_digest: bytes
+    output_sha256: bytes
+    signature: bytes
+    def __init__(self, node_id: _Optional[str] = ..., input_digest: _Optional[bytes] = ..., output_sha256: _Optional[bytes] = ..., signature: _Optional[bytes] = ...) -> None: ...
+
+class TrainingCall(_message.Message):
+    __slots__ = ("kind", "step", "micro_batch", "input", "labels", "clip_coef", "primary", "checker")
+    class Kind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+        __slots__ = ()
+        KIND_UNSPECIFIED: _ClassVar[TrainingCall.Kind]
+        FORWARD: _ClassVar[TrainingCall.Kind]
+        BACKWARD: _ClassVar[TrainingCall.Kind]
+        NORM: _ClassVar[TrainingCall.Kind]
+        OPTIMIZER_STEP: _ClassVar[TrainingCall.Kind]
+    KIND_UNSPECIFIED: TrainingCall.Kind
+    FORWARD: TrainingCall.Kind
+    BACKWARD: TrainingCall.Kind
+    NORM: TrainingCall.Kind
+    OPTIMIZER_STEP: TrainingCall.Kind
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    MICRO_BATCH_FIELD_NUMBER: _ClassVar[int]
+    INPUT_FIELD_NUMBER: _ClassVar[int]
+    LABELS_FIELD_NUMBER: _ClassVar[int]
+    CLIP_COEF_FIELD_NUMBER: _ClassVar[int]
+    PRIMARY_FIELD_NUMBER: _ClassVar[int]
+    CHECKER_FIELD_NUMBER: _ClassVar[int]
+    kind: TrainingCall.Kind
+    step: int
+    micro_batch: int
+    input: _common_pb2.Tensor
+    labels: _common_pb2.Tensor
+    clip_coef: float
+    primary: SignedTrainingReply
+    checker: SignedTrainingReply
+    def __init__(self, kind: _Optional[_Union[TrainingCall.Kind, str]] = ..., step: _Optional[int] = ..., micro_batch: _Optional[int] = ..., input: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., labels: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., clip_coef: _Optional[float] = ..., primary: _Optional[_Union[SignedTrainingReply, _Mapping]] = ..., checker: _Optional[_Union[SignedTrainingReply, _Mapping]] = ...) -> None: ...
+
+class TrainingAnswer(_message.Message):
+    __slots__ = ("output", "loss", "label_tokens", "sq_norm", "finite")
+    OUTPUT_FIELD_NUMBER: _ClassVar[int]
+    LOSS_FIELD_NUMBER: _ClassVar[int]
+    LABEL_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    SQ_NORM_FIELD_NUMBER: _ClassVar[int]
+    FINITE_FIELD_NUMBER: _ClassVar[int]
+    output: _common_pb2.Tensor
+    loss: float
+    label_tokens: int
+    sq_norm: float
+    finite: bool
+    def __init__(self, output: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., loss: _Optional[float] = ..., label_tokens: _Optional[int] = ..., sq_norm: _Optional[float] = ..., finite: _Optional[bool] = ...) -> None: ...
+
+class TrainingDispute(_message.Message):
+    __slots__ = ("job_id", "capability", "layers", "primary_node_id", "checker_node_id", "restore_step", "restore_sha256", "calls", "primary_answer", "checker_answer")
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    CAPABILITY_FIELD_NUMBER: _ClassVar[int]
+    LAYERS_FIELD_NUMBER: _ClassVar[int]
+    PRIMARY_NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    CHECKER_NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    RESTORE_STEP_FIELD_NUMBER: _ClassVar[int]
+    RESTORE_SHA256_FIELD_NUMBER: _ClassVar[int]
+    CALLS_FIELD_NUMBER: _ClassVar[int]
+    PRIMARY_ANSWER_FIELD_NUMBER: _ClassVar[int]
+    CHECKER_ANSWER_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    capability: _client_api_pb2.SignedCapability
+    layers: _common_pb2.LayerRange
+    primary_node_id: str
+    checker_node_id: str
+    restore_step: int
+    restore_sha256: str
+    calls: _containers.RepeatedCompositeFieldContainer[TrainingCall]
+    primary_answer: TrainingAnswer
+    checker_answer: TrainingAnswer
+    def __init__(self, job_id: _Optional[str] = ..., capability: _Optional[_Union[_client_api_pb2.SignedCapability, _Mapping]] = ..., layers: _Optional[_Union[_common_pb2.LayerRange, _Mapping]] = ..., primary_node_id: _Optional[str] = ..., checker_node_id: _Optional[str] = ..., restore_step: _Optional[int] = ..., restore_sha256: _Optional[str] = ..., calls: _Optional[_Iterable[_Union[TrainingCall, _Mapping]]] = ..., primary_answer: _Optional[_Union[TrainingAnswer, _Mapping]] = ..., checker_answer: _Optional[_Union[TrainingAnswer, _Mapping]] = ...) -> None: ...
+
+class TrainingAgreement(_message.Message):
+    __slots__ = ("kind", "step", "micro_batch", "layers", "primary", "checker")
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    MICRO_BATCH_FIELD_NUMBER: _ClassVar[int]
+    LAYERS_FIELD_NUMBER: _ClassVar[int]
+    PRIMARY_FIELD_NUMBER: _ClassVar[int]
+    CHECKER_FIELD_NUMBER: _ClassVar[int]
+    kind: TrainingCall.Kind
+    step: int
+    micro_batch: int
+    layers: _common_pb2.LayerRange
+    primary: SignedTrainingReply
+    checker: SignedTrainingReply
+    def __init__(self, kind: _Optional[_Union[TrainingCall.Kind, str]] = ..., step: _Optional[int] = ..., micro_batch: _Optional[int] = ..., layers: _Optional[_Union[_common_pb2.LayerRange, _Mapping]] = ..., primary: _Optional[_Union[SignedTrainingReply, _Mapping]] = ..., checker: _Optional[_Union[SignedTrainingReply, _Mapping]] = ...) -> None: ...
+
+class TrainingChecks(_message.Message):
+    __slots__ = ("job_id", "capability", "agreements")
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    CAPABILITY_FIELD_NUMBER: _ClassVar[int]
+    AGREEMENTS_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    capability: _client_api_pb2.SignedCapability
+    agreements: _containers.RepeatedCompositeFieldContainer[TrainingAgreement]
+    def __init__(self, job_id: _Optional[str] = ..., capability: _Optional[_Union[_client_api_pb2.SignedCapability, _Mapping]] = ..., agreements: _Optional[_Iterable[_Union[TrainingAgreement, _Mapping]]] = ...) -> None: ...
+
+class TrainingChecksAck(_message.Message):
+    __slots__ = ("accepted",)
+    ACCEPTED_FIELD_NUMBER: _ClassVar[int]
+    accepted: int
+    def __init__(self, accepted: _Optional[int] = ...) -> None: ...
+
 class SignedOutput(_message.Message):
     __slots__ = ("node_id", "step", "layers", "input_digest", "output_sha256", "signature", "output")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]

@@ -48,6 +48,16 @@ class VerificationStub:
                 request_serializer=tessera_dot_v1_dot_verification__pb2.SessionRiskRequest.SerializeToString,
                 response_deserializer=tessera_dot_v1_dot_verification__pb2.SessionRisk.FromString,
                 _registered_method=True)
+        self.ReportTrainingDispute = channel.unary_unary(
+                '/tessera.v1.Verification/ReportTrainingDispute',
+                request_serializer=tessera_dot_v1_dot_verification__pb2.TrainingDispute.SerializeToString,
+                response_deserializer=tessera_dot_v1_dot_verification__pb2.Verdict.FromString,
+                _registered_method=True)
+        self.ReportTrainingChecks = channel.unary_unary(
+                '/tessera.v1.Verification/ReportTrainingChecks',
+                request_serializer=tessera_dot_v1_dot_verification__pb2.TrainingChecks.SerializeToString,
+                response_deserializer=tessera_dot_v1_dot_verification__pb2.TrainingChecksAck.FromString,
+                _registered_method=True)
 
 
 class VerificationServicer:
@@ -73,6 +83,23 @@ class VerificationServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ReportTrainingDispute(self, request, context):
+        """A training job's driver saw a stage node and its lockstep checker disagree. The
+        coordinator checks every signature and digest, replays the logged calls from the
+        checkpoint both started from on a third node of another operator, and convicts the
+        node the arbiter contradicts (docs/verification.md, "Training").
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ReportTrainingChecks(self, request, context):
+        """Agreements of lockstep checks: each raises both nodes' reputation once.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_VerificationServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -85,6 +112,16 @@ def add_VerificationServicer_to_server(servicer, server):
                     servicer.GetSessionRisk,
                     request_deserializer=tessera_dot_v1_dot_verification__pb2.SessionRiskRequest.FromString,
                     response_serializer=tessera_dot_v1_dot_verification__pb2.SessionRisk.SerializeToString,
+            ),
+            'ReportTrainingDispute': grpc.unary_unary_rpc_method_handler(
+                    servicer.ReportTrainingDispute,
+                    request_deserializer=tessera_dot_v1_dot_verification__pb2.TrainingDispute.FromString,
+                    response_serializer=tessera_dot_v1_dot_verification__pb2.Verdict.SerializeToString,
+            ),
+            'ReportTrainingChecks': grpc.unary_unary_rpc_method_handler(
+                    servicer.ReportTrainingChecks,
+                    request_deserializer=tessera_dot_v1_dot_verification__pb2.TrainingChecks.FromString,
+                    response_serializer=tessera_dot_v1_dot_verification__pb2.TrainingChecksAck.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -145,6 +182,60 @@ class Verification:
             '/tessera.v1.Verification/GetSessionRisk',
             tessera_dot_v1_dot_verification__pb2.SessionRiskRequest.SerializeToString,
             tessera_dot_v1_dot_verification__pb2.SessionRisk.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReportTrainingDispute(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tessera.v1.Verification/ReportTrainingDispute',
+            tessera_dot_v1_dot_verification__pb2.TrainingDispute.SerializeToString,
+            tessera_dot_v1_dot_verification__pb2.Verdict.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReportTrainingChecks(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tessera.v1.Verification/ReportTrainingChecks',
+            tessera_dot_v1_dot_verification__pb2.TrainingChecks.SerializeToString,
+            tessera_dot_v1_dot_verification__pb2.TrainingChecksAck.FromString,
             options,
             channel_credentials,
             insecure,
