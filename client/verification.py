@@ -26,7 +26,7 @@ import logging
 import random
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Literal, TypeVar
+from typing import TypeVar
 
 import grpc
 import numpy as np
@@ -235,40 +235,49 @@ class StageVerifier:
         task.add_done_callback(settled)
         return task
 
-    async def verify(
+    def check_reply(
         self,
         capability: client_api_pb2.SignedCapability,
         hop: HopRecord,
-        alternates: list[HopRecord],
         request: stage_pb2.ForwardRequest,
         response: stage_pb2.ForwardResponse,
-        output: np.ndarray,
-        history: RouteHistory,
         *,
         replay: bool = False,
-        pending: PendingCheck | None | Literal["draw"] = "draw",
-    ) -> np.ndarray:
-        """The output to use; raises NodeRejected when the primary must not be trusted.
+        pending: PendingCheck | None = None,
+    ) -> PendingCheck | None:
+        """Check the reply's signature now, before its output is used; raises
+        NodeRejected when it must not be used.
 
-        ``pending`` is what ``begin`` returned for this call; by default the draw (and
-        the check) happens here, after the reply.
+        Returns the redundant check still to be settled (``pending``, None when there is
+        none): the driver passes the output on and settles the check with ``settle``
+        before the step's result is returned, so the checker's answer is awaited while
+        the rest of the pipeline runs instead of on every hop's critical path.
         """
-        if pending == "draw":
-            pending = self.begin(capability, hop, alternates, request, history, replay=replay)
         try:
             self._load_grants(capability)
             if not self._keyed:
-                return output  # a coordinator without verification: nothing to check against
+                return None  # a coordinator without verification: nothing to check against
             self._check_signature(hop.node_id, request, response)
         except BaseException:
             if pending is not None:
                 pending.cancel()
             raise
         if replay:
-            return output
+            return None
         self.stats.calls[hop.node_id] = self.stats.calls.get(hop.node_id, 0) + 1
-        if pending is None:
-            return output
+        return pending
+
+    async def settle(
+        self,
+        hop: HopRecord,
+        request: stage_pb2.ForwardRequest,
+        response: stage_pb2.ForwardResponse,
+        history: RouteHistory,
+        pending: PendingCheck,
+    ) -> None:
+        """Compare the checker's answer with the primary's (whose signature
+        ``check_reply`` accepted); raises NodeRejected when the primary must not be
+        trusted. An unusable checker says nothing about the primary: it returns."""
         checker = pending.checker
         try:
             checked = await pending.task
@@ -282,13 +291,13 @@ class StageVerifier:
             log.warning("checker %s could not check %s: %s", checker.node_id, hop.node_id, err)
             self._close_stream(checker.node_id)
             self._unfit_checkers.add(checker.node_id)
-            return output
+            return
         if checked.input_digest != response.input_digest:
             # The two caches saw different histories (e.g. a dtype-widened replay): their
             # outputs are not comparable, and not evidence of anything.
             log.info("checker %s holds another input history; not compared", checker.node_id)
-            return output
-        return await self._compare(hop, checker, request, response, checked, output, history)
+            return
+        await self._compare(hop, checker, request, response, checked, history)
 
     async def finish(self) -> verification_pb2.SessionRisk | None:
         """End the checkers' caches, send what is left to report; returns the
@@ -502,9 +511,8 @@ class StageVerifier:
         request: stage_pb2.ForwardRequest,
         response: stage_pb2.ForwardResponse,
         checked: stage_pb2.ForwardResponse,
-        output: np.ndarray,
         history: RouteHistory,
-    ) -> np.ndarray:
+    ) -> None:
         stats = self.stats
         stats.checked[hop.node_id] = stats.checked.get(hop.node_id, 0) + 1
         stats.pairs.append((hop.node_id, checker.node_id))
@@ -527,7 +535,7 @@ class StageVerifier:
             self._pending.append(comparison)
             if len(self._pending) >= self._report_every and self._reporter is not None:
                 await self._report_quietly()
-            return output
+            return
         stats.mismatches += 1
         log.warning(
             "mismatch on layers [%d, %d) at step %d: %s vs %s, relative error %.3g > %.3g",
@@ -549,7 +557,7 @@ class StageVerifier:
         outcome = await self._arbitrate()
         if outcome == Outcome.CHECKER_WRONG:
             self._unfit_checkers.add(checker.node_id)
-            return output
+            return
         # The primary lost, or nobody could tell: use neither answer; fail over instead.
         if outcome != Outcome.PRIMARY_WRONG:
             self._unfit_checkers.add(checker.node_id)

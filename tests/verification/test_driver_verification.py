@@ -100,6 +100,33 @@ async def test_a_corrupting_primary_is_caught_and_its_output_never_used(
     await driver.close()
 
 
+async def test_a_check_that_fails_after_the_next_stage_ran_re_runs_that_stage(
+    start_node, keys, checkpoint, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Checks settle at the end of the step, so the second stage has already run on the
+    # cheater's output (and cached it) when the mismatch comes in: the driver must fail
+    # the first stage over and run the second again from the corrected hidden states.
+    monkeypatch.setenv(failpoints.ENV_VAR, "corrupt=0.3,seed=1")
+    cheater = await start_node([(0, 2)])
+    monkeypatch.delenv(failpoints.ENV_VAR)
+    honest = [await start_node([(0, 2)]) for _ in range(2)]
+    second = await start_node([(2, 4)])
+    nodes = [cheater, *honest, second]
+    accounts = {n.node_id: f"op-{i}" for i, n in enumerate(nodes)}
+    layout = [(0, 2, cheater, honest), (2, 4, second, [])]
+    grant = keyed(keys, session_grant(keys, layout), nodes, accounts, 1.0)
+    driver = driver_for(grant)
+    tokens = await greedy(driver, PROMPT, NEW_TOKENS)
+    assert tokens == reference_greedy(checkpoint, PROMPT, NEW_TOKENS)
+    assert driver.verifier.stats.mismatches >= 1
+    [event] = [f for f in driver.failovers if f.failed_node_id == cheater.node_id]
+    assert cheater.node_id not in {h.node_id for h in driver.route}
+    # The second stage answered the rejected step and then the redo of it.
+    redone = [t for t in driver.timings if t.node_id == second.node_id and t.step > event.step]
+    assert redone and not redone[0].replay
+    await driver.close()
+
+
 async def test_nodes_of_one_operator_never_check_each_other(start_node, keys) -> None:
     primary, sibling, stranger = [await start_node([(0, 4)]) for _ in range(3)]
     accounts = {primary.node_id: "op-x", sibling.node_id: "op-x", stranger.node_id: "op-y"}
