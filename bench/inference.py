@@ -379,6 +379,28 @@ def decode_breakdown(run: Run) -> tuple[float, float]:
     return compute, wall
 
 
+def check_split(run: Run) -> str:
+    """Median token time of the decode tokens one of whose calls also ran on a checker,
+    and of the others: what a sampled check costs the token it lands on."""
+    assert run.result is not None and run.result.verification is not None
+    steps = sorted({t.step for t in run.result.timings if t.tokens == 1 and not t.replay})
+    if len(steps) != len(run.token_times):
+        return "tokens with and without a check: not told apart (a fail-over ran extra steps)"
+    checked = set(run.result.verification.check_steps)
+    times: dict[bool, list[float]] = {True: [], False: []}
+    for step, seconds in zip(steps, run.token_times, strict=True):
+        times[step in checked].append(seconds * 1000.0)
+
+    def median(values: list[float]) -> str:
+        return f"{statistics.median(values):.1f} ms" if values else "-"
+
+    return (
+        f"tokens with a call checked on a second node: median {median(times[True])} "
+        f"({len(times[True])} tokens), the others {median(times[False])} "
+        f"({len(times[False])})"
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     logging.basicConfig(
@@ -507,6 +529,7 @@ def bench(args: argparse.Namespace, workdir: Path) -> int:
         f"client {plain.median_token_ms - hops_wall_ms:.1f} ms"
     )
     say(f"verification in that round: {checked_text(plain)}; every reply's signature checked")
+    say(check_split(plain))
     say(
         f"swarm/pipes tokens/s: {plain.tokens_per_s / floor.tokens_per_s:.2f} (what Tessera's "
         "data path costs over plain pipes between the same processes)"

@@ -101,6 +101,9 @@ class VerificationStats:
     risk: verification_pb2.SessionRisk | None = None
     # (primary, checker) pairs that were compared: two nodes of one operator never appear.
     pairs: list[tuple[str, str]] = field(default_factory=list)
+    # The driver's step of every call a check was sent for (compared or not): which steps
+    # had a second node computing beside the primary.
+    check_steps: list[int] = field(default_factory=list)
 
     def to_json(self) -> dict[str, object]:
         risk = self.risk
@@ -196,6 +199,7 @@ class StageVerifier:
             check = checker
             task = self._queue(check, lambda: self._run_checker(check, span, request, history))
             pending = PendingCheck(self, check, task)
+            self.stats.check_steps.append(request.step)
         upcoming = self._draw(hop, alternates)
         self._drawn[span] = (hop.node_id, upcoming)
         if upcoming is not None and upcoming != checker:
