@@ -333,10 +333,12 @@ class PipelineDriver:
                 await self.verifier.settle(
                     entry.hop, entry.call.request, entry.response, self._history, entry.pending
                 )
-            except NodeRejected as err:
+            except BaseException as err:
                 # The calls after it ran on its output: their checks compare nothing useful.
                 for later in unsettled[n + 1 :]:
                     later.pending.cancel()
+                if not isinstance(err, NodeRejected):
+                    raise
                 return entry, HopFailure(str(err))
         return None
 
