@@ -56,7 +56,10 @@ What is fair, and why:
   * Same definition of speed. tokens/s = (generated tokens - 1) / (time from the first
     token to the last, on the run's own clock), computed the same way for every run; the
     time to the first token (the prefill, and for the swarm the session's opening) is
-    reported on its own. The swarm is timed around `client.generate` as a user sees it.
+    reported on its own, and so is the whole generation's time, first token included
+    (the swarm's checkers catch up on the prompt while the primaries prefill: that cost
+    is in the first token, not in tokens/s). The swarm is timed around `client.generate`
+    as a user sees it.
     Of the warm rounds (all but the first) the one with the median ratio is reported,
     which keeps a busy neighbour on a shared machine from deciding the result.
   * Same work. fp32 on CPU, KV cache on, the same prompt and token count on both sides;
@@ -379,6 +382,28 @@ def decode_breakdown(run: Run) -> tuple[float, float]:
     return compute, wall
 
 
+def check_split(run: Run) -> str:
+    """Median token time of the decode tokens one of whose calls also ran on a checker,
+    and of the others: what a sampled check costs the token it lands on."""
+    assert run.result is not None and run.result.verification is not None
+    steps = sorted({t.step for t in run.result.timings if t.tokens == 1 and not t.replay})
+    if len(steps) != len(run.token_times):
+        return "tokens with and without a check: not told apart (a fail-over ran extra steps)"
+    checked = set(run.result.verification.check_steps)
+    times: dict[bool, list[float]] = {True: [], False: []}
+    for step, seconds in zip(steps, run.token_times, strict=True):
+        times[step in checked].append(seconds * 1000.0)
+
+    def median(values: list[float]) -> str:
+        return f"{statistics.median(values):.1f} ms" if values else "-"
+
+    return (
+        f"tokens with a call checked on a second node: median {median(times[True])} "
+        f"({len(times[True])} tokens), the others {median(times[False])} "
+        f"({len(times[False])})"
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     logging.basicConfig(
@@ -497,6 +522,12 @@ def bench(args: argparse.Namespace, workdir: Path) -> int:
             ]
         )
     say(table(rows))
+    whole_local, whole_swarm = local.arrivals[-1], plain.arrivals[-1]
+    say(
+        f"whole generations, first token included: local {whole_local:.2f} s, swarm "
+        f"{whole_swarm:.2f} s (swarm/local speed {whole_local / whole_swarm:.2f}; work "
+        "moved into the first token shows here)"
+    )
     say()
     compute_ms, hops_wall_ms = decode_breakdown(plain)
     hops = len(plain.result.route) if plain.result else len(route)
@@ -507,6 +538,7 @@ def bench(args: argparse.Namespace, workdir: Path) -> int:
         f"client {plain.median_token_ms - hops_wall_ms:.1f} ms"
     )
     say(f"verification in that round: {checked_text(plain)}; every reply's signature checked")
+    say(check_split(plain))
     say(
         f"swarm/pipes tokens/s: {plain.tokens_per_s / floor.tokens_per_s:.2f} (what Tessera's "
         "data path costs over plain pipes between the same processes)"

@@ -138,6 +138,18 @@ class _Request:
     pending: PendingCheck | None = None  # a redundant check started with the call
 
 
+@dataclass
+class _Unsettled:
+    """A call whose signed output went on down the pipeline while its sampled check runs:
+    settled (and a mismatch acted on) before the step returns."""
+
+    span: Span
+    hop: HopRecord
+    call: _Request
+    response: stage_pb2.ForwardResponse
+    pending: PendingCheck
+
+
 class PipelineDriver:
     """Drives one session. Use from one event loop; calls to ``step`` must not overlap."""
 
@@ -190,6 +202,8 @@ class PipelineDriver:
         # Nodes a hedge found slow: never hedged on or asked to check again this session.
         self._demoted: set[str] = set()
         self.usage = UsageBook()  # tokens sent per hop and the nodes' usage receipts
+        # This chunk's calls whose checks are still running, in pipeline order.
+        self._unsettled: list[_Unsettled] = []
         self._reporter = (
             StepReporter(
                 self.session_id,
@@ -254,15 +268,7 @@ class PipelineDriver:
         chunk = self._chunk_tokens(ids.shape[0], last_only)
         for offset in range(0, ids.shape[1], chunk):
             piece = ids[:, offset : offset + chunk]
-            logits, _ = await self._run_through(
-                0,
-                self.shape.num_layers,
-                start + offset,
-                piece,
-                "int64",
-                self._next_step(),
-                last_only=last_only,
-            )
+            logits = await self._walk(start + offset, piece, last_only)
             outputs.append(logits[:, -1] if last_only else logits)
         self._length = total
         self._history_clean = True
@@ -293,6 +299,72 @@ class PipelineDriver:
             await self._channels.close()
 
     # ---- the walk -------------------------------------------------------------------
+
+    async def _walk(self, start_pos: int, ids: np.ndarray, last_only: bool) -> np.ndarray:
+        """One chunk of token ids through the whole route: its logits.
+
+        Every reply's signature is checked before its output goes on. A call drawn for a
+        redundant check is compared once its checker answers, which may be after the
+        pipeline went on: all of them are settled before the logits are returned, so a
+        primary that loses is still replaced (and everything after it re-run from its
+        corrected output) before the client uses anything.
+        """
+        try:
+            out, dtype = await self._run_through(
+                0, self.shape.num_layers, start_pos, ids, "int64", self._next_step(),
+                last_only=last_only,
+            )  # fmt: skip
+            while (rejected := await self._settle_checks()) is not None:
+                out, dtype = await self._redo_after(rejected, start_pos, last_only)
+        finally:
+            for unsettled in self._unsettled:  # a step that raised: its checks are moot
+                unsettled.pending.cancel()
+            self._unsettled.clear()
+        return out
+
+    async def _settle_checks(self) -> tuple[_Unsettled, HopFailure] | None:
+        """Settle this chunk's checks in pipeline order: the first call whose primary lost,
+        with the failure to recover from, or None when every check passed."""
+        assert self.verifier is not None or not self._unsettled
+        unsettled, self._unsettled = self._unsettled, []
+        for n, entry in enumerate(unsettled):
+            assert self.verifier is not None
+            try:
+                await self.verifier.settle(
+                    entry.hop, entry.call.request, entry.response, self._history, entry.pending
+                )
+            except BaseException as err:
+                # The calls after it ran on its output: their checks compare nothing useful.
+                for later in unsettled[n + 1 :]:
+                    later.pending.cancel()
+                if not isinstance(err, NodeRejected):
+                    raise
+                return entry, HopFailure(str(err))
+        return None
+
+    async def _redo_after(
+        self, rejected: tuple[_Unsettled, HopFailure], start_pos: int, last_only: bool
+    ) -> tuple[np.ndarray, str]:
+        """Replace the node a check rejected, replay its span, and run every later span
+        again from the corrected output (their caches roll back to ``start_pos``)."""
+        entry, failure = rejected
+        index = self._index_at(entry.span.start)
+        slot = self._slots[index]
+        if slot.span != entry.span or slot.hop.node_id != entry.hop.node_id:
+            raise PipelineError(  # a driver bug: nothing else replaces a slot that answered
+                f"layers {entry.span} changed hands before their check settled"
+            )
+        slot.close_stream()
+        log.warning("node %s failed on layers %s: %s", entry.hop.node_id, slot.span, failure)
+        dtype = entry.call.request.input.dtype
+        out, out_dtype = await self._fail_over(
+            index, failure, time.monotonic(), start_pos, dtype, entry.call.request.step,
+            last_only,
+        )  # fmt: skip
+        return await self._run_through(
+            entry.span.end, self.shape.num_layers, start_pos, out, out_dtype,
+            self._next_step(), last_only=last_only,
+        )  # fmt: skip
 
     async def _run_through(
         self,
@@ -345,10 +417,26 @@ class PipelineDriver:
                 if not slot.parts or err.code not in MERGE_REFUSED_CODES:
                     raise
                 raise HopFailure(f"{err.code.name}: {err.details}", err.code) from err
-        except HopFailure as err:
-            failure, failed = err, slot.hop
-            log.warning("node %s failed on layers %s: %s", failed.node_id, span, failure)
-            via, replacements = await self._recover(index, failure)
+        except HopFailure as failure:
+            log.warning("node %s failed on layers %s: %s", slot.hop.node_id, span, failure)
+            return await self._fail_over(
+                index, failure, failed_at, start_pos, dtype, step, last_only
+            )
+
+    async def _fail_over(
+        self,
+        index: int,
+        failure: HopFailure,
+        failed_at: float,
+        start_pos: int,
+        dtype: str,
+        step: int,
+        last_only: bool,
+    ) -> tuple[np.ndarray, str]:
+        """Replace slot ``index``'s node and replay its boundary's history there: the
+        output of the chunk at ``start_pos`` that the failed call should have given."""
+        span, failed = self._slots[index].span, self._slots[index].hop
+        via, replacements = await self._recover(index, failure)
         # The boundary history ends with the chunk that failed, so replaying it from 0
         # rebuilds the replacement's cache and yields this chunk's output as its tail.
         _, full, full_dtype = self._history.replay_input(self._slots[index].span)
@@ -493,7 +581,8 @@ class PipelineDriver:
         response: stage_pb2.ForwardResponse,
         wall: float,
     ) -> tuple[np.ndarray, str]:
-        """Check, verify and record an answer; a bad one raises HopFailure."""
+        """Check an answer (its signature too) and record it; a bad one raises HopFailure.
+        A sampled check of it is settled later, before the step returns (``_walk``)."""
         request, tokens, replay = call.request, call.tokens, call.replay
         step = request.step
         self.usage.received(slot.hop.node_id, slot.span.start, slot.span.end, response.usage)
@@ -501,15 +590,16 @@ class PipelineDriver:
             slot, response, step, call.batch, tokens, request.start_pos, call.last_position_only
         )
         if self.verifier is not None:
-            checkers = self._checkers(slot)
             try:
-                output = await self.verifier.verify(
-                    self._capability, slot.hop, checkers, request, response, output,
-                    self._history, replay=replay, pending=call.pending,
+                pending = self.verifier.check_reply(
+                    self._capability, slot.hop, request, response, replay=replay,
+                    pending=call.pending,
                 )  # fmt: skip
             except NodeRejected as err:
                 slot.close_stream()
                 raise HopFailure(str(err)) from err
+            if pending is not None:
+                self._unsettled.append(_Unsettled(slot.span, slot.hop, call, response, pending))
         if tokens == 1 and not replay:
             slot.decode_seconds.append(wall)
             if self._reporter is not None:

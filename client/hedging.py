@@ -85,41 +85,69 @@ async def race(
     """Await `primary`; if it has not answered after `delay_s`, also start the hedge and
     return the first success. A primary failure of a type in `primary_errors` lets a
     running hedge still answer; any other primary failure cancels the hedge and raises.
-    A failed hedge is ignored (the primary is awaited). The loser is cancelled.
+    A failed hedge is ignored (the primary is awaited), unless its error is not one of
+    `hedge_errors`: that one is raised. The loser is cancelled.
+
+    The primary runs in the calling task, not a task of its own: nearly every call
+    answers before `delay_s`, and a task plus `asyncio.wait` per hop would cost two more
+    event-loop passes on every decode step. A timer starts the hedge; a hedge that
+    finishes first interrupts the primary by cancelling this task (as `asyncio.timeout`
+    does), which is told apart from a cancellation from outside by its count.
     """
+    loop = asyncio.get_running_loop()
+    task = asyncio.current_task()
+    assert task is not None
     began = time.monotonic()
-    first = asyncio.ensure_future(primary)
-    try:
-        done, _ = await asyncio.wait({first}, timeout=delay_s)
-        if done:
-            return RaceResult(first.result(), False, False, None, 0.0, time.monotonic() - began)
+    hedge: asyncio.Future[tuple[H, T]] | None = None
+    hedged_after = 0.0
+    primary_running = True
+    interrupted = False
+
+    def hedge_done(future: asyncio.Future[tuple[H, T]]) -> None:
+        nonlocal interrupted
+        if future.cancelled() or not primary_running:
+            return
+        error = future.exception()
+        if error is None or not isinstance(error, hedge_errors):
+            interrupted = True
+            task.cancel()
+
+    def send_hedge() -> None:
+        nonlocal hedge, hedged_after
         hedged_after = time.monotonic() - began
-        second = asyncio.ensure_future(start_hedge())
+        hedge = asyncio.ensure_future(start_hedge())
+        hedge.add_done_callback(hedge_done)
+
+    timer = loop.call_later(delay_s, send_hedge)
+    try:
         try:
-            pending: set[asyncio.Future[Any]] = {first, second}
-            while pending:
-                done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
-                if second in done and second.exception() is None:
-                    hedge, value = second.result()
-                    return RaceResult(
-                        value, True, True, hedge, hedged_after, time.monotonic() - began
-                    )
-                if first in done:
-                    error = first.exception()
-                    if error is None:
-                        return RaceResult(
-                            first.result(), True, False, None, hedged_after,
-                            time.monotonic() - began,
-                        )  # fmt: skip
-                    if not isinstance(error, primary_errors) or second.done():
-                        raise error
-                if second in done and not isinstance(second.exception(), hedge_errors):
-                    raise second.exception()  # type: ignore[misc]
-            raise first.exception()  # type: ignore[misc]  # both failed: the primary's error
+            value = await primary
         finally:
-            await _cancel(second)
-    finally:
-        await _cancel(first)
+            primary_running = False
+            timer.cancel()
+    except asyncio.CancelledError:
+        if not interrupted or task.uncancel() > 0:
+            if hedge is not None:
+                await _cancel(hedge)
+            raise  # cancelled from outside
+        assert hedge is not None
+        outcome, answer = hedge.result()  # a hedge error not in hedge_errors raises here
+        return RaceResult(answer, True, True, outcome, hedged_after, time.monotonic() - began)
+    except BaseException as error:
+        if hedge is None or not isinstance(error, primary_errors):
+            if hedge is not None:
+                await _cancel(hedge)
+            raise
+        # The primary failed while the hedge runs: the hedge may still answer.
+        try:
+            outcome, answer = await hedge
+        except hedge_errors:
+            raise error from None  # both failed: the primary's error
+        return RaceResult(answer, True, True, outcome, hedged_after, time.monotonic() - began)
+    if hedge is None:
+        return RaceResult(value, False, False, None, 0.0, time.monotonic() - began)
+    await _cancel(hedge)  # answered after the primary (or in the same pass): not needed
+    return RaceResult(value, True, False, None, hedged_after, time.monotonic() - began)
 
 
 async def _cancel(future: asyncio.Future[Any]) -> None:

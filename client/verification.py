@@ -26,7 +26,8 @@ import logging
 import random
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Literal, TypeVar
+from functools import partial
+from typing import TypeVar
 
 import grpc
 import numpy as np
@@ -56,6 +57,8 @@ END_SESSION_TIMEOUT_S = 2.0
 # A checker's catch-up goes in chunks of at most this many positions (the driver's prefill
 # chunk), far below what a node accepts in one request.
 CATCH_UP_CHUNK_TOKENS = 512
+# Checkers of a span brought up to date with its prompt at the session's start.
+PRIMED_CHECKERS = 2
 
 
 @dataclass
@@ -101,6 +104,9 @@ class VerificationStats:
     risk: verification_pb2.SessionRisk | None = None
     # (primary, checker) pairs that were compared: two nodes of one operator never appear.
     pairs: list[tuple[str, str]] = field(default_factory=list)
+    # The driver's step of every call a check was sent for (compared or not): which steps
+    # had a second node computing beside the primary.
+    check_steps: list[int] = field(default_factory=list)
 
     def to_json(self) -> dict[str, object]:
         risk = self.risk
@@ -150,6 +156,8 @@ class StageVerifier:
         self._tasks: set[asyncio.Task[object]] = set()
         # Per span: (primary, checker or None) drawn for the span's next call.
         self._drawn: dict[Span, tuple[str, HopRecord | None]] = {}
+        self._primed: set[Span] = set()  # spans whose checkers had the prompt sent
+        self._max_tokens = 0  # the session's positions, from the capability
         self.stats = VerificationStats()
         # Told (node, layer start, layer end, tokens) of every check sent: the checker's
         # usage receipt counts them, and the client does not pay for them (client/billing).
@@ -196,12 +204,42 @@ class StageVerifier:
             check = checker
             task = self._queue(check, lambda: self._run_checker(check, span, request, history))
             pending = PendingCheck(self, check, task)
+            self.stats.check_steps.append(request.step)
         upcoming = self._draw(hop, alternates)
         self._drawn[span] = (hop.node_id, upcoming)
         if upcoming is not None and upcoming != checker:
             warm = upcoming
             self._queue(warm, lambda: self._warm_up(warm, span, request, history))
+        if request.start_pos == 0 and span not in self._primed:
+            self._primed.add(span)
+            self._prime(hop, alternates, span, request, history, busy=(checker, upcoming))
         return pending
+
+    def _prime(
+        self,
+        hop: HopRecord,
+        alternates: list[HopRecord],
+        span: Span,
+        request: stage_pb2.ForwardRequest,
+        history: RouteHistory,
+        busy: tuple[HopRecord | None, ...],
+    ) -> None:
+        """Send a span's first input (the prompt) to its checkers too, when the session is
+        long enough to expect a check of the span.
+
+        Otherwise a span's first check finds its checker with an empty cache, and the
+        catch-up (the whole prompt) lands in the middle of decoding: a node that is also
+        a primary of the pipeline computes it first, and the token waiting for that node
+        stalls for a prefill. Sent now, it runs while the primaries prefill. No draw is
+        made here: which calls are checked, and by whom, stays as random as before.
+        """
+        grant = self._grants.get(hop.node_id)
+        calls_left = self._max_tokens - request.start_pos - request.input.shape[1]
+        if grant is None or grant.check_probability * calls_left < 1:
+            return
+        for checker in self._fit_checkers(hop, alternates)[:PRIMED_CHECKERS]:
+            if checker not in busy:
+                self._queue(checker, partial(self._warm_up, checker, span, request, history))
 
     def _draw(self, hop: HopRecord, alternates: list[HopRecord]) -> HopRecord | None:
         """With the node's checking probability, a checker for one of its calls."""
@@ -235,40 +273,49 @@ class StageVerifier:
         task.add_done_callback(settled)
         return task
 
-    async def verify(
+    def check_reply(
         self,
         capability: client_api_pb2.SignedCapability,
         hop: HopRecord,
-        alternates: list[HopRecord],
         request: stage_pb2.ForwardRequest,
         response: stage_pb2.ForwardResponse,
-        output: np.ndarray,
-        history: RouteHistory,
         *,
         replay: bool = False,
-        pending: PendingCheck | None | Literal["draw"] = "draw",
-    ) -> np.ndarray:
-        """The output to use; raises NodeRejected when the primary must not be trusted.
+        pending: PendingCheck | None = None,
+    ) -> PendingCheck | None:
+        """Check the reply's signature now, before its output is used; raises
+        NodeRejected when it must not be used.
 
-        ``pending`` is what ``begin`` returned for this call; by default the draw (and
-        the check) happens here, after the reply.
+        Returns the redundant check still to be settled (``pending``, None when there is
+        none): the driver passes the output on and settles the check with ``settle``
+        before the step's result is returned, so the checker's answer is awaited while
+        the rest of the pipeline runs instead of on every hop's critical path.
         """
-        if pending == "draw":
-            pending = self.begin(capability, hop, alternates, request, history, replay=replay)
         try:
             self._load_grants(capability)
             if not self._keyed:
-                return output  # a coordinator without verification: nothing to check against
+                return None  # a coordinator without verification: nothing to check against
             self._check_signature(hop.node_id, request, response)
         except BaseException:
             if pending is not None:
                 pending.cancel()
             raise
         if replay:
-            return output
+            return None
         self.stats.calls[hop.node_id] = self.stats.calls.get(hop.node_id, 0) + 1
-        if pending is None:
-            return output
+        return pending
+
+    async def settle(
+        self,
+        hop: HopRecord,
+        request: stage_pb2.ForwardRequest,
+        response: stage_pb2.ForwardResponse,
+        history: RouteHistory,
+        pending: PendingCheck,
+    ) -> None:
+        """Compare the checker's answer with the primary's (whose signature
+        ``check_reply`` accepted); raises NodeRejected when the primary must not be
+        trusted. An unusable checker says nothing about the primary: it returns."""
         checker = pending.checker
         try:
             checked = await pending.task
@@ -282,13 +329,13 @@ class StageVerifier:
             log.warning("checker %s could not check %s: %s", checker.node_id, hop.node_id, err)
             self._close_stream(checker.node_id)
             self._unfit_checkers.add(checker.node_id)
-            return output
+            return
         if checked.input_digest != response.input_digest:
             # The two caches saw different histories (e.g. a dtype-widened replay): their
             # outputs are not comparable, and not evidence of anything.
             log.info("checker %s holds another input history; not compared", checker.node_id)
-            return output
-        return await self._compare(hop, checker, request, response, checked, output, history)
+            return
+        await self._compare(hop, checker, request, response, checked, history)
 
     async def finish(self) -> verification_pb2.SessionRisk | None:
         """End the checkers' caches, send what is left to report; returns the
@@ -329,6 +376,7 @@ class StageVerifier:
         claims = client_api_pb2.CapabilityClaims()
         claims.ParseFromString(capability.claims)
         self._grants = {g.node_id: g for g in claims.grants}
+        self._max_tokens = claims.max_tokens
         self._keyed = any(g.public_key for g in claims.grants)
         if not self._keyed:
             log.warning("the coordinator sent no node keys: stage replies go unverified")
@@ -365,9 +413,13 @@ class StageVerifier:
 
     def _pick_checker(self, hop: HopRecord, alternates: list[HopRecord]) -> HopRecord | None:
         """A random independent replica: another node and, where known, another operator."""
+        fit = self._fit_checkers(hop, alternates)
+        return self._rng.choice(fit) if fit else None
+
+    def _fit_checkers(self, hop: HopRecord, alternates: list[HopRecord]) -> list[HopRecord]:
         primary = self._grants.get(hop.node_id)
         account = primary.account if primary is not None else ""
-        fit = [
+        return [
             h
             for h in alternates
             if h.node_id != hop.node_id
@@ -375,7 +427,6 @@ class StageVerifier:
             and h.node_id in self._grants
             and independent(account, self._grants[h.node_id].account)
         ]
-        return self._rng.choice(fit) if fit else None
 
     async def _run_checker(
         self,
@@ -502,9 +553,8 @@ class StageVerifier:
         request: stage_pb2.ForwardRequest,
         response: stage_pb2.ForwardResponse,
         checked: stage_pb2.ForwardResponse,
-        output: np.ndarray,
         history: RouteHistory,
-    ) -> np.ndarray:
+    ) -> None:
         stats = self.stats
         stats.checked[hop.node_id] = stats.checked.get(hop.node_id, 0) + 1
         stats.pairs.append((hop.node_id, checker.node_id))
@@ -527,7 +577,7 @@ class StageVerifier:
             self._pending.append(comparison)
             if len(self._pending) >= self._report_every and self._reporter is not None:
                 await self._report_quietly()
-            return output
+            return
         stats.mismatches += 1
         log.warning(
             "mismatch on layers [%d, %d) at step %d: %s vs %s, relative error %.3g > %.3g",
@@ -549,7 +599,7 @@ class StageVerifier:
         outcome = await self._arbitrate()
         if outcome == Outcome.CHECKER_WRONG:
             self._unfit_checkers.add(checker.node_id)
-            return output
+            return
         # The primary lost, or nobody could tell: use neither answer; fail over instead.
         if outcome != Outcome.PRIMARY_WRONG:
             self._unfit_checkers.add(checker.node_id)

@@ -7,7 +7,9 @@ keeps greedy output equal to the whole model's.
 
 from __future__ import annotations
 
+import asyncio
 import random
+import time
 
 import pytest
 from data_plane.stage_harness import (
@@ -100,6 +102,33 @@ async def test_a_corrupting_primary_is_caught_and_its_output_never_used(
     await driver.close()
 
 
+async def test_a_check_that_fails_after_the_next_stage_ran_re_runs_that_stage(
+    start_node, keys, checkpoint, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Checks settle at the end of the step, so the second stage has already run on the
+    # cheater's output (and cached it) when the mismatch comes in: the driver must fail
+    # the first stage over and run the second again from the corrected hidden states.
+    monkeypatch.setenv(failpoints.ENV_VAR, "corrupt=0.3,seed=1")
+    cheater = await start_node([(0, 2)])
+    monkeypatch.delenv(failpoints.ENV_VAR)
+    honest = [await start_node([(0, 2)]) for _ in range(2)]
+    second = await start_node([(2, 4)])
+    nodes = [cheater, *honest, second]
+    accounts = {n.node_id: f"op-{i}" for i, n in enumerate(nodes)}
+    layout = [(0, 2, cheater, honest), (2, 4, second, [])]
+    grant = keyed(keys, session_grant(keys, layout), nodes, accounts, 1.0)
+    driver = driver_for(grant)
+    tokens = await greedy(driver, PROMPT, NEW_TOKENS)
+    assert tokens == reference_greedy(checkpoint, PROMPT, NEW_TOKENS)
+    assert driver.verifier.stats.mismatches >= 1
+    [event] = [f for f in driver.failovers if f.failed_node_id == cheater.node_id]
+    assert cheater.node_id not in {h.node_id for h in driver.route}
+    # The second stage answered the rejected step and then the redo of it.
+    redone = [t for t in driver.timings if t.node_id == second.node_id and t.step > event.step]
+    assert redone and not redone[0].replay
+    await driver.close()
+
+
 async def test_nodes_of_one_operator_never_check_each_other(start_node, keys) -> None:
     primary, sibling, stranger = [await start_node([(0, 4)]) for _ in range(3)]
     accounts = {primary.node_id: "op-x", sibling.node_id: "op-x", stranger.node_id: "op-y"}
@@ -165,4 +194,42 @@ async def test_a_checker_that_dies_mid_session_costs_only_its_checks(
     assert not driver.failovers, "a checker's failure is not the primary's"
     stats = driver.verifier.stats
     assert 0 < stats.checked[primary.node_id] < stats.calls[primary.node_id]
+    await driver.close()
+
+
+class _NeverDraws(random.Random):
+    """Draws no check at all: whatever reaches a checker was sent to prime it."""
+
+    def random(self) -> float:
+        return 1.0 - 1e-9
+
+
+@pytest.mark.parametrize(("max_tokens", "primed"), [(128, True), (8, False)])
+async def test_a_checker_gets_the_prompt_at_the_start_when_a_check_is_expected(
+    start_node, keys, max_tokens: int, primed: bool
+) -> None:
+    # At p = 0.2 a session of 128 positions expects checks of the stage, so its checker
+    # catches up on the prompt while the primary prefills, not at the first check in the
+    # middle of decoding. At 8 positions (2 calls left, 0.4 checks expected) it does not.
+    primary, checker = await start_node([(0, 4)]), await start_node([(0, 4)])
+    accounts = {primary.node_id: "op-a", checker.node_id: "op-b"}
+    layout = [(0, 4, primary, [checker])]
+    grant = keyed(
+        keys, session_grant(keys, layout, max_tokens=max_tokens), [primary, checker], accounts,
+        0.2,
+    )  # fmt: skip
+    channels = ChannelPool()
+    verifier = StageVerifier(grant.session_id, channels, rng=_NeverDraws())
+    sent: dict[str, int] = {}
+    verifier.on_check_sent = lambda node, start, end, tokens: sent.update(
+        {node: sent.get(node, 0) + tokens}
+    )
+    driver = PipelineDriver(grant, MODEL, channels=channels, verifier=verifier)
+    await driver.step(PROMPT, last_only=True)
+    deadline = time.monotonic() + 30.0
+    while primed and sent.get(checker.node_id, 0) < len(PROMPT) and time.monotonic() < deadline:
+        await asyncio.sleep(0.05)
+    await asyncio.sleep(0.2)  # nothing more arrives
+    assert sent == ({checker.node_id: len(PROMPT)} if primed else {})
+    assert not verifier.stats.check_steps and not verifier.stats.checked  # no check drawn
     await driver.close()
