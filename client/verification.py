@@ -26,7 +26,6 @@ import logging
 import random
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from functools import partial
 from typing import TypeVar
 
 import grpc
@@ -57,8 +56,6 @@ END_SESSION_TIMEOUT_S = 2.0
 # A checker's catch-up goes in chunks of at most this many positions (the driver's prefill
 # chunk), far below what a node accepts in one request.
 CATCH_UP_CHUNK_TOKENS = 512
-# Checkers of a span brought up to date with its prompt at the session's start.
-PRIMED_CHECKERS = 2
 
 
 @dataclass
@@ -156,8 +153,6 @@ class StageVerifier:
         self._tasks: set[asyncio.Task[object]] = set()
         # Per span: (primary, checker or None) drawn for the span's next call.
         self._drawn: dict[Span, tuple[str, HopRecord | None]] = {}
-        self._primed: set[Span] = set()  # spans whose checkers had the prompt sent
-        self._max_tokens = 0  # the session's positions, from the capability
         self.stats = VerificationStats()
         # Told (node, layer start, layer end, tokens) of every check sent: the checker's
         # usage receipt counts them, and the client does not pay for them (client/billing).
@@ -210,36 +205,7 @@ class StageVerifier:
         if upcoming is not None and upcoming != checker:
             warm = upcoming
             self._queue(warm, lambda: self._warm_up(warm, span, request, history))
-        if request.start_pos == 0 and span not in self._primed:
-            self._primed.add(span)
-            self._prime(hop, alternates, span, request, history, busy=(checker, upcoming))
         return pending
-
-    def _prime(
-        self,
-        hop: HopRecord,
-        alternates: list[HopRecord],
-        span: Span,
-        request: stage_pb2.ForwardRequest,
-        history: RouteHistory,
-        busy: tuple[HopRecord | None, ...],
-    ) -> None:
-        """Send a span's first input (the prompt) to its checkers too, when the session is
-        long enough to expect a check of the span.
-
-        Otherwise a span's first check finds its checker with an empty cache, and the
-        catch-up (the whole prompt) lands in the middle of decoding: a node that is also
-        a primary of the pipeline computes it first, and the token waiting for that node
-        stalls for a prefill. Sent now, it runs while the primaries prefill. No draw is
-        made here: which calls are checked, and by whom, stays as random as before.
-        """
-        grant = self._grants.get(hop.node_id)
-        calls_left = self._max_tokens - request.start_pos - request.input.shape[1]
-        if grant is None or grant.check_probability * calls_left < 1:
-            return
-        for checker in self._fit_checkers(hop, alternates)[:PRIMED_CHECKERS]:
-            if checker not in busy:
-                self._queue(checker, partial(self._warm_up, checker, span, request, history))
 
     def _draw(self, hop: HopRecord, alternates: list[HopRecord]) -> HopRecord | None:
         """With the node's checking probability, a checker for one of its calls."""
@@ -376,7 +342,6 @@ class StageVerifier:
         claims = client_api_pb2.CapabilityClaims()
         claims.ParseFromString(capability.claims)
         self._grants = {g.node_id: g for g in claims.grants}
-        self._max_tokens = claims.max_tokens
         self._keyed = any(g.public_key for g in claims.grants)
         if not self._keyed:
             log.warning("the coordinator sent no node keys: stage replies go unverified")
@@ -413,13 +378,9 @@ class StageVerifier:
 
     def _pick_checker(self, hop: HopRecord, alternates: list[HopRecord]) -> HopRecord | None:
         """A random independent replica: another node and, where known, another operator."""
-        fit = self._fit_checkers(hop, alternates)
-        return self._rng.choice(fit) if fit else None
-
-    def _fit_checkers(self, hop: HopRecord, alternates: list[HopRecord]) -> list[HopRecord]:
         primary = self._grants.get(hop.node_id)
         account = primary.account if primary is not None else ""
-        return [
+        fit = [
             h
             for h in alternates
             if h.node_id != hop.node_id
@@ -427,6 +388,7 @@ class StageVerifier:
             and h.node_id in self._grants
             and independent(account, self._grants[h.node_id].account)
         ]
+        return self._rng.choice(fit) if fit else None
 
     async def _run_checker(
         self,
