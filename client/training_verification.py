@@ -356,12 +356,7 @@ class ShadowChecks:
 
 # ---- evidence for the coordinator ---------------------------------------------------------
 
-TrainingReply = (
-    training_pb2.TrainForwardResponse
-    | training_pb2.TrainBackwardResponse
-    | training_pb2.GradNormResponse
-    | training_pb2.OptimizerStepResponse
-)
+TrainingReply = training_answers.TrainingReply
 
 
 def answer_bytes(kind: int, request: object, reply: TrainingReply) -> bytes:
@@ -410,15 +405,4 @@ def logged_call(
     return call
 
 
-def full_answer(reply: TrainingReply) -> verification_pb2.TrainingAnswer:
-    answer = verification_pb2.TrainingAnswer()
-    if isinstance(reply, training_pb2.TrainForwardResponse):
-        if reply.HasField("output"):
-            answer.output.CopyFrom(reply.output)
-        answer.loss, answer.label_tokens = reply.loss, reply.label_tokens
-    elif isinstance(reply, training_pb2.TrainBackwardResponse):
-        if reply.HasField("grad_input"):  # none at the first stage
-            answer.output.CopyFrom(reply.grad_input)
-    elif isinstance(reply, training_pb2.GradNormResponse):
-        answer.sq_norm, answer.finite = reply.sq_norm, reply.finite
-    return answer
+full_answer = training_answers.answer_of  # the coordinator builds arbiters' the same way

@@ -7,7 +7,7 @@ from __future__ import annotations
 import math
 
 from protos import codec, identity, output_check
-from protos.tessera.v1 import common_pb2, verification_pb2
+from protos.tessera.v1 import common_pb2, training_pb2, verification_pb2
 
 KIND = verification_pb2.TrainingCall.Kind
 DISPUTABLE = (KIND.FORWARD, KIND.BACKWARD, KIND.NORM)
@@ -66,3 +66,26 @@ def answer_error(
     if a.label_tokens != b.label_tokens:
         return float("inf")
     return scalar_error(a.loss, b.loss)
+
+
+TrainingReply = (
+    training_pb2.TrainForwardResponse
+    | training_pb2.TrainBackwardResponse
+    | training_pb2.GradNormResponse
+    | training_pb2.OptimizerStepResponse
+)
+
+
+def answer_of(reply: TrainingReply) -> verification_pb2.TrainingAnswer:
+    """A node's reply as a comparable answer: the shape drivers report and arbiters give."""
+    answer = verification_pb2.TrainingAnswer()
+    if isinstance(reply, training_pb2.TrainForwardResponse):
+        if reply.HasField("output"):
+            answer.output.CopyFrom(reply.output)
+        answer.loss, answer.label_tokens = reply.loss, reply.label_tokens
+    elif isinstance(reply, training_pb2.TrainBackwardResponse):
+        if reply.HasField("grad_input"):  # none at the first stage
+            answer.output.CopyFrom(reply.grad_input)
+    elif isinstance(reply, training_pb2.GradNormResponse):
+        answer.sq_norm, answer.finite = reply.sq_norm, reply.finite
+    return answer

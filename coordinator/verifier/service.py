@@ -425,7 +425,7 @@ class Verifier:
                 continue
             finally:
                 manager.end_loan(loan)
-            answer = _training_answer(reply)
+            answer = training_answers.answer_of(reply)
             if not self._signed_by(arbiter.node_id, loan, kind, case, reply, answer):
                 log.warning("training arbiter %s answered unsigned or for another input",
                             arbiter.node_id)  # fmt: skip
@@ -672,18 +672,3 @@ class Verifier:
         self._notify(WorkRejected(node_id, session_id, reason))
         self._notify(FraudProven(node_id, account, evidence, reason))
         return evidence
-
-
-def _training_answer(reply: Any) -> verification_pb2.TrainingAnswer:
-    """An arbiter's reply as a comparable answer (the same shape the driver reports)."""
-    answer = verification_pb2.TrainingAnswer()
-    if isinstance(reply, training_pb2.TrainForwardResponse):
-        if reply.HasField("output"):
-            answer.output.CopyFrom(reply.output)
-        answer.loss, answer.label_tokens = reply.loss, reply.label_tokens
-    elif isinstance(reply, training_pb2.TrainBackwardResponse):
-        if reply.HasField("grad_input"):
-            answer.output.CopyFrom(reply.grad_input)
-    elif isinstance(reply, training_pb2.GradNormResponse):
-        answer.sq_norm, answer.finite = reply.sq_norm, reply.finite
-    return answer

@@ -8,7 +8,8 @@ proxy between two endpoints instead. It adds, per direction:
   * a bandwidth cap: a token bucket in BYTES per second, shared by all connections of the
     link (one bucket per direction, like a real access line),
   * disconnects: `down=True` resets every open connection now and refuses new ones until
-    `down=False`.
+    `down=False` (the proxy stops listening: a dead link completes no TCP handshake, so a
+    client never gets a connection that opens and then resets under its first call).
 
 Everything can change while the proxy runs. Delay is applied per chunk through a
 per-direction queue of release times that never go backwards, so jitter and a delay cut
@@ -40,6 +41,7 @@ import dataclasses
 import logging
 import math
 import random
+import socket
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -232,6 +234,7 @@ class LinkEmulator:
         self.stats = LinkStats()
         self._rng = random.Random(seed)
         self._server: asyncio.base_events.Server | None = None
+        self._relisten: asyncio.Task[asyncio.base_events.Server] | None = None
         self._connections: set[_Connection] = set()
         self._handlers: set[asyncio.Task[None]] = set()
         self._buckets = {UPSTREAM: _TokenBucket(), DOWNSTREAM: _TokenBucket()}
@@ -271,19 +274,54 @@ class LinkEmulator:
         self.settings = new  # one attribute store: readers see the old or the new, never half
         if new.down and not current.down:
             log.info("%s: down, resetting %d connection(s)", self.name, len(self._connections))
+            self._run_on_loop(self._stop_listening)
             self._run_on_loop(self._abort_all)
         elif current.down and not new.down:
             log.info("%s: up again", self.name)
+            self._run_on_loop(self._listen_again)
         return new
+
+    def _stop_listening(self) -> None:
+        if self._server is not None:
+            self._server.close()
+            self._server = None
+
+    def _listen_again(self) -> None:
+        """Listen on the same port again (runs on the proxy's loop)."""
+        if self._loop is None or self.port is None or self._server is not None:
+            return
+        family = socket.AF_INET6 if ":" in self.listen_host else socket.AF_INET
+        sock = socket.socket(family, socket.SOCK_STREAM)
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.bind((self.listen_host, self.port))
+            sock.listen(128)  # connections wait in the backlog until the server accepts
+        except OSError as exc:
+            sock.close()
+            raise RuntimeError(
+                f"{self.name}: cannot listen on {self.address} again after an outage: {exc}"
+            ) from exc
+        sock.setblocking(False)
+        self._relisten = self._loop.create_task(asyncio.start_server(self._accept, sock=sock))
+        self._relisten.add_done_callback(self._listening_again)
+
+    def _listening_again(self, task: asyncio.Task[asyncio.base_events.Server]) -> None:
+        if not task.cancelled() and task.exception() is None:
+            self._server = task.result()
 
     async def start(self) -> str:
         self._loop = asyncio.get_running_loop()
         self._server = await asyncio.start_server(self._accept, self.listen_host, 0)
         self.port = self._server.sockets[0].getsockname()[1]
+        if self.settings.down:
+            self._stop_listening()
         log.info("%s: listening on %s", self.name, self.address)
         return self.address
 
     async def stop(self) -> None:
+        if self._relisten is not None:
+            await asyncio.gather(self._relisten, return_exceptions=True)
+            self._relisten = None
         if self._server is not None:
             self._server.close()
         self._abort_all()
