@@ -131,8 +131,13 @@ class JobsCoordinator:
         placement = self.coordinator.ctx.planner
 
         def covered() -> bool:
-            counts = placement.coverage(MODEL)
-            return bool(counts) and min(counts) >= replicas
+            # READY holders only: coverage also counts shards still being confirmed, and a
+            # job's first layout picks among READY holders (one node per stage).
+            counts = [0] * NUM_LAYERS
+            for holder in placement.ready_holders(MODEL):
+                for layer in range(holder.start, min(holder.end, NUM_LAYERS)):
+                    counts[layer] += 1
+            return min(counts) >= replicas
 
         await wait_until(covered, 10.0, f"{replicas} ready replica(s) of every layer")
 
