@@ -140,6 +140,7 @@ class Placement:
         # goes away (a returning node still has its cache); bounded by MAX_CACHED_SHARDS.
         self._cached: dict[str, list[Shard]] = {}
         self._replan_task: asyncio.Task[None] | None = None
+        self._replan_wanted = False
         self._lock = asyncio.Lock()
         # Training state held on nodes, by holder (e.g. "job/stage"): (node_id, bytes).
         self._training: dict[str, tuple[str, int]] = {}
@@ -393,12 +394,22 @@ class Placement:
             loop = asyncio.get_running_loop()
         except RuntimeError:
             return
+        # A change that lands while a re-plan runs (a node joining while assignments go
+        # out) must cause another pass: that re-plan took its snapshot of the swarm before.
+        self._replan_wanted = True
         if self._replan_task is None or self._replan_task.done():
             self._replan_task = loop.create_task(self._debounced_replan())
 
     async def _debounced_replan(self) -> None:
-        await asyncio.sleep(self._debounce_s)
-        await self.replan()
+        while self._replan_wanted:
+            await asyncio.sleep(self._debounce_s)
+            self._replan_wanted = False
+            await self.replan()
+
+    async def settled(self) -> None:
+        """Wait until no re-plan is scheduled or running."""
+        while self._replan_task is not None and not self._replan_task.done():
+            await asyncio.shield(self._replan_task)
 
     async def replan(self) -> None:
         async with self._lock:

@@ -1,5 +1,6 @@
 """Placement drives nodes through commands; sessions route over READY shards with tokens."""
 
+import asyncio
 import json
 import time
 
@@ -214,3 +215,25 @@ async def test_the_latency_bound_reaches_the_planner_and_dissolves_slow_pipeline
     p = await planned(fast + (slow - fast) / 4)
     assert [sorted(pipe) for pipe in p.pipelines] == [["f0", "f1"]]
     assert set(p.holders) == set(cards) and not p.missing_layers()
+
+
+async def test_a_node_joining_while_a_replan_sends_assignments_is_planned_too():
+    """The re-plan that is busy sending took its snapshot before the node came: another
+    pass must follow, or the node would idle until some later change (a lost wake-up)."""
+    swarm = Swarm()
+    sending = asyncio.Event()
+    release = asyncio.Event()
+
+    async def slow_send(node_id: str, command) -> bool:
+        sending.set()
+        await release.wait()
+        return await swarm.send(node_id, command)
+
+    placement = Placement(slow_send, replicas=2, min_stages=1, debounce_s=0.01)
+    placement.set_models([model_spec("m", CONFIG)])
+    placement.node_up(PlacementNode("n0", "127.0.0.1:9000", caps()))
+    await asyncio.wait_for(sending.wait(), 5)
+    placement.node_up(PlacementNode("n1", "127.0.0.1:9001", caps()))
+    release.set()
+    await asyncio.wait_for(placement.settled(), 5)
+    assert {c[0] for c in swarm.commands if c[1] == "assign"} == {"n0", "n1"}
