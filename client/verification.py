@@ -498,6 +498,7 @@ class StageVerifier:
                 start_pos=start,
                 input=codec.encode(array, dtype),
                 last_position_only=last_only,
+                background=True,
             )
             for start, array, dtype in _joined(history.inputs(span, synced, end))
         ]
@@ -506,6 +507,8 @@ class StageVerifier:
         call = stage_pb2.ForwardRequest()
         call.CopyFrom(request)
         call.ClearField("capability")
+        # The checker's own pipeline calls (it serves other stages too) go first.
+        call.background = True
         return [*messages, call]
 
     async def _compare(

@@ -7,14 +7,19 @@ coordinator says so, which lets the planner load before it drops. Shards are key
 requests at once and frees it after its in-flight calls finish.
 
 The manager is also a telemetry source (sessions, KV cache tokens, queue length) and owns
-the single compute thread every forward pass runs on.
+the compute threads: one for the calls pipelines wait on, and one at a lower OS priority for
+background work (a verifier's checks and catch-ups), so that checking another node never
+delays this node's own pipeline hops.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gc
 import logging
+import os
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -220,7 +225,15 @@ class ShardManager:
         # One thread for every forward pass: the device runs one kernel stream anyway, and
         # the event loop stays free to accept, validate and answer other streams.
         self.compute = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tessera-compute")
-        self.queue_length = 0  # forward calls waiting for or running on the compute thread
+        # Checks and catch-ups for verifiers: nobody waits on them hop by hop. Its own thread
+        # at a lower priority lets a pipeline's call start at once and take the CPU first
+        # (on a GPU the kernels of both share the device queue; the check still never
+        # holds the pipeline's call back in this process).
+        self.background = ThreadPoolExecutor(
+            max_workers=1, thread_name_prefix="tessera-check", initializer=_lower_priority
+        )
+        self.queue_length = 0  # forward calls waiting for or running on a compute thread
+        self._foreground = 0  # of those, the ones on the pipeline thread
 
     # ---- ShardHandler ---------------------------------------------------------------
 
@@ -308,18 +321,28 @@ class ShardManager:
     def expire_idle(self) -> list[str]:
         return [key for shard in self.shards() for key in shard.expire_idle()]
 
-    async def run(self, fn: Callable[[], object], *, inline_if_idle: bool = False) -> object:
-        """Run ``fn`` on the compute thread, counting it in the queue while it waits/runs.
+    async def run(
+        self, fn: Callable[[], object], *, inline_if_idle: bool = False, background: bool = False
+    ) -> object:
+        """Run ``fn`` on the compute thread (``background``: the low-priority one), counting
+        it in the queue while it waits/runs.
 
         With ``inline_if_idle`` a short ``fn`` runs on the calling (event loop) thread when
-        nothing waits for or runs on the compute thread: work stays serialised (the loop
-        cannot queue more while it computes) and two thread hand-offs are saved.
+        nothing waits for or runs on the compute thread: pipeline work stays serialised (the
+        loop cannot queue more while it computes) and two thread hand-offs are saved.
         """
+        loop = asyncio.get_running_loop()
         self.queue_length += 1
         try:
-            if inline_if_idle and self.queue_length == 1:
-                return fn()
-            return await asyncio.get_running_loop().run_in_executor(self.compute, fn)
+            if background:
+                return await loop.run_in_executor(self.background, fn)
+            self._foreground += 1
+            try:
+                if inline_if_idle and self._foreground == 1:
+                    return fn()
+                return await loop.run_in_executor(self.compute, fn)
+            finally:
+                self._foreground -= 1
         finally:
             self.queue_length -= 1
 
@@ -340,6 +363,7 @@ class ShardManager:
 
     def close(self) -> None:
         self.compute.shutdown(wait=False, cancel_futures=True)
+        self.background.shutdown(wait=False, cancel_futures=True)
 
     # ---- loading --------------------------------------------------------------------
 
@@ -561,3 +585,15 @@ class CoordinatorSource:
             return directory
         finally:
             await fetcher.close()
+
+
+BACKGROUND_NICE = 10
+
+
+def _lower_priority() -> None:
+    """Lower the calling thread's scheduling priority. Linux keeps a nice value per thread
+    (and torch's intra-op threads, started from it, inherit it); elsewhere the check thread
+    keeps the process's priority, which only costs the preference."""
+    if sys.platform == "linux":
+        with contextlib.suppress(OSError):
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), BACKGROUND_NICE)

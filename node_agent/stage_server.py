@@ -126,8 +126,7 @@ def check_grant(
         granted = ", ".join(f"[{g.start}, {g.end})" for g in mine)
         raise StageError(
             grpc.StatusCode.PERMISSION_DENIED,
-            f"layers [{start}, {end}) are outside what the capability grants this node: "
-            f"{granted}",
+            f"layers [{start}, {end}) are outside what the capability grants this node: {granted}",
         )
 
 
@@ -192,9 +191,12 @@ class StageServicer(stage_pb2_grpc.StageServicer):
                     f"the capability is for session {claims.session_id!r}, not "
                     f"{request.session_id!r}",
                 )
-            # Waits for a running step of the session, so its cache is not pulled from
-            # under the compute thread.
-            async with self._lock_for(request.session_id):
+            # Waits for the session's running steps, so no cache is pulled from under a
+            # compute thread. Forward holds one of these locks at a time: no deadlock.
+            async with contextlib.AsyncExitStack() as held:
+                for key in sorted(self._session_locks):
+                    if _session_of(key) == request.session_id:
+                        await held.enter_async_context(self._session_locks[key])
                 released = self._release_session(request.session_id)
                 self._usage.forget(request.session_id)
             if not released:
@@ -239,7 +241,9 @@ class StageServicer(stage_pb2_grpc.StageServicer):
         session_key = f"{request.session_id}@{start}-{end}"
         shard.enter()
         try:
-            async with self._lock_for(request.session_id):
+            # One lock per cache, not per session: a check this node runs for one span of a
+            # session must not hold up its pipeline call on another span of the same one.
+            async with self._lock_for(session_key):
                 cache = self._cache_for(shard, session_key, request, claims, batch, tokens)
                 output, compute_ms = await self._compute(shard, start, end, array, cache, request)
                 cache_length = cache.length
@@ -451,7 +455,7 @@ class StageServicer(stage_pb2_grpc.StageServicer):
 
     def _admit_new_session(self, session_id: str) -> None:
         already_here = any(
-            key.rsplit("@", 1)[0] == session_id
+            _session_of(key) == session_id
             for shard in self._shards.shards()
             for key in shard.session_keys()
         )
@@ -502,9 +506,13 @@ class StageServicer(stage_pb2_grpc.StageServicer):
             array.shape[0] * array.shape[1] <= limits.inline_max_tokens
             and self._step_ms.get(view, math.inf) <= limits.inline_max_ms
         )
+        background = request.background
         try:
-            tensor, compute_ms = await self._shards.run(run, inline_if_idle=inline)  # type: ignore[misc]
-            self._step_ms[view] = compute_ms
+            tensor, compute_ms = await self._shards.run(  # type: ignore[misc]
+                run, inline_if_idle=inline and not background, background=background
+            )
+            if not background:  # a check's time on the slower thread says nothing of hops
+                self._step_ms[view] = compute_ms
             return tensor, compute_ms
         except CacheFullError as err:
             raise StageError(grpc.StatusCode.RESOURCE_EXHAUSTED, str(err)) from err
@@ -519,19 +527,19 @@ class StageServicer(stage_pb2_grpc.StageServicer):
 
     # ---- sessions -------------------------------------------------------------------
 
-    def _lock_for(self, session_id: str) -> asyncio.Lock:
-        lock = self._session_locks.get(session_id)
+    def _lock_for(self, session_key: str) -> asyncio.Lock:
+        lock = self._session_locks.get(session_key)
         if lock is None:
-            lock = self._session_locks[session_id] = asyncio.Lock()
+            lock = self._session_locks[session_key] = asyncio.Lock()
         return lock
 
     def _release_session(self, session_id: str) -> bool:
         released = False
         for shard in self._shards.shards():
             for key in shard.session_keys():
-                if key.rsplit("@", 1)[0] == session_id:
+                if _session_of(key) == session_id:
                     released = shard.release(key) or released
-        for key in [k for k in self._input_chains if k.rsplit("@", 1)[0] == session_id]:
+        for key in [k for k in self._input_chains if _session_of(k) == session_id]:
             del self._input_chains[key]
         return released
 
@@ -543,14 +551,12 @@ class StageServicer(stage_pb2_grpc.StageServicer):
         live_keys = {k for s in self._shards.shards() for k in s.session_keys()}
         for key in [k for k in self._input_chains if k not in live_keys]:
             del self._input_chains[key]
-        live = {k.rsplit("@", 1)[0] for k in live_keys}
         held = {shard.key for shard in self._shards.shards()}
         for view in [v for v in self._step_ms if v[0] not in held]:
             del self._step_ms[view]  # a dropped shard's step times
-        for session_id in list(self._session_locks):
-            lock = self._session_locks[session_id]
-            if session_id not in live and not lock.locked():
-                del self._session_locks[session_id]
+        for key in list(self._session_locks):
+            if key not in live_keys and not self._session_locks[key].locked():
+                del self._session_locks[key]
         return expired
 
     def _start_expiry(self) -> None:
@@ -571,6 +577,11 @@ class StageServicer(stage_pb2_grpc.StageServicer):
             self._expiry_task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._expiry_task
+
+
+def _session_of(session_key: str) -> str:
+    """The session id of a cache key ("session@start-end")."""
+    return session_key.rsplit("@", 1)[0]
 
 
 def _granted(grants: Sequence[common_pb2.LayerRange], start: int, end: int) -> bool:

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import os
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -230,6 +232,44 @@ async def test_the_event_loop_stays_responsive_while_a_step_computes(start_node,
     assert (await step).cache_length == len(PROMPT)
     assert node.manager.sample().queue_length == 0
     await session.close()
+
+
+async def test_a_check_runs_behind_the_pipeline_at_a_lower_priority(start_node, keys) -> None:
+    """A node checks one span of a session for a verifier (``background``) while it serves
+    another span of the same session in the pipeline: the pipeline's call must not wait for
+    the check, and the check's thread yields the CPU (a higher nice value, on Linux)."""
+    node = await start_node([(0, 2), (2, NUM_LAYERS)])
+    checked = node.manager.find(MODEL, 2, NUM_LAYERS).stage_for(2, NUM_LAYERS)
+    entered, release = threading.Event(), threading.Event()
+    nice: list[int] = []
+    original = checked.forward
+
+    def slow_forward(*args, **kwargs):
+        if sys.platform == "linux":
+            nice.append(os.getpriority(os.PRIO_PROCESS, threading.get_native_id()))
+        entered.set()
+        release.wait(30)
+        return original(*args, **kwargs)
+
+    checked.forward = slow_forward
+    checker = Session.open(node, keys, "s-shared")
+    check = checker.request(hidden(len(PROMPT)), start=2)
+    check.background = True
+    pending = asyncio.create_task(checker.send(check))
+    pipeline = Session.open(node, keys, "s-shared")
+    try:
+        assert await asyncio.to_thread(entered.wait, 30)
+        head = pipeline.request(ids([PROMPT]), end=2)
+        answer = await asyncio.wait_for(pipeline.send(head), 10)
+        assert answer.cache_length == len(PROMPT) and not pending.done()
+        if sys.platform == "linux":
+            assert nice and nice[0] > os.getpriority(os.PRIO_PROCESS, 0)
+        release.set()
+        assert (await pending).cache_length == len(PROMPT)
+    finally:
+        release.set()
+        await checker.close()
+        await pipeline.close()
 
 
 # ---- bad input, one case at a time -----------------------------------------------------------

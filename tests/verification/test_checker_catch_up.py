@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from client.verification import CATCH_UP_CHUNK_TOKENS, _joined
+from client.route_history import RouteHistory, Span
+from client.verification import CATCH_UP_CHUNK_TOKENS, StageVerifier, _joined
+from protos import codec
+from protos.tessera.v1 import common_pb2, stage_pb2
 
 
 def ids(start: int, count: int) -> np.ndarray:
@@ -44,3 +47,17 @@ def test_no_request_grows_past_the_chunk_limit() -> None:
     np.testing.assert_array_equal(
         np.concatenate([a for _, a, _ in joined], axis=1), ids(0, 6 * step)
     )
+
+
+def test_a_checkers_catch_up_and_check_run_in_the_background_the_primarys_call_does_not() -> None:
+    span = Span(0, 2)
+    history = RouteHistory([span, Span(2, 4)])
+    history.record(span, 0, ids(0, 5), "int64")
+    request = stage_pb2.ForwardRequest(
+        session_id="s", step=3, model="m", layers=common_pb2.LayerRange(start=0, end=2),
+        start_pos=5, input=codec.encode(ids(5, 1)),
+    )  # fmt: skip
+    messages = StageVerifier._catch_up(span, 0, request, history)
+    assert [m.start_pos for m in messages] == [0, 5]
+    assert all(m.background for m in messages)
+    assert not request.background  # the primary's request is sent as it was

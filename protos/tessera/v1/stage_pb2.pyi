@@ -9,7 +9,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class ForwardRequest(_message.Message):
-    __slots__ = ("capability", "session_id", "step", "model", "layers", "start_pos", "input", "last_position_only")
+    __slots__ = ("capability", "session_id", "step", "model", "layers", "start_pos", "input", "last_position_only", "background")
     CAPABILITY_FIELD_NUMBER: _ClassVar[int]
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
@@ -18,6 +18,7 @@ class ForwardRequest(_message.Message):
     START_POS_FIELD_NUMBER: _ClassVar[int]
     INPUT_FIELD_NUMBER: _ClassVar[int]
     LAST_POSITION_ONLY_FIELD_NUMBER: _ClassVar[int]
+    BACKGROUND_FIELD_NUMBER: _ClassVar[int]
     capability: _client_api_pb2.SignedCapability
     session_id: str
     step: int
@@ -26,7 +27,8 @@ class ForwardRequest(_message.Message):
     start_pos: int
     input: _common_pb2.Tensor
     last_position_only: bool
-    def __init__(self, capability: _Optional[_Union[_client_api_pb2.SignedCapability, _Mapping]] = ..., session_id: _Optional[str] = ..., step: _Optional[int] = ..., model: _Optional[str] = ..., layers: _Optional[_Union[_common_pb2.LayerRange, _Mapping]] = ..., start_pos: _Optional[int] = ..., input: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., last_position_only: _Optional[bool] = ...) -> None: ...
+    background: bool
+    def __init__(self, capability: _Optional[_Union[_client_api_pb2.SignedCapability, _Mapping]] = ..., session_id: _Optional[str] = ..., step: _Optional[int] = ..., model: _Optional[str] = ..., layers: _Optional[_Union[_common_pb2.LayerRange, _Mapping]] = ..., start_pos: _Optional[int] = ..., input: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., last_position_only: _Optional[bool] = ..., background: _Optional[bool] = ...) -> None: ...
 
 class ForwardResponse(_message.Message):
     __slots__ = ("step", "output", "compute_ms", "cache_length", "signature", "usage", "input_digest")
