@@ -51,7 +51,8 @@ network impose, and bound what is left. The argument, step by step (README.md re
     lower bounds (each of the four parts is at least its k smallest, resp. at most its k
     largest). 1 / x is convex and decreasing, so the real sum of 1 / time is at most the
     sum over these sorted totals (weak majorisation; fewer real sessions only drop
-    positive terms).
+    positive terms). A way of charging whose smallest total is not positive proves
+    nothing (with 8 slots, batch-8 hand-offs give credits that large) and is left out.
  6. Compute: node n never runs more than slots / t_n(slots) layer-tokens per second, so
     tokens/s <= sum over nodes of that / L.
 The bound is the smaller of 5 and 6. What it still ignores: the memory of the embedding
@@ -210,8 +211,13 @@ def _largest(credits: np.ndarray, count: int) -> np.ndarray:
 
 
 def _rate_of_sorted(totals: np.ndarray) -> float:
-    """Sum of 1 / time per token over sessions whose lower bounds are `totals` (step 5)."""
-    assert (totals > 0).all(), "a session's time per token must be positive"
+    """Sum of 1 / time per token over sessions whose lower bounds are `totals` (step 5).
+
+    A way of charging whose smallest total is not positive bounds nothing (1 / x is convex
+    and decreasing only for x > 0; large credits can do that with many slots): infinity.
+    Way (c) never credits anything, so the least over the ways stays finite."""
+    if not (totals > 0).all():
+        return math.inf
     return float((1.0 / totals).sum())
 
 
