@@ -39,7 +39,9 @@ CUDA_HEADROOM_MIN = GIB // 2
 
 @dataclass(frozen=True)
 class ServingParams:
-    kv_tokens: int = 2048  # the coordinator's default KV budget per shard
+    # KV budget per shard: the default of coordinator.placement.Placement (`serve
+    # --kv-tokens` defaults to 4096; bench/placement.py --kv-tokens runs either).
+    kv_tokens: int = 2048
     context_tokens: int = 512  # context a session keeps in cache
     compute_efficiency: float = 0.5  # achieved share of peak tensor TFLOPS
     memory_efficiency: float = 0.75  # achieved share of peak memory bandwidth

@@ -5,39 +5,61 @@ network impose, and bound what is left. The argument, step by step (README.md re
 
  1. Items. A session that passes node n takes one of its `slots` KV slots and runs there
     k <= cap_n layers (cap_n: layers n's memory holds with nothing else on it; every node
-    holds one contiguous range). So the (session, layer) pairs run on n number at most
-    slots * cap_n. When n serves b sessions, each of its layers costs every one of them
-    t_n(b) >= t_n(j) for every j <= b. So we give node n `slots` chunks of cap_n items, the
-    j-th chunk costing t_n(j) per item: any feasible set of sessions can be mapped onto
-    items whose cost is no more than what the sessions really pay for compute.
- 2. Hops. Every hop out of node n (to a different node) costs at least
-    d_n = min over m != n of RTT(n, m) / 2 + hand-off(n, 1), and a session leaves every node
-    it visits except the last. Because k <= cap_n, d_n >= d_n * k / cap_n: charging
-    d_n / cap_n on each of n's items and taking d_last back off covers the hops.
- 3. Client. A session from client c pays RTT(c, first) / 2 + RTT(c, last) / 2. With step 2,
-    its fixed cost is at least
-        f_c = min_n RTT(c, n) / 2 + min_n (RTT(c, n) / 2 - d_n) + h,
-    where h is the cheaper of the LM head on the client's CPU and on the fastest node at
-    batch 1 (every token goes through the head somewhere).
-    So each session's time per token is >= f_c + (sum of the costs of its L items).
+    holds one contiguous range). When n serves b sessions, number them 1..b: session j
+    pays t_n(b) >= t_n(j) per layer. So node n offers `slots` chunks of cap_n items, the
+    j-th costing t_n(j) per item, and each chunk serves one session: any feasible set of
+    sessions maps onto items that cost no more than the compute the sessions really pay.
+ 2. Hops. A hop out of node n (to a different node) costs at least
+    d_n(j) = min over m != n of RTT(n, m) / 2 + hand-off(n, j) for its session j (the
+    hand-off is at the node's batch b >= j). A session leaves every node it visits but
+    the last. Because k <= cap_n, d_n >= d_n * k / cap_n, so charging each item of chunk j
+    a share s_n(j) / cap_n with s_n(j) <= d_n(j) covers the hops, once the last node's
+    share (at most s_last(j)) is taken back as a credit (step 3).
+ 3. Client. A session from client c pays RTT(c, first) / 2 + RTT(c, last) / 2 and the LM
+    head h (the cheaper of the client's CPU and the fastest node at batch 1). Its last
+    leg minus its credit is at least RTT(c, nearest) / 2 - kappa, with
+    kappa[n, j] = s_n(j) - min over admissible clients c of (RTT(c, n) - RTT(c, nearest)) / 2.
+    So a session's time per token is >= 2 x RTT(c, nearest) / 2 + h + (its L items) - its
+    credit, and the credits of different sessions are different chunks' (a chunk serves one
+    session). Three ways to charge, each valid; the bound is the least of them:
+      (a) s_n = d_n(1) in every chunk, and every session takes the largest credit its own
+          client could see: floor f_c = min_n RTT(c, n) / 2 + min_n (RTT(c, n) / 2 - d_n(1)).
+      (b) s_n(j) = d_n(min(j, J)) - delta for J = 1..slots and delta in {0, min_n d_n(1)},
+          the `sessions` largest credits kappa (one per chunk), and delta for each hop a
+          session must make (below).
+      (c) No shares, no credits: only hops, each out of a distinct node, so a session on k
+          nodes pays at least the k - 1 smallest d_n(1).
+    Hops per session: a session on k nodes hops k - 1 times, and one of its k nodes holds
+    >= L / k of its layers, so at most slots x #(cap_n >= ceil(L / k)) sessions visit k
+    nodes or fewer: the i-th session (fewest hops first) hops at least as often as the
+    smallest k that leaves room for i + 1 sessions, minus 1.
+    (An earlier version charged d_n(j) in chunk j but took back only d_n(1): a session
+    ending in chunk 4 of a slow uploader was charged a hand-off it never pays, and on
+    small swarms of 24 GB cards the bound fell 1-3 % below what Tessera and Parallax serve.)
  4. Count. A session visits a set of nodes whose capacities add up to >= L and takes one
     slot on each, so the number of sessions is at most the optimum of the configuration
     LP (bin covering, fractional): max sum_c x_c over multisets c of node capacities that
     cover L, with sum_c x_c * (nodes of capacity k in c) <= slots * (nodes of capacity k).
     Solved exactly by column generation (the pricing problem is an unbounded covering
     knapsack over capacities, no more nodes of a capacity than exist, a DP over 0..L).
- 5. Assignment. Admission takes a prefix of the client list. For S sessions, the rate
-    sum_s 1 / (f_c(s) + g_s) is largest when the groups are the cheapest L items, the next L
-    items, ... (sorted partition: its group sums are majorised by no other partition's, and
-    1/(f+x) is convex and decreasing) and the smallest f goes with the smallest group sum
-    (1/(f+x) is supermodular: rearrangement). Adding a client never lowers the sum, so S is
-    the most sessions the items allow (capped by the clients).
+ 5. Assignment. Admission takes a prefix of the client list, so the served clients are
+    among the first S (S: the least of the items / L, step 4 and the client count). A
+    session's time is >= f + g + o - kappa: its client's floor, its items, its hop floor
+    and minus its credit. Sort the floors, the groups (cheapest L items, next L, ...), the
+    hop floors ascending and the credits descending, and add them up term by term: for
+    every k, the k smallest of these sums add up to no more than any k real sessions'
+    lower bounds (each of the four parts is at least its k smallest, resp. at most its k
+    largest). 1 / x is convex and decreasing, so the real sum of 1 / time is at most the
+    sum over these sorted totals (weak majorisation; fewer real sessions only drop
+    positive terms). A way of charging whose smallest total is not positive proves
+    nothing (with 8 slots, batch-8 hand-offs give credits that large) and is left out.
  6. Compute: node n never runs more than slots / t_n(slots) layer-tokens per second, so
     tokens/s <= sum over nodes of that / L.
-The bound is the smaller of 5 (S: the least of 1's items / L, 4 and the client count) and
-6. What it still ignores: the memory of the embedding and the LM head, that
-ranges must be contiguous and chain, hops across regions beyond the nearest node, and
-that the sessions 5 forms from the cheapest items need not fit the count 4 allows.
+The bound is the smaller of 5 and 6. What it still ignores: the memory of the embedding
+and the LM head, that ranges must be contiguous and chain, hops across regions beyond the
+nearest node, and that the sessions 5 forms from the cheapest items and the smallest hop
+costs need not fit the count 4 allows (on 7b, every slot of every card is needed for 112
+sessions, but the groups skip the slowest cards and the hops the slowest links).
 """
 
 from __future__ import annotations
@@ -47,8 +69,11 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from .models import ModelShape
 from .regions import Site, rtt_ms
 from .swarm import (
+    ServingParams,
+    SimNode,
     Swarm,
     client_head_time_s,
     handoff_s,
@@ -75,38 +100,125 @@ def upper_bound_tokens_per_s(swarm: Swarm, clients: Sequence[Site]) -> float:
     else:
         nearest = np.zeros(1)  # one node: a session never hops
 
-    costs: list[np.ndarray] = []
-    for i, node in enumerate(nodes):
-        for batch in range(1, slots + 1):
-            hop = nearest[i] / 2 + handoff_s(node, model, batch) if len(nodes) > 1 else 0.0
-            item = layer_time_s(node, model, params, batch) + hop / caps[i]
-            costs.append(np.full(int(caps[i]), item))
-    items = np.sort(np.concatenate(costs))
-    sessions = min(len(items) // n_layers, len(clients), max_sessions(caps, slots, n_layers))
-    groups = items[: sessions * n_layers].reshape(sessions, n_layers).sum(axis=1)
-
-    leave = np.array(
-        [nearest[i] / 2 + handoff_s(n, model, 1) for i, n in enumerate(nodes)]
-        if len(nodes) > 1
-        else [0.0]
+    # leave[n, j-1] = d_n at batch j (step 2): RTT to n's nearest peer / 2 + hand-off.
+    leave = np.zeros((len(nodes), slots))
+    if len(nodes) > 1:
+        for i, n in enumerate(nodes):
+            for j in range(1, slots + 1):
+                leave[i, j - 1] = nearest[i] / 2 + handoff_s(n, model, j)
+    sessions = min(
+        int(caps.sum()) * slots // n_layers, len(clients), max_sessions(caps, slots, n_layers)
     )
-    floors = []
-    for client in clients[:sessions]:
-        to_node = np.array([rtt_ms(client, n.site) for n in nodes]) / 1000.0
-        floors.append(to_node.min() / 2 + (to_node / 2 - leave).min())
+
+    # Step 3: client legs. to_node[c, n] = RTT(c, n) / 2 for the clients admission can take.
+    to_node = np.array([[rtt_ms(c, n.site) for n in nodes] for c in clients[:sessions]]) / 2e3
+    nearest_leg = to_node.min(axis=1)
     # Every session's token also goes through the LM head, on its last node's GPU or on
     # the client's CPU: at least the cheapest of those at batch 1.
     head = min(
         client_head_time_s(model, params), min(head_time_s(n, model, params, 1) for n in nodes)
     )
-    floors_sorted = np.sort(np.array(floors)) + head
-    totals = floors_sorted + groups  # both ascending: rearrangement
-    assert (totals > 0).all(), "a session's time per token must be positive"
-    kv_bound = float((1.0 / totals).sum())
+    # Three valid ways to take d_last back (step 3); the bound is the least of them.
+    # Credit kappa[n, j]: what a session ending on n in chunk j gets back at most, over
+    # every client admission can take (its last leg beyond the nearest node's pays part).
+    kappa = leave - (to_node - nearest_leg[:, None]).min(axis=0)[:, None]
+    groups_1 = _groups(nodes, caps, params, model, leave[:, [0] * slots], sessions)
+    # (a) Every chunk carries d_n at batch 1; every session takes back the largest d_last
+    # its own client could see.
+    shared = _rate_of_sorted(
+        np.sort(nearest_leg + (to_node - leave[:, 0]).min(axis=1) + head) + groups_1
+    )
+    # (b) Chunk j carries d_n at batch min(j, cap_batch) (a hand-off at a batch no larger
+    # than the node's load) less a base hop delta that every hop costs at least; only the
+    # one session in that chunk can end on n with it, taking back kappa[n, min(j,
+    # cap_batch)] - delta, and a session pays delta for each of its hops, whose count
+    # `_hop_floors` bounds from below (a session on k nodes hops k - 1 times; at most
+    # slots x #(cap_n >= ceil(L / k)) sessions visit k nodes or fewer). The largest
+    # credits go to the cheapest sessions (step 5). cap_batch = 1 charges every chunk the
+    # batch-1 hop; larger ones charge busy uploaders more but hand out larger credits;
+    # delta = 0 or the smallest d_n. Each is valid: take the least.
+    floor_2 = np.sort(2 * nearest_leg + head)
+    variants = []
+    for delta in (0.0, float(leave[:, 0].min())):
+        hops = _hop_floors(caps, np.full(len(nodes), delta), slots, n_layers, sessions)
+        for cap_batch in range(1, slots + 1):
+            batches = np.minimum(np.arange(slots), cap_batch - 1)
+            shares = leave[:, batches] - delta
+            groups = _groups(nodes, caps, params, model, shares, sessions)
+            credits = _largest(kappa[:, batches] - delta, sessions)
+            variants.append(_rate_of_sorted(floor_2 + groups - credits + hops))
+    # (c) No hop shares at all: only the count of hops, each out of a distinct node, so at
+    # least the k - 1 smallest d_n at batch 1; nothing to take back.
+    hops = _hop_floors(caps, np.sort(leave[:, 0]), slots, n_layers, sessions)
+    zero_share = np.zeros((len(nodes), slots))
+    variants.append(
+        _rate_of_sorted(floor_2 + _groups(nodes, caps, params, model, zero_share, sessions) + hops)
+    )
+    kv_bound = min(shared, *variants)
 
     ts = np.array([layer_time_s(n, model, params, slots) for n in nodes])
     compute_bound = float((slots / ts).sum()) / n_layers
     return min(kv_bound, compute_bound)
+
+
+def _groups(
+    nodes: Sequence[SimNode],
+    caps: np.ndarray,
+    params: ServingParams,
+    model: ModelShape,
+    leave: np.ndarray,
+    sessions: int,
+) -> np.ndarray:
+    """Steps 1, 2 and 5: the cost of the cheapest L items, of the next L, ... for `sessions`
+    sessions (ascending). Chunk j of node n holds cap_n items, each costing the layer time
+    at batch j plus leave[n, j-1] / cap_n (its share of the hop out of n)."""
+    n_layers = model.num_layers
+    costs = [
+        np.full(int(caps[i]), layer_time_s(node, model, params, j + 1) + leave[i, j] / caps[i])
+        for i, node in enumerate(nodes)
+        for j in range(leave.shape[1])
+    ]
+    items = np.sort(np.concatenate(costs))
+    return items[: sessions * n_layers].reshape(sessions, n_layers).sum(axis=1)
+
+
+def _hop_floors(
+    caps: np.ndarray, smallest_hops: np.ndarray, slots: int, n_layers: int, sessions: int
+) -> np.ndarray:
+    """A lower bound on each session's hop time, ascending (steps (b) and (c) above);
+    `smallest_hops`: lower bounds of single hops out of distinct nodes, ascending.
+
+    Sessions that visit at most k nodes number at most slots x #(cap >= ceil(L / k)); the
+    i-th fewest-hops session therefore visits at least the least k that allows i + 1 of
+    them, and pays at least the k - 1 smallest hops in the swarm."""
+    prefix = np.concatenate([[0.0], np.cumsum(smallest_hops)])
+    floors = np.zeros(sessions)
+    i = 0
+    for k in range(1, len(caps) + 1):
+        allowed = slots * int((caps >= -(-n_layers // k)).sum())
+        if allowed > i:
+            end = min(sessions, allowed)
+            floors[i:end] = prefix[k - 1]
+            i = end
+        if i >= sessions:
+            break
+    return floors
+
+
+def _largest(credits: np.ndarray, count: int) -> np.ndarray:
+    """The `count` largest credits, largest first (paired with the cheapest sessions)."""
+    return np.sort(credits.ravel())[::-1][:count]
+
+
+def _rate_of_sorted(totals: np.ndarray) -> float:
+    """Sum of 1 / time per token over sessions whose lower bounds are `totals` (step 5).
+
+    A way of charging whose smallest total is not positive bounds nothing (1 / x is convex
+    and decreasing only for x > 0; large credits can do that with many slots): infinity.
+    Way (c) never credits anything, so the least over the ways stays finite."""
+    if not (totals > 0).all():
+        return math.inf
+    return float((1.0 / totals).sum())
 
 
 def max_sessions(caps: Sequence[int] | np.ndarray, slots: int, n_layers: int) -> int:

@@ -2,8 +2,11 @@
 
 import numpy as np
 import pytest
+from placement_sim.parallax import ParallaxSystem
+from placement_sim.petals_greedy import PetalsSystem
 from placement_sim.serving import saturate, throughput_of
 from placement_sim.swarm import Hop, handoff_s, layer_time_s, session_latency_s
+from placement_sim.tessera import TesseraSystem
 from placement_sim.upper_bound import lp_max, max_sessions, upper_bound_tokens_per_s
 from placement_toy import EXACT, HOME, TOY, gpu_holding, node, swarm, toy_model
 
@@ -125,12 +128,34 @@ def test_the_bound_charges_every_hop_out_of_a_node():
     def layer(batch: int) -> float:
         return (WEIGHTS + batch * KV_PER_SESSION) / 1e11
 
-    hop = 0.010 + 2.048e-3  # 20 ms RTT / 2 + hand-off at batch 1 (slot j: j x 2.048 ms)
-    # items of slot j on each node: 2 layers at layer(j) + (10 ms + j * 2.048 ms) / 2 each
-    per_item = {j: layer(j) + (0.010 + j * 2.048e-3) / 2 for j in range(1, 5)}
+    u = 2.048e-3  # hand-off of one session's hidden state at 8 Mb/s
+    hop = 0.010 + u  # 20 ms RTT / 2 + hand-off at batch 1
+    # (a) items of slot j on each node: 2 layers at layer(j) + hop / 2 each (the same hop
+    # in every slot: the floor takes back a batch-1 hop, so no slot may carry more);
     # floor: 20 ms / 2 + (20 ms / 2 - hop) + the head at batch 1 on a node
     floor = 0.010 + 0.010 - hop + HEAD
-    expected = sum(1 / (floor + 4 * per_item[j]) for j in range(1, 5))
-    assert bound == pytest.approx(expected)
+    shared = sum(1 / (floor + 4 * (layer(j) + hop / 2)) for j in range(1, 5))
+    # (b) with hand-offs up to batch 2: slot 1 items carry (10 ms + u) / 2, slots 2-4
+    # (10 ms + 2u) / 2; each of the 4 sessions takes back one of the 6 credits of a slot
+    # 2-4 (10 ms + 2u); floor: both client legs (20 ms) + the head. Tighter than (a).
+    per_slot = 1 / (0.020 + HEAD + 4 * layer(1) + 0.020 + 2 * u - (0.010 + 2 * u)) + sum(
+        1 / (0.020 + HEAD + 4 * layer(j) + 0.020 + 4 * u - (0.010 + 2 * u)) for j in range(2, 5)
+    )
+    assert per_slot < shared
+    assert bound == pytest.approx(per_slot)
     served = saturate(FixedRoute(s), [HOME] * 10)
     assert served.tokens_per_s < bound
+
+
+def test_the_bound_holds_for_nodes_that_each_serve_sessions_alone():
+    # Two nodes that each hold the whole model on an 8 Mb/s uplink: every session stays on
+    # one node and never hands off. A bound whose slot-j items carried the hand-off at
+    # batch j (while the floor takes back only batch 1's) charged the 4th session of each
+    # node 6 ms it never pays and fell below what every system serves here (336 < 380).
+    s = swarm(node("a"), node("b"))
+    bound = upper_bound_tokens_per_s(s, [HOME] * 10)
+    for system in (TesseraSystem(s, replicas=2), ParallaxSystem(s), PetalsSystem(s, seed=1)):
+        system.start()
+        served = saturate(system, [HOME] * 10)
+        assert served.sessions == 8, system.name
+        assert served.tokens_per_s <= bound, system.name
