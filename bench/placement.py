@@ -42,6 +42,8 @@ from placement_sim.scenarios import FULL, quick  # noqa: E402
 from placement_sim.swarm import ServingParams  # noqa: E402
 from placement_sim.tessera import TesseraSystem  # noqa: E402
 
+from coordinator.settings import Settings  # noqa: E402
+
 log = logging.getLogger("tessera.bench.placement")
 PLAN_SIZES = (100, 1_000, 10_000)
 
@@ -81,7 +83,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="run only this scenario (repeatable); names: " + ", ".join(s.name for s in FULL),
     )
     parser.add_argument(
-        "--kv-tokens", type=int, default=2048, help="KV budget per node and layer (tokens)"
+        "--kv-tokens",
+        type=int,
+        default=Settings.kv_tokens_per_shard,
+        help="KV budget per shard (tokens; default %(default)s, what `tessera-coordinator "
+        "serve` gives every shard)",
     )
     parser.add_argument(
         "--context-tokens", type=int, default=512, help="context each session keeps in cache"

@@ -39,9 +39,9 @@ CUDA_HEADROOM_MIN = GIB // 2
 
 @dataclass(frozen=True)
 class ServingParams:
-    # KV budget per shard: the default of coordinator.placement.Placement (`serve
-    # --kv-tokens` defaults to 4096; bench/placement.py --kv-tokens runs either).
-    kv_tokens: int = 2048
+    # KV budget per shard, as a coordinator started with `serve` gives every shard
+    # (coordinator.settings.Settings.kv_tokens_per_shard; bench/placement.py --kv-tokens).
+    kv_tokens: int = 4096
     context_tokens: int = 512  # context a session keeps in cache
     compute_efficiency: float = 0.5  # achieved share of peak tensor TFLOPS
     memory_efficiency: float = 0.75  # achieved share of peak memory bandwidth
