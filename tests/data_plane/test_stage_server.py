@@ -564,6 +564,41 @@ async def test_end_session_frees_the_cache(start_node, keys) -> None:
     await session.close()
 
 
+async def test_end_session_waits_for_every_running_step_of_the_session(start_node, keys) -> None:
+    """Steps of one session on two spans hold two locks; EndSession takes all of them, so
+    it never frees a cache a compute thread is still writing."""
+    node = await start_node([(0, 2), (2, NUM_LAYERS)])
+    stage = node.manager.find(MODEL, 2, NUM_LAYERS).stage_for(2, NUM_LAYERS)
+    entered, release = threading.Event(), threading.Event()
+    original = stage.forward
+
+    def slow_forward(*args, **kwargs):
+        entered.set()
+        release.wait(30)
+        return original(*args, **kwargs)
+
+    stage.forward = slow_forward
+    head, tail = Session.open(node, keys, "s-two"), Session.open(node, keys, "s-two")
+    try:
+        await head.send(head.request(ids([PROMPT]), end=2))
+        check = tail.request(hidden(len(PROMPT)), start=2)
+        check.background = True
+        running = asyncio.create_task(tail.send(check))
+        assert await asyncio.to_thread(entered.wait, 30)
+        request = stage_pb2.EndSessionRequest(session_id="s-two", capability=head.capability())
+        ending = asyncio.create_task(end_session(node, request))
+        await asyncio.sleep(0.2)
+        assert not ending.done()  # held up by the step still computing on [2, 4)
+        release.set()
+        assert (await running).cache_length == len(PROMPT)
+        await asyncio.wait_for(ending, 10)
+        assert node.manager.active_sessions() == 0
+    finally:
+        release.set()
+        await head.close()
+        await tail.close()
+
+
 async def test_end_session_needs_the_sessions_own_capability(start_node, keys) -> None:
     node = await start_node([(0, NUM_LAYERS)])
     session = Session.open(node, keys, "s-mine")
