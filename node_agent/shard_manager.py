@@ -222,8 +222,8 @@ class ShardManager:
         self.idle_ttl_s = idle_ttl_s
         self._shards: dict[ShardKey, LoadedShard] = {}
         self._loading: dict[ShardKey, _Loading] = {}
-        # One thread for every forward pass: the device runs one kernel stream anyway, and
-        # the event loop stays free to accept, validate and answer other streams.
+        # One thread for the forward passes pipelines wait on: the device runs one kernel
+        # stream anyway, and the event loop stays free to accept, validate and answer.
         self.compute = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tessera-compute")
         # Checks and catch-ups for verifiers: nobody waits on them hop by hop. Its own thread
         # at a lower priority lets a pipeline's call start at once and take the CPU first
