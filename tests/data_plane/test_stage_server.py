@@ -116,6 +116,32 @@ def hidden(length: int, fill: float = 0.1, width: int = HIDDEN) -> common_pb2.Te
     return codec.encode(np.full((1, length, width), fill, dtype=np.float32))
 
 
+@dataclass
+class HeldForward:
+    """A stage view whose forward blocks until released, recording each calling thread's
+    nice value (Linux): a step that is still computing, on demand."""
+
+    entered: threading.Event
+    release: threading.Event
+    nice: list[int]
+
+
+def hold_forward(node: StageNode, start: int, end: int) -> HeldForward:
+    stage = node.manager.find(MODEL, start, end).stage_for(start, end)
+    held = HeldForward(threading.Event(), threading.Event(), [])
+    original = stage.forward
+
+    def slow_forward(*args, **kwargs):
+        if sys.platform == "linux":
+            held.nice.append(os.getpriority(os.PRIO_PROCESS, threading.get_native_id()))
+        held.entered.set()
+        held.release.wait(30)
+        return original(*args, **kwargs)
+
+    stage.forward = slow_forward
+    return held
+
+
 # ---- the happy path ----------------------------------------------------------------------
 
 
@@ -209,16 +235,8 @@ async def test_concurrent_sessions_each_get_their_own_cache(start_node, keys, ch
 
 async def test_the_event_loop_stays_responsive_while_a_step_computes(start_node, keys) -> None:
     node = await start_node([(0, NUM_LAYERS)])
-    stage = node.manager.find(MODEL, 0, NUM_LAYERS).stage_for(0, NUM_LAYERS)
-    entered, release = threading.Event(), threading.Event()
-    original = stage.forward
-
-    def slow_forward(*args, **kwargs):
-        entered.set()
-        release.wait(30)
-        return original(*args, **kwargs)
-
-    stage.forward = slow_forward
+    held = hold_forward(node, 0, NUM_LAYERS)
+    entered, release = held.entered, held.release
     session = Session.open(node, keys, "s-slow")
     step = asyncio.create_task(session.tokens(PROMPT, 0))
     assert await asyncio.to_thread(entered.wait, 30)
@@ -239,19 +257,8 @@ async def test_a_check_runs_behind_the_pipeline_at_a_lower_priority(start_node, 
     another span of the same session in the pipeline: the pipeline's call must not wait for
     the check, and the check's thread yields the CPU (a higher nice value, on Linux)."""
     node = await start_node([(0, 2), (2, NUM_LAYERS)])
-    checked = node.manager.find(MODEL, 2, NUM_LAYERS).stage_for(2, NUM_LAYERS)
-    entered, release = threading.Event(), threading.Event()
-    nice: list[int] = []
-    original = checked.forward
-
-    def slow_forward(*args, **kwargs):
-        if sys.platform == "linux":
-            nice.append(os.getpriority(os.PRIO_PROCESS, threading.get_native_id()))
-        entered.set()
-        release.wait(30)
-        return original(*args, **kwargs)
-
-    checked.forward = slow_forward
+    held = hold_forward(node, 2, NUM_LAYERS)
+    entered, release, nice = held.entered, held.release, held.nice
     checker = Session.open(node, keys, "s-shared")
     check = checker.request(hidden(len(PROMPT)), start=2)
     check.background = True
@@ -568,16 +575,8 @@ async def test_end_session_waits_for_every_running_step_of_the_session(start_nod
     """Steps of one session on two spans hold two locks; EndSession takes all of them, so
     it never frees a cache a compute thread is still writing."""
     node = await start_node([(0, 2), (2, NUM_LAYERS)])
-    stage = node.manager.find(MODEL, 2, NUM_LAYERS).stage_for(2, NUM_LAYERS)
-    entered, release = threading.Event(), threading.Event()
-    original = stage.forward
-
-    def slow_forward(*args, **kwargs):
-        entered.set()
-        release.wait(30)
-        return original(*args, **kwargs)
-
-    stage.forward = slow_forward
+    held = hold_forward(node, 2, NUM_LAYERS)
+    entered, release = held.entered, held.release
     head, tail = Session.open(node, keys, "s-two"), Session.open(node, keys, "s-two")
     try:
         await head.send(head.request(ids([PROMPT]), end=2))
