@@ -316,7 +316,7 @@ class ShardManager:
         return ", ".join(held) if held else "nothing of this model"
 
     def active_sessions(self) -> int:
-        return len({k.rsplit("@", 1)[0] for s in self.shards() for k in s.session_keys()})
+        return len({session_of(k) for s in self.shards() for k in s.session_keys()})
 
     def expire_idle(self) -> list[str]:
         return [key for shard in self.shards() for key in shard.expire_idle()]
@@ -597,3 +597,13 @@ def _lower_priority() -> None:
     if sys.platform == "linux":
         with contextlib.suppress(OSError):
             os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), BACKGROUND_NICE)
+
+
+def cache_key(session_id: str, start: int, end: int) -> str:
+    """The key of one session's KV cache on one span: "session@start-end"."""
+    return f"{session_id}@{start}-{end}"
+
+
+def session_of(key: str) -> str:
+    """The session id of a cache key."""
+    return key.rsplit("@", 1)[0]

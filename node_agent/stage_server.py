@@ -35,7 +35,14 @@ from node_agent.context import AgentContext
 from node_agent.data_plane import answer_ping
 from node_agent.receipts import UsageMeter
 from node_agent.runtime import CacheBudgetError, CacheFullError, StageKVCache
-from node_agent.shard_manager import LoadedShard, ShardKey, ShardManager, shard_manager_for
+from node_agent.shard_manager import (
+    LoadedShard,
+    ShardKey,
+    ShardManager,
+    cache_key,
+    session_of,
+    shard_manager_for,
+)
 from protos import codec, identity, output_check
 from protos.tessera.v1 import client_api_pb2, common_pb2, stage_pb2, stage_pb2_grpc
 
@@ -126,7 +133,8 @@ def check_grant(
         granted = ", ".join(f"[{g.start}, {g.end})" for g in mine)
         raise StageError(
             grpc.StatusCode.PERMISSION_DENIED,
-            f"layers [{start}, {end}) are outside what the capability grants this node: {granted}",
+            f"layers [{start}, {end}) are outside what the capability grants this node: "
+            f"{granted}",
         )
 
 
@@ -142,7 +150,7 @@ class StageServicer(stage_pb2_grpc.StageServicer):
         self._shards = shards
         self.limits = limits or StageLimits()
         self._clock = clock
-        self._session_locks: dict[str, asyncio.Lock] = {}
+        self._cache_locks: dict[str, asyncio.Lock] = {}  # by cache_key(session, start, end)
         self._expiry_task: asyncio.Task[None] | None = None
         self._usage = UsageMeter(ctx.private_key)
         # Per session key: digest of the input prefix after each cached position.
@@ -194,9 +202,9 @@ class StageServicer(stage_pb2_grpc.StageServicer):
             # Waits for the session's running steps, so no cache is pulled from under a
             # compute thread. Forward holds one of these locks at a time: no deadlock.
             async with contextlib.AsyncExitStack() as held:
-                for key in sorted(self._session_locks):
-                    if _session_of(key) == request.session_id:
-                        await held.enter_async_context(self._session_locks[key])
+                for key in sorted(self._cache_locks):
+                    if session_of(key) == request.session_id:
+                        await held.enter_async_context(self._cache_locks[key])
                 released = self._release_session(request.session_id)
                 self._usage.forget(request.session_id)
             if not released:
@@ -238,7 +246,7 @@ class StageServicer(stage_pb2_grpc.StageServicer):
         array = self._decode_input(request, shard)
         batch, tokens = int(array.shape[0]), int(array.shape[1])
         self._check_length(request, claims, shard, batch, tokens)
-        session_key = f"{request.session_id}@{start}-{end}"
+        session_key = cache_key(request.session_id, start, end)
         shard.enter()
         try:
             # One lock per cache, not per session: a check this node runs for one span of a
@@ -455,7 +463,7 @@ class StageServicer(stage_pb2_grpc.StageServicer):
 
     def _admit_new_session(self, session_id: str) -> None:
         already_here = any(
-            _session_of(key) == session_id
+            session_of(key) == session_id
             for shard in self._shards.shards()
             for key in shard.session_keys()
         )
@@ -528,18 +536,18 @@ class StageServicer(stage_pb2_grpc.StageServicer):
     # ---- sessions -------------------------------------------------------------------
 
     def _lock_for(self, session_key: str) -> asyncio.Lock:
-        lock = self._session_locks.get(session_key)
+        lock = self._cache_locks.get(session_key)
         if lock is None:
-            lock = self._session_locks[session_key] = asyncio.Lock()
+            lock = self._cache_locks[session_key] = asyncio.Lock()
         return lock
 
     def _release_session(self, session_id: str) -> bool:
         released = False
         for shard in self._shards.shards():
             for key in shard.session_keys():
-                if _session_of(key) == session_id:
+                if session_of(key) == session_id:
                     released = shard.release(key) or released
-        for key in [k for k in self._input_chains if _session_of(k) == session_id]:
+        for key in [k for k in self._input_chains if session_of(k) == session_id]:
             del self._input_chains[key]
         return released
 
@@ -554,9 +562,9 @@ class StageServicer(stage_pb2_grpc.StageServicer):
         held = {shard.key for shard in self._shards.shards()}
         for view in [v for v in self._step_ms if v[0] not in held]:
             del self._step_ms[view]  # a dropped shard's step times
-        for key in list(self._session_locks):
-            if key not in live_keys and not self._session_locks[key].locked():
-                del self._session_locks[key]
+        for key in list(self._cache_locks):
+            if key not in live_keys and not self._cache_locks[key].locked():
+                del self._cache_locks[key]
         return expired
 
     def _start_expiry(self) -> None:
@@ -577,11 +585,6 @@ class StageServicer(stage_pb2_grpc.StageServicer):
             self._expiry_task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._expiry_task
-
-
-def _session_of(session_key: str) -> str:
-    """The session id of a cache key ("session@start-end")."""
-    return session_key.rsplit("@", 1)[0]
 
 
 def _granted(grants: Sequence[common_pb2.LayerRange], start: int, end: int) -> bool:
