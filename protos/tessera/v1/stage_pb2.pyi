@@ -1,15 +1,16 @@
 from protos.tessera.v1 import common_pb2 as _common_pb2
 from protos.tessera.v1 import client_api_pb2 as _client_api_pb2
 from protos.tessera.v1 import ledger_pb2 as _ledger_pb2
+from google.protobuf.internal import containers as _containers
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
-from collections.abc import Mapping as _Mapping
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
 from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class ForwardRequest(_message.Message):
-    __slots__ = ("capability", "session_id", "step", "model", "layers", "start_pos", "input", "last_position_only", "background")
+    __slots__ = ("capability", "session_id", "step", "model", "layers", "start_pos", "input", "last_position_only", "background", "relay_to", "relayed")
     CAPABILITY_FIELD_NUMBER: _ClassVar[int]
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
@@ -19,6 +20,8 @@ class ForwardRequest(_message.Message):
     INPUT_FIELD_NUMBER: _ClassVar[int]
     LAST_POSITION_ONLY_FIELD_NUMBER: _ClassVar[int]
     BACKGROUND_FIELD_NUMBER: _ClassVar[int]
+    RELAY_TO_FIELD_NUMBER: _ClassVar[int]
+    RELAYED_FIELD_NUMBER: _ClassVar[int]
     capability: _client_api_pb2.SignedCapability
     session_id: str
     step: int
@@ -28,7 +31,41 @@ class ForwardRequest(_message.Message):
     input: _common_pb2.Tensor
     last_position_only: bool
     background: bool
-    def __init__(self, capability: _Optional[_Union[_client_api_pb2.SignedCapability, _Mapping]] = ..., session_id: _Optional[str] = ..., step: _Optional[int] = ..., model: _Optional[str] = ..., layers: _Optional[_Union[_common_pb2.LayerRange, _Mapping]] = ..., start_pos: _Optional[int] = ..., input: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., last_position_only: _Optional[bool] = ..., background: _Optional[bool] = ...) -> None: ...
+    relay_to: _containers.RepeatedCompositeFieldContainer[RelayHop]
+    relayed: bool
+    def __init__(self, capability: _Optional[_Union[_client_api_pb2.SignedCapability, _Mapping]] = ..., session_id: _Optional[str] = ..., step: _Optional[int] = ..., model: _Optional[str] = ..., layers: _Optional[_Union[_common_pb2.LayerRange, _Mapping]] = ..., start_pos: _Optional[int] = ..., input: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., last_position_only: _Optional[bool] = ..., background: _Optional[bool] = ..., relay_to: _Optional[_Iterable[_Union[RelayHop, _Mapping]]] = ..., relayed: _Optional[bool] = ...) -> None: ...
+
+class RelayHop(_message.Message):
+    __slots__ = ("node_id", "address", "layers")
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    LAYERS_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    address: str
+    layers: _common_pb2.LayerRange
+    def __init__(self, node_id: _Optional[str] = ..., address: _Optional[str] = ..., layers: _Optional[_Union[_common_pb2.LayerRange, _Mapping]] = ...) -> None: ...
+
+class DeliveriesRequest(_message.Message):
+    __slots__ = ("session_id", "capability")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    CAPABILITY_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    capability: _client_api_pb2.SignedCapability
+    def __init__(self, session_id: _Optional[str] = ..., capability: _Optional[_Union[_client_api_pb2.SignedCapability, _Mapping]] = ...) -> None: ...
+
+class Delivery(_message.Message):
+    __slots__ = ("step", "layers", "response", "error_code", "error_message")
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    LAYERS_FIELD_NUMBER: _ClassVar[int]
+    RESPONSE_FIELD_NUMBER: _ClassVar[int]
+    ERROR_CODE_FIELD_NUMBER: _ClassVar[int]
+    ERROR_MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    step: int
+    layers: _common_pb2.LayerRange
+    response: ForwardResponse
+    error_code: int
+    error_message: str
+    def __init__(self, step: _Optional[int] = ..., layers: _Optional[_Union[_common_pb2.LayerRange, _Mapping]] = ..., response: _Optional[_Union[ForwardResponse, _Mapping]] = ..., error_code: _Optional[int] = ..., error_message: _Optional[str] = ...) -> None: ...
 
 class ForwardResponse(_message.Message):
     __slots__ = ("step", "output", "compute_ms", "cache_length", "signature", "usage", "input_digest")

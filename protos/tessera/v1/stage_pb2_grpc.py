@@ -47,6 +47,11 @@ class StageStub:
                 request_serializer=tessera_dot_v1_dot_stage__pb2.EndSessionRequest.SerializeToString,
                 response_deserializer=tessera_dot_v1_dot_common__pb2.Empty.FromString,
                 _registered_method=True)
+        self.Deliveries = channel.unary_stream(
+                '/tessera.v1.Stage/Deliveries',
+                request_serializer=tessera_dot_v1_dot_stage__pb2.DeliveriesRequest.SerializeToString,
+                response_deserializer=tessera_dot_v1_dot_stage__pb2.Delivery.FromString,
+                _registered_method=True)
         self.Ping = channel.unary_unary(
                 '/tessera.v1.Stage/Ping',
                 request_serializer=tessera_dot_v1_dot_stage__pb2.PingRequest.SerializeToString,
@@ -73,6 +78,16 @@ class StageServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Deliveries(self, request, context):
+        """The answers to this session's relayed calls (ForwardRequest.relay_to) that this node
+        computes: the client opens one per node after the first stage, and each relayed call's
+        answer reaches it in one transit instead of travelling back along the chain. A newer
+        subscription of the same session replaces an older one, which then ends.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Ping(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -91,6 +106,11 @@ def add_StageServicer_to_server(servicer, server):
                     servicer.EndSession,
                     request_deserializer=tessera_dot_v1_dot_stage__pb2.EndSessionRequest.FromString,
                     response_serializer=tessera_dot_v1_dot_common__pb2.Empty.SerializeToString,
+            ),
+            'Deliveries': grpc.unary_stream_rpc_method_handler(
+                    servicer.Deliveries,
+                    request_deserializer=tessera_dot_v1_dot_stage__pb2.DeliveriesRequest.FromString,
+                    response_serializer=tessera_dot_v1_dot_stage__pb2.Delivery.SerializeToString,
             ),
             'Ping': grpc.unary_unary_rpc_method_handler(
                     servicer.Ping,
@@ -154,6 +174,33 @@ class Stage:
             '/tessera.v1.Stage/EndSession',
             tessera_dot_v1_dot_stage__pb2.EndSessionRequest.SerializeToString,
             tessera_dot_v1_dot_common__pb2.Empty.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Deliveries(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/tessera.v1.Stage/Deliveries',
+            tessera_dot_v1_dot_stage__pb2.DeliveriesRequest.SerializeToString,
+            tessera_dot_v1_dot_stage__pb2.Delivery.FromString,
             options,
             channel_credentials,
             insecure,
