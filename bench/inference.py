@@ -10,6 +10,10 @@ In ONE run, on this machine, with the same weights, prompt and greedy decoding:
           of the product's verification: every reply's signature is checked, and some calls
           also run on a second node and are compared (every call of a node that is new to
           the coordinator, fewer as it earns trust; each round prints how many).
+  hop by hop  the same swarm driven the way Petals drives one: the client sends each
+          stage its input and waits for its answer (DriverConfig(push=False)). The swarm
+          run pushes steps instead: the nodes hand hidden states on to each other and each
+          answers the client directly (client/driver.py), 4 transits a token, not 6.
   pipes   for reference, the floor of any 3-process pipeline on this machine: the same
           three layer spans in three plain Python processes joined by multiprocessing
           pipes (no gRPC, no validation, no signatures, no fail-over). swarm/pipes shows
@@ -96,6 +100,7 @@ import torch  # noqa: E402
 
 from client.api import Client, GenerationResult  # noqa: E402
 from client.demo_checkpoint import DemoShape, write_demo_checkpoint  # noqa: E402
+from client.driver import DriverConfig  # noqa: E402
 from client.local_swarm import LocalSwarm  # noqa: E402
 from client.records import HopRecord  # noqa: E402
 from client.tokenizer import load_tokenizer  # noqa: E402
@@ -463,7 +468,7 @@ def bench(args: argparse.Namespace, workdir: Path) -> int:
         f"fp32 on CPU; prompt {len(prompt_ids)} tokens, {args.tokens} generated; "
         f"{args.threads} torch thread(s) per process; {args.rounds} round(s)"
     )
-    rounds: list[tuple[Run, Run, Run]] = []  # (local, pipes, swarm)
+    rounds: list[tuple[Run, Run, Run, Run]] = []  # (local, pipes, swarm, hop by hop)
     coordinator_args = ["--min-stages", "3", "--replicas", "2"]
     if args.check_floor is not None:
         coordinator_args += ["--verify-warmup", "1", "--verify-min-probability",
@@ -475,7 +480,10 @@ def bench(args: argparse.Namespace, workdir: Path) -> int:
         swarm.wait_registered(nodes)
         names = {p.node_id: p.name for p in nodes}
         swarm.add_model(checkpoint, MODEL)
-        with Client(swarm.address) as client:
+        with (
+            Client(swarm.address) as client,
+            Client(swarm.address, driver_config=DriverConfig(push=False)) as hop_client,
+        ):
             wait_available(client)
             say(f"swarm of {len(nodes)} nodes ready after {time.monotonic() - t0:.0f} s")
             warm = max(4, args.tokens // 6)
@@ -490,24 +498,28 @@ def bench(args: argparse.Namespace, workdir: Path) -> int:
                     pass
                 for _ in local_steps(local_model, prompt_ids, warm):
                     pass
+                generate_swarm(hop_client, prompt_ids, warm)
                 for r in range(args.rounds):
                     runs = interleave(
                         {
                             "local": local_steps(local_model, prompt_ids, args.tokens),
                             "pipes (floor)": pipes.steps(prompt_ids, args.tokens),
                             "swarm": swarm_steps(client, prompt_ids, args.tokens),
+                            "swarm, hop by hop": swarm_steps(hop_client, prompt_ids, args.tokens),
                         },
                         args.tokens,
                     )
                     local, floor, plain = runs["local"], runs["pipes (floor)"], runs["swarm"]
-                    plain.result = client.last_run
-                    rounds.append((local, floor, plain))
+                    hop = runs["swarm, hop by hop"]
+                    plain.result, hop.result = client.last_run, hop_client.last_run
+                    rounds.append((local, floor, plain, hop))
                     assert plain.result is not None
                     say(
                         f"round {r + 1}: tokens/s local {local.tokens_per_s:6.2f}, pipes "
-                        f"{floor.tokens_per_s:6.2f} ({floor.tokens_per_s / local.tokens_per_s:.2f}"
-                        f"), swarm {plain.tokens_per_s:6.2f} "
-                        f"({plain.tokens_per_s / local.tokens_per_s:.2f}) over "
+                        f"{floor.tokens_per_s:6.2f} ({ratio(floor, local):.2f}), swarm "
+                        f"{plain.tokens_per_s:6.2f} ({ratio(plain, local):.2f}; "
+                        f"{plain.result.pushed_steps} steps pushed), hop by hop "
+                        f"{hop.tokens_per_s:6.2f} ({ratio(hop, local):.2f}) over "
                         f"{len(plain.result.initial_route)} hops; {checked_text(plain)}"
                     )
             finally:
@@ -516,7 +528,7 @@ def bench(args: argparse.Namespace, workdir: Path) -> int:
     every = [run for runs in rounds for run in runs] + [faulty]
     cold = rounds[0]
     warm_rounds = sorted(rounds[1:] or rounds, key=lambda runs: ratio(runs[2], runs[0]))
-    local, floor, plain = warm_rounds[len(warm_rounds) // 2]
+    local, floor, plain, hop = warm_rounds[len(warm_rounds) // 2]
     same = all(run.token_ids == local.token_ids for run in every)
 
     say()
@@ -526,7 +538,7 @@ def bench(args: argparse.Namespace, workdir: Path) -> int:
             "swarm/local ratio:"
         )
     rows = [["run", "tokens/s", "vs local", "first token ms", "median ms/token", "p90 ms/token"]]
-    for run in (local, floor, plain, faulty):
+    for run in (local, floor, plain, hop, faulty):
         rows.append(
             [
                 run.label,
@@ -559,6 +571,13 @@ def bench(args: argparse.Namespace, workdir: Path) -> int:
         f"swarm/pipes tokens/s: {plain.tokens_per_s / floor.tokens_per_s:.2f} (what Tessera's "
         "data path costs over plain pipes between the same processes)"
     )
+    assert plain.result is not None
+    if plain.result.push_off:
+        say(f"the swarm run stopped pushing steps: {plain.result.push_off}")
+    say(
+        f"pushed/hop by hop tokens/s: {ratio(plain, hop):.2f} (nodes handing hidden states "
+        "on to each other vs the client relaying every stage's output)"
+    )
     median_ms = plain.median_token_ms
     assert faulty.result is not None
     for event in faulty.result.failovers:
@@ -579,7 +598,7 @@ def bench(args: argparse.Namespace, workdir: Path) -> int:
     say(f"greedy token ids identical in all {len(every)} timed runs: {'yes' if same else 'NO'}")
     say(load_note(load_at_start))
     if not same:
-        for run in (local, floor, plain, faulty):
+        for run in (local, floor, plain, hop, faulty):
             say(f"  {run.label:16s} {run.token_ids}")
     say(f"total time {time.monotonic() - t0:.0f} s")
     say(

@@ -104,6 +104,10 @@ class GenerationResult:
     close_request: client_api_pb2.CloseSessionRequest | None = None
     # Signature checks and sampled redundant execution (client/verification.py).
     verification: VerificationStats | None = None
+    # Steps pushed through the route (nodes handing hidden states on, client/driver.py),
+    # and why pushing stopped when it did (None: it never stopped).
+    pushed_steps: int = 0
+    push_off: str | None = None
 
     @property
     def tokens_per_s(self) -> float:
@@ -157,6 +161,8 @@ class GenerationResult:
             "charged": self.settlement.charged if self.settlement else 0,
             "refunded": self.settlement.refunded if self.settlement else 0,
             "verification": self.verification.to_json() if self.verification else None,
+            "pushed_steps": self.pushed_steps,
+            "push_off": self.push_off,
         }
 
 
@@ -334,6 +340,7 @@ class AsyncClient:
         finally:
             result.wall_s = time.monotonic() - began
             result.route = driver.route
+            result.pushed_steps, result.push_off = driver.pushed_steps, driver.push_off
             if driver.verifier is not None:
                 await driver.verifier.finish()
             await driver.close()

@@ -9,6 +9,17 @@ boundary's whole history from position 0 to rebuild the replacement's KV cache, 
 carries on. The replay's last positions are the current step's output, so a fail-over
 costs one replay and greedy output stays identical to a run without the failure.
 
+A step is pushed when it can be (``DriverConfig.push``): the driver sends the token ids to
+the first hop only, naming the rest of the route in ``relay_to``; each node hands its
+output straight to the next, and the client gets every node's signed answer on the
+``Deliveries`` subscription it holds there (client/deliveries.py). Hidden states then never
+wait for the client between stages: 4 message transits a token through 3 stages instead of
+6. The client still records, verifies and samples checks of every answer as it arrives, and
+checks that each pushed node's signed input digest is that of the output the node before it
+signed. Anything unusual (a late or missing answer, an error, a digest that differs) ends
+the push at that stage, and the step goes on from there hop by hop, with the fail-over and
+hedging below; a digest that differs ends pushing for the session.
+
 Consecutive stages whose primary is the same node run as one hop (one round trip instead
 of several; the node's capability grants it every one of them). When such a merged hop
 fails it is split back into its stages, each with its own alternates, before the replay.
@@ -31,6 +42,7 @@ import numpy as np
 
 from client.billing import UsageBook
 from client.channels import ChannelPool
+from client.deliveries import DeliveryLost, Subscriptions
 from client.errors import PipelineError, RequestRejected
 from client.hedging import HedgeEvent, hedge_delay, percentile, race
 from client.records import FailoverEvent, HopRecord, Receipt, StageTiming
@@ -87,6 +99,11 @@ class DriverConfig:
     # Report the driver's timings of decode calls to the coordinator every this many calls
     # (and at close): its measured speed of each node. 0: never.
     report_every: int = 16
+    # Push steps through the route (nodes hand hidden states on; see the module docstring).
+    push: bool = True
+    # How long a node may take to acknowledge the client's Deliveries subscription; a
+    # node that does not is driven hop by hop instead.
+    subscribe_timeout_s: float = 5.0
 
 
 @dataclass(frozen=True)
@@ -202,6 +219,12 @@ class PipelineDriver:
         # Nodes a hedge found slow: never hedged on or asked to check again this session.
         self._demoted: set[str] = set()
         self.usage = UsageBook()  # tokens sent per hop and the nodes' usage receipts
+        self._subscriptions = Subscriptions(self._channels, self.session_id)
+        # Why this session stopped pushing steps (None: it pushes when it can).
+        self.push_off: str | None = None if self.config.push else "turned off"
+        self.pushed_steps = 0
+        # Nodes whose subscription could not be opened: no step is pushed through them.
+        self._unpushable: set[str] = set()
         # This chunk's calls whose checks are still running, in pipeline order.
         self._unsettled: list[_Unsettled] = []
         self._reporter = (
@@ -280,6 +303,7 @@ class PipelineDriver:
         """End the session on every node that served it (best effort) and close streams."""
         for slot in self._slots:
             slot.close_stream()
+        self._subscriptions.close()
         if self._reporter is not None:
             await self._reporter.close()
         request = stage_pb2.EndSessionRequest(
@@ -310,10 +334,17 @@ class PipelineDriver:
         corrected output) before the client uses anything.
         """
         try:
-            out, dtype = await self._run_through(
-                0, self.shape.num_layers, start_pos, ids, "int64", self._next_step(),
-                last_only=last_only,
-            )  # fmt: skip
+            step = self._next_step()
+            if (
+                self.push_off is None
+                and len(self._slots) > 1
+                and not any(s.hop.node_id in self._unpushable for s in self._slots)
+            ):
+                out, dtype = await self._push_through(start_pos, ids, step, last_only)
+            else:
+                out, dtype = await self._run_through(
+                    0, self.shape.num_layers, start_pos, ids, "int64", step, last_only=last_only
+                )
             while (rejected := await self._settle_checks()) is not None:
                 out, dtype = await self._redo_after(rejected, start_pos, last_only)
         finally:
@@ -321,6 +352,155 @@ class PipelineDriver:
                 unsettled.pending.cancel()
             self._unsettled.clear()
         return out
+
+    async def _push_through(
+        self, start_pos: int, ids: np.ndarray, step: int, last_only: bool
+    ) -> tuple[np.ndarray, str]:
+        """One chunk pushed through the route (module docstring): its logits. Where the
+        push breaks off, the rest of the step goes hop by hop from that stage."""
+        slots = list(self._slots)
+        try:
+            subscriptions = [
+                await self._subscriptions.at(
+                    s.hop.node_id, s.hop.address, self._capability,
+                    self.config.subscribe_timeout_s,
+                )  # fmt: skip
+                for s in slots[1:]
+            ]
+        except DeliveryLost as err:
+            if err.code == grpc.StatusCode.UNIMPLEMENTED:
+                self._stop_pushing(str(err))  # a node from before the push pipeline
+            else:  # perhaps a node that is gone: hop by hop fails it over
+                self._unpushable.add(err.node_id)
+            return await self._run_through(
+                0, self.shape.num_layers, start_pos, ids, "int64", step, last_only=last_only
+            )
+        first = slots[0]
+        self._history.record(first.span, start_pos, ids, "int64")
+        call = self._request(first, start_pos, ids, "int64", step, False, last_only)
+        call.request.last_position_only = last_only  # passed on to the hop that ends there
+        call.request.relay_to.extend(
+            stage_pb2.RelayHop(
+                node_id=s.hop.node_id,
+                address=s.hop.address,
+                layers=common_pb2.LayerRange(start=s.span.start, end=s.span.end),
+            )
+            for s in slots[1:]
+        )
+        answers = [
+            sub.expect(step, s.span.start, s.span.end)
+            for sub, s in zip(subscriptions, slots[1:], strict=True)
+        ]
+
+        def forget(first_index: int) -> None:
+            for sub, s in zip(subscriptions[first_index:], slots[1 + first_index :], strict=True):
+                sub.forget(step, s.span.start, s.span.end)
+
+        failed_at = time.monotonic()
+        try:
+            response, wall = await self._exchange(first, call)
+            x, dtype = await self._accept(first, call, response, wall)
+        except (HopFailure, RequestRejected) as err:
+            forget(0)
+            if isinstance(err, HopFailure):
+                log.warning("node %s failed on layers %s: %s", first.hop.node_id, first.span, err)
+                return await self._resume_hop_by_hop(
+                    0, start_pos, ids, "int64", step, last_only, failure=(err, failed_at)
+                )
+            # Perhaps only the push was refused (a node that does not relay): the same call
+            # hop by hop says whether the request itself is at fault.
+            self._stop_pushing(f"node {first.hop.node_id} refused a pushed step: {err}")
+            return await self._resume_hop_by_hop(0, start_pos, ids, "int64", step, last_only)
+        for k, slot in enumerate(slots[1:], start=1):
+            self._history.record(slot.span, start_pos, x, dtype)
+            call = self._request(slot, start_pos, x, dtype, step, False, last_only)
+            self._begin_call(slot, call)
+            wait_s, hedge = self._push_wait(slot, x)
+            started = time.monotonic()
+            try:
+                async with asyncio.timeout(wait_s):
+                    response = await answers[k - 1]
+                if response.input_digest != self._history.input_digest(slot.span):
+                    # The node before it handed on something else than it signed (or this
+                    # node ran something else): the client's own copy goes instead.
+                    self._stop_pushing(
+                        f"node {slot.hop.node_id} ran a pushed input other than the one node "
+                        f"{slots[k - 1].hop.node_id} signed"
+                    )
+                    raise HopFailure("pushed input digest differs")
+                answered = time.monotonic()
+            except (TimeoutError, DeliveryLost, HopFailure) as err:
+                if call.pending is not None:
+                    call.pending.cancel()
+                forget(k - 1)
+                late = isinstance(err, TimeoutError)
+                log.info(
+                    "step %d: push stopped at layers %s (node %s): %s", step, slot.span,
+                    slot.hop.node_id, f"no answer within {wait_s:.2f} s" if late else err,
+                )  # fmt: skip
+                if late and not hedge:  # past the straggler deadline: a failed node
+                    straggler = HopFailure(f"straggler: no answer within {wait_s:.1f} s")
+                    log.warning("node %s failed on layers %s: %s", slot.hop.node_id,
+                                slot.span, straggler)  # fmt: skip
+                    return await self._resume_hop_by_hop(
+                        k, start_pos, x, dtype, step, last_only, failure=(straggler, started)
+                    )
+                return await self._resume_hop_by_hop(
+                    k, start_pos, x, dtype, step, last_only, hedge_now=late
+                )
+            try:
+                x, dtype = await self._accept(slot, call, response, answered - started)
+            except HopFailure as failure:  # an answer that cannot be used: a failed node
+                forget(k)
+                log.warning("node %s failed on layers %s: %s", slot.hop.node_id, slot.span,
+                            failure)  # fmt: skip
+                return await self._resume_hop_by_hop(
+                    k, start_pos, x, dtype, step, last_only, failure=(failure, answered)
+                )
+        self.pushed_steps += 1  # through the whole route
+        return x, dtype
+
+    async def _resume_hop_by_hop(
+        self,
+        index: int,
+        start_pos: int,
+        x: np.ndarray,
+        dtype: str,
+        step: int,
+        last_only: bool,
+        *,
+        hedge_now: bool = False,
+        failure: tuple[HopFailure, float] | None = None,
+    ) -> tuple[np.ndarray, str]:
+        """Finish a step from slot ``index`` (its input recorded already) hop by hop; with
+        ``failure`` (and when it failed), that slot's node failed and is replaced first."""
+        end = self._slots[index].span.end
+        if failure is not None:
+            x, dtype = await self._fail_over(
+                index, failure[0], failure[1], start_pos, dtype, step, last_only
+            )
+        else:
+            x, dtype = await self._call_or_recover(
+                index, start_pos, x, dtype, step, False, last_only, hedge_now=hedge_now
+            )
+        return await self._run_through(
+            end, self.shape.num_layers, start_pos, x, dtype, step, last_only=last_only
+        )
+
+    def _push_wait(self, slot: _Slot, x: np.ndarray) -> tuple[float, bool]:
+        """How long a pushed answer may take before the step goes on without it, and
+        whether it is then hedged (the hedging delay came first) rather than failed over
+        (the straggler deadline)."""
+        deadline = self._deadline(slot, int(x.shape[1]), False)
+        delay = self._hedge_delay(slot, x, False)
+        if delay is None or delay >= deadline:
+            return deadline, False
+        return delay, True
+
+    def _stop_pushing(self, reason: str) -> None:
+        if self.push_off is None:
+            log.warning("session %s goes on hop by hop: %s", self.session_id, reason)
+            self.push_off = reason
 
     async def _settle_checks(self) -> tuple[_Unsettled, HopFailure] | None:
         """Settle this chunk's checks in pipeline order: the first call whose primary lost,
@@ -403,13 +583,19 @@ class PipelineDriver:
         step: int,
         replay: bool,
         last_only: bool,
+        *,
+        hedge_now: bool = False,
     ) -> tuple[np.ndarray, str]:
+        """One hop's call, hedged when it may be (at once with ``hedge_now``: the node is
+        already late with a pushed answer), failed over when it fails."""
         slot = self._slots[index]
         span = slot.span
         failed_at = time.monotonic()
         try:
             try:
                 delay = self._hedge_delay(slot, x, replay)
+                if delay is not None and hedge_now:
+                    delay = 0.0
                 if delay is None:
                     return await self._call(slot, start_pos, x, dtype, step, replay, last_only)
                 return await self._call_hedged(slot, delay, start_pos, x, dtype, step, last_only)
@@ -529,17 +715,7 @@ class PipelineDriver:
     ) -> tuple[stage_pb2.ForwardResponse, float]:
         """One round trip on the slot's stream: (the answer, its wall time in seconds)."""
         timeout = self._deadline(slot, call.tokens, call.replay)
-        if self.verifier is not None and call.pending is None:
-            # A sampled redundant check starts now, so the checker computes alongside the
-            # node (a check whose call fails below runs out unused; the verifier keeps it
-            # apart).
-            call.pending = self.verifier.begin(
-                self._capability, slot.hop, self._checkers(slot), call.request, self._history,
-                replay=call.replay,
-            )  # fmt: skip
-        self.usage.sent(
-            slot.hop.node_id, slot.span.start, slot.span.end, call.batch * call.tokens
-        )
+        self._begin_call(slot, call)
         started = time.monotonic()
         try:
             if slot.call is None:
@@ -567,6 +743,19 @@ class PipelineDriver:
             raise HopFailure(f"stream broke: {type(err).__name__}: {err}") from err
         slot.capability_version_sent = self._capability_version
         return response, time.monotonic() - started
+
+    def _begin_call(self, slot: _Slot, call: _Request) -> None:
+        """What goes with every call as it starts, sent by the client or pushed."""
+        if self.verifier is not None and call.pending is None:
+            # A sampled redundant check starts now, so the checker computes alongside the
+            # node (a check whose call fails runs out unused; the verifier keeps it apart).
+            call.pending = self.verifier.begin(
+                self._capability, slot.hop, self._checkers(slot), call.request, self._history,
+                replay=call.replay,
+            )  # fmt: skip
+        self.usage.sent(
+            slot.hop.node_id, slot.span.start, slot.span.end, call.batch * call.tokens
+        )
 
     def _checkers(self, slot: _Slot) -> list[HopRecord]:
         # The stage's verification-only replicas count too, so that trimming alternates

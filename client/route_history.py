@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from protos import codec
+from protos import codec, output_check
 
 TOKEN_DTYPES = frozenset({"int64", "int32"})
 
@@ -57,6 +57,10 @@ class _Chunk:
 class _BoundaryHistory:
     def __init__(self) -> None:
         self.chunks: list[_Chunk] = []
+        # The node's input-prefix digest after each position (protos.output_check): what a
+        # node that ran exactly these inputs signs. A pushed step checks it, because there
+        # the previous node, not the client, handed the input on.
+        self.digests: list[bytes] = []
 
     @property
     def length(self) -> int:
@@ -65,6 +69,7 @@ class _BoundaryHistory:
     def truncate(self, length: int) -> None:
         if length >= self.length:
             return  # nothing to cut: appending must not cost more as the sequence grows
+        del self.digests[length:]
         kept: list[_Chunk] = []
         for chunk in self.chunks:
             if chunk.end_pos <= length:
@@ -92,6 +97,8 @@ class _BoundaryHistory:
                 raise HistoryError("token ids and hidden states cannot share a boundary")
         # Copy: callers reuse their buffers, and a replay must see exactly what was sent.
         self.chunks.append(_Chunk(start_pos, np.array(array, copy=True), dtype))
+        previous = self.digests[-1] if self.digests else None
+        self.digests.extend(output_check.input_chain(previous, array, dtype))
 
     def concatenated(self) -> tuple[np.ndarray, str]:
         dtypes = {c.dtype for c in self.chunks}
@@ -145,6 +152,12 @@ class RouteHistory:
         if dtype not in codec.ALL_DTYPES:
             raise HistoryError(f"dtype {dtype!r} cannot travel on the wire")
         self._boundary(span).append(start_pos, array, dtype)
+
+    def input_digest(self, span: Span) -> bytes:
+        """The input-prefix digest a node serving ``span`` signs after every input
+        recorded so far (b"" before any)."""
+        digests = self._boundary(span).digests
+        return digests[-1] if digests else b""
 
     def replay_input(self, span: Span) -> tuple[int, np.ndarray, str]:
         """(0, everything sent to ``span`` so far in position order, wire dtype)."""

@@ -1,0 +1,191 @@
+"""The client's end of the push pipeline: one ``Stage.Deliveries`` subscription per node.
+
+In a pushed step the client sends token ids to the first stage only, with the rest of the
+route in ``relay_to``; each node hands its output straight to the next one, and every node
+after the first answers on the subscription the client holds there. A node's answer
+therefore reaches the client in one transit, while the hidden states travel on between
+nodes without waiting for the client.
+
+A subscription is only useful once the node has registered it, so each one waits for the
+node's first, empty ``Delivery`` (its acknowledgement) before a step relies on it. Answers
+nobody waits for (a step the client already finished another way) are dropped.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+
+import grpc
+
+from client.channels import ChannelPool
+from protos.tessera.v1 import client_api_pb2, stage_pb2, stage_pb2_grpc
+
+log = logging.getLogger(__name__)
+
+Key = tuple[int, int, int]  # (step, layer start, layer end)
+
+
+class DeliveryLost(Exception):
+    """A relayed call's answer will not come on this subscription."""
+
+    def __init__(
+        self, reason: str, code: grpc.StatusCode | None = None, node_id: str = ""
+    ) -> None:
+        super().__init__(reason)
+        self.code = code
+        self.node_id = node_id
+
+
+class Subscription:
+    """The answers one node sends for this session's relayed calls."""
+
+    def __init__(
+        self,
+        node_id: str,
+        address: str,
+        channels: ChannelPool,
+        session_id: str,
+        capability: client_api_pb2.SignedCapability,
+    ) -> None:
+        self.node_id = node_id
+        self.address = address
+        stub = stage_pb2_grpc.StageStub(channels.get(address))
+        self._call = stub.Deliveries(
+            stage_pb2.DeliveriesRequest(session_id=session_id, capability=capability)
+        )
+        self._waiting: dict[Key, asyncio.Future[stage_pb2.ForwardResponse]] = {}
+        self._ready: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._ended: DeliveryLost | None = None
+        self._reader = asyncio.ensure_future(self._read())
+
+    @property
+    def usable(self) -> bool:
+        return self._ended is None
+
+    async def ready(self, timeout_s: float) -> None:
+        """Wait for the node's acknowledgement; raises DeliveryLost without one."""
+        if self._ready.done():
+            self._ready.result()  # raises the reason it ended before the acknowledgement
+            return
+        try:
+            async with asyncio.timeout(timeout_s):
+                await asyncio.shield(self._ready)
+        except TimeoutError:
+            reason = (
+                f"node {self.node_id} did not acknowledge the subscription within "
+                f"{timeout_s:.1f} s"
+            )
+            raise DeliveryLost(reason, node_id=self.node_id) from None
+
+    def expect(self, step: int, start: int, end: int) -> asyncio.Future[stage_pb2.ForwardResponse]:
+        """A future for the answer of the relayed call (step, layers); register it before
+        the call can arrive."""
+        future: asyncio.Future[stage_pb2.ForwardResponse] = (
+            asyncio.get_running_loop().create_future()
+        )
+        if self._ended is not None:
+            future.set_exception(self._ended)
+        else:
+            self._waiting[(step, start, end)] = future
+        return future
+
+    def forget(self, step: int, start: int, end: int) -> None:
+        """Stop waiting for an answer (the step went on without it)."""
+        future = self._waiting.pop((step, start, end), None)
+        if future is not None and not future.done():
+            future.cancel()
+
+    def close(self) -> None:
+        self._call.cancel()
+        self._reader.cancel()
+        self._end(DeliveryLost(f"the subscription at node {self.node_id} was closed",
+                               node_id=self.node_id))  # fmt: skip
+
+    async def _read(self) -> None:
+        try:
+            async for delivery in self._call:
+                self._on(delivery)
+            self._end(DeliveryLost(f"node {self.node_id} ended the subscription",
+                                   node_id=self.node_id))  # fmt: skip
+        except asyncio.CancelledError:
+            raise
+        except grpc.aio.AioRpcError as err:
+            self._end(
+                DeliveryLost(f"subscription at node {self.node_id}: {err.code().name}: "
+                             f"{err.details()}", err.code(), self.node_id)  # fmt: skip
+            )
+        except Exception as err:  # a broken stream surfaces in several shapes
+            self._end(DeliveryLost(f"subscription at node {self.node_id} broke: {err}",
+                                   node_id=self.node_id))  # fmt: skip
+
+    def _on(self, delivery: stage_pb2.Delivery) -> None:
+        if not self._ready.done():
+            self._ready.set_result(None)  # the first message is the acknowledgement
+            if not delivery.step:
+                return
+        key = (delivery.step, delivery.layers.start, delivery.layers.end)
+        future = self._waiting.pop(key, None)
+        if future is None or future.done():
+            log.debug("node %s delivered step %d nobody waits for", self.node_id, delivery.step)
+            return
+        if delivery.HasField("response"):
+            future.set_result(delivery.response)
+            return
+        code = _status(delivery.error_code)
+        future.set_exception(
+            DeliveryLost(f"{code.name if code else delivery.error_code}: "
+                         f"{delivery.error_message}", code, self.node_id)  # fmt: skip
+        )
+
+    def _end(self, reason: DeliveryLost) -> None:
+        if self._ended is None:
+            self._ended = reason
+            log.info("%s", reason)
+        if not self._ready.done():
+            self._ready.set_exception(reason)
+            self._ready.exception()  # retrieved: ``ready`` re-raises it to whoever asks
+        waiting, self._waiting = self._waiting, {}
+        for future in waiting.values():
+            if not future.done():
+                future.set_exception(reason)
+                future.exception()
+
+
+class Subscriptions:
+    """One subscription per node of the session, opened when a pushed step first needs it."""
+
+    def __init__(self, channels: ChannelPool, session_id: str) -> None:
+        self._channels = channels
+        self._session_id = session_id
+        self._by_node: dict[str, Subscription] = {}
+
+    async def at(
+        self,
+        node_id: str,
+        address: str,
+        capability: client_api_pb2.SignedCapability,
+        timeout_s: float,
+    ) -> Subscription:
+        """The node's live subscription, opened (and acknowledged) if need be."""
+        sub = self._by_node.get(node_id)
+        if sub is None or not sub.usable or sub.address != address:
+            if sub is not None:
+                sub.close()
+            sub = self._by_node[node_id] = Subscription(
+                node_id, address, self._channels, self._session_id, capability
+            )
+        await sub.ready(timeout_s)
+        return sub
+
+    def close(self) -> None:
+        subs, self._by_node = list(self._by_node.values()), {}
+        for sub in subs:
+            sub.close()
+
+
+def _status(value: int) -> grpc.StatusCode | None:
+    with contextlib.suppress(StopIteration):
+        return next(c for c in grpc.StatusCode if c.value[0] == value)
+    return None

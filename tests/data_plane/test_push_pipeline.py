@@ -1,0 +1,136 @@
+"""Pushed steps over real stage servers: nodes hand hidden states on, the client verifies.
+
+The driver sends each step to the first stage only; every later node gets its input from
+the node before it and answers on the client's Deliveries subscription. Output must equal
+the whole model, through a killed node, a node without the push protocol, and a node whose
+pushed input differs from what the node before it signed.
+"""
+
+from __future__ import annotations
+
+import grpc
+import numpy as np
+from data_plane.stage_harness import MODEL, reference_greedy, session_grant
+
+from client.driver import DriverConfig, PipelineDriver
+from node_agent.stage_server import StageServicer
+from protos.tessera.v1 import stage_pb2
+
+PROMPT = [1, 5, 9, 13, 20, 7]
+NEW_TOKENS = 10
+
+
+async def greedy(driver: PipelineDriver, new_tokens: int, after_step=None) -> list[int]:
+    logits = await driver.step(PROMPT, last_only=True)
+    out = []
+    for index in range(new_tokens):
+        token = int(np.argmax(logits[0]))
+        out.append(token)
+        hook = (after_step or {}).get(index)
+        if hook is not None:
+            await hook()
+        if index + 1 < new_tokens:
+            logits = await driver.step([token], last_only=True)
+    return out
+
+
+class NoDeliveries(StageServicer):
+    """A node from before the push pipeline: it has no Deliveries to offer."""
+
+    async def Deliveries(self, request, context):  # noqa: N802
+        await context.abort(grpc.StatusCode.UNIMPLEMENTED, "Method not implemented!")
+        yield stage_pb2.Delivery()  # pragma: no cover - makes this an async generator
+
+
+class TamperedHandOff(StageServicer):
+    """Runs pushed inputs with one value changed: what a node sees when the node before it
+    hands on something other than the output it signed."""
+
+    async def _forward_one(self, request, stream):
+        if request.relayed:
+            data = bytearray(request.input.data)
+            data[0] ^= 0x40
+            request.input.data = bytes(data)
+        return await super()._forward_one(request, stream)
+
+
+async def test_pushed_steps_match_the_whole_model(start_node, keys, checkpoint) -> None:
+    a = await start_node([(0, 2)])
+    b = await start_node([(2, 3)])
+    c = await start_node([(3, 4)])
+    driver = PipelineDriver(
+        session_grant(keys, [(0, 2, a, []), (2, 3, b, []), (3, 4, c, [])]), MODEL
+    )
+    tokens = await greedy(driver, NEW_TOKENS)
+
+    assert tokens == reference_greedy(checkpoint, PROMPT, NEW_TOKENS)
+    assert driver.push_off is None
+    assert driver.pushed_steps == NEW_TOKENS  # the prefill and every decode step
+    assert driver.failovers == []
+    # Every node's answer reached the client: signed, recorded, timed.
+    for node in (a, b, c):
+        assert len([t for t in driver.timings if t.node_id == node.node_id]) == NEW_TOKENS
+    assert len(driver.receipts) == 3 * NEW_TOKENS
+    await driver.close()
+
+
+async def test_a_node_killed_mid_push_fails_over(start_node, keys, checkpoint) -> None:
+    a = await start_node([(0, 2)])
+    b = await start_node([(2, 3)])
+    b_alt = await start_node([(2, 4)])
+    c = await start_node([(3, 4)])
+    grant = session_grant(keys, [(0, 2, a, []), (2, 3, b, [b_alt]), (3, 4, c, [])])
+    driver = PipelineDriver(grant, MODEL)
+
+    tokens = await greedy(driver, NEW_TOKENS, after_step={3: lambda: b.server.stop(0)})
+
+    assert tokens == reference_greedy(checkpoint, PROMPT, NEW_TOKENS)
+    [event] = driver.failovers
+    assert (event.failed_node_id, event.replacement_node_ids) == (b.node_id, (b_alt.node_id,))
+    assert event.replayed_tokens == len(PROMPT) + 4
+    assert [h.node_id for h in driver.route] == [a.node_id, b_alt.node_id, c.node_id]
+    # The steps after the fail-over are pushed again, through the alternate.
+    assert driver.push_off is None
+    assert driver.pushed_steps == NEW_TOKENS - 1
+    late = [t for t in driver.timings if t.node_id == b_alt.node_id and not t.replay]
+    assert len(late) == NEW_TOKENS - 5
+    await driver.close()
+
+
+async def test_a_node_without_deliveries_is_driven_hop_by_hop(
+    start_node, keys, checkpoint
+) -> None:
+    a = await start_node([(0, 2)])
+    b = await start_node([(2, 4)], servicer_class=NoDeliveries)
+    driver = PipelineDriver(session_grant(keys, [(0, 2, a, []), (2, 4, b, [])]), MODEL)
+
+    assert await greedy(driver, NEW_TOKENS) == reference_greedy(checkpoint, PROMPT, NEW_TOKENS)
+    assert driver.push_off is not None and "UNIMPLEMENTED" in driver.push_off
+    assert driver.pushed_steps == 0
+    await driver.close()
+
+
+async def test_a_hand_off_other_than_the_signed_output_is_caught(
+    start_node, keys, checkpoint
+) -> None:
+    a = await start_node([(0, 2)])
+    b = await start_node([(2, 4)], servicer_class=TamperedHandOff)
+    driver = PipelineDriver(session_grant(keys, [(0, 2, a, []), (2, 4, b, [])]), MODEL)
+
+    # The client's own copy of a's signed output goes to b instead: the output is right.
+    assert await greedy(driver, NEW_TOKENS) == reference_greedy(checkpoint, PROMPT, NEW_TOKENS)
+    assert driver.push_off is not None and "other than the one node" in driver.push_off
+    assert driver.pushed_steps == 0  # the first step's hand-off was caught; no more pushes
+    assert driver.failovers == []  # b itself did nothing wrong: it is still the route
+    await driver.close()
+
+
+async def test_push_can_be_turned_off(start_node, keys, checkpoint) -> None:
+    a = await start_node([(0, 2)])
+    b = await start_node([(2, 4)])
+    grant = session_grant(keys, [(0, 2, a, []), (2, 4, b, [])])
+    driver = PipelineDriver(grant, MODEL, config=DriverConfig(push=False))
+
+    assert await greedy(driver, NEW_TOKENS) == reference_greedy(checkpoint, PROMPT, NEW_TOKENS)
+    assert driver.pushed_steps == 0 and driver.push_off == "turned off"
+    await driver.close()
