@@ -82,6 +82,13 @@ class Subscriber:
         self._hub.buffered_bytes += size
         self._wake.set()
 
+    def take_over(self, older: Subscriber) -> None:
+        """What ``older`` (being replaced) has not sent yet is this one's to send."""
+        self._items, older._items = older._items, deque()
+        self._bytes, older._bytes = older._bytes, 0
+        if self._items:
+            self._wake.set()
+
     def end(self, error: SubscriptionEnded | None = None) -> None:
         """Stop the stream; what is still buffered is dropped (nobody will read it)."""
         if self.ended:
@@ -137,10 +144,11 @@ class DeliveryHub:
                 f"session {session_id!r} already has {live} delivery streams here (a replaced "
                 "one has not finished: its client does not read); cancel it first"
             )
+        subscriber = Subscriber(self, session_id, self._clock())
         old = self._current.get(session_id)
         if old is not None:
+            subscriber.take_over(old)  # e.g. a client that reconnected loses nothing
             old.end()  # replaced: that stream ends cleanly
-        subscriber = Subscriber(self, session_id, self._clock())
         self._current[session_id] = subscriber
         self._live[session_id] = live + 1
         return subscriber
@@ -171,6 +179,7 @@ class DeliveryHub:
             or subscriber._bytes + size > limits.delivery_buffer_bytes
             or self.buffered_bytes + size > limits.deliveries_total_bytes
         ):
+            first = subscriber._items[0][0].step
             log.warning(
                 "deliveries of session %s are not being read (%d buffered); ending the "
                 "subscription",
@@ -181,9 +190,9 @@ class DeliveryHub:
                 SubscriptionEnded(
                     grpc.StatusCode.RESOURCE_EXHAUSTED,
                     f"{subscriber.buffered} deliveries ({subscriber._bytes} bytes) waited "
-                    f"unread at this node, its limit; read the Deliveries stream as fast "
-                    f"as they come and subscribe again (step {delivery.step} and later "
-                    "were not delivered)",
+                    "unread at this node, its limit; they (steps "
+                    f"{first}..{delivery.step}) were dropped. Read the Deliveries stream as "
+                    "fast as answers come, and subscribe again",
                 )
             )
             del self._current[session_id]

@@ -28,7 +28,7 @@ from data_plane.stage_harness import (
     reference_logits,
 )
 
-from node_agent.relay import RelayLimits
+from node_agent.relay import DeliveryHub, RelayLimits, Subscriber, SubscriptionEnded
 from node_agent.stage_server import StageLimits
 from protos import codec, identity, output_check
 from protos.tessera.v1 import client_api_pb2, common_pb2, stage_pb2, stage_pb2_grpc
@@ -717,3 +717,65 @@ async def test_a_subscriber_that_does_not_read_loses_its_subscription(start_node
     assert steps == sorted(steps) and steps[0] > received
     await head.close()
     await sub1.close()
+
+
+# ---- the delivery buffers themselves ---------------------------------------------------------
+
+
+def _delivery(step: int, size: int = 0) -> stage_pb2.Delivery:
+    delivery = stage_pb2.Delivery(step=step, layers=common_pb2.LayerRange(start=2, end=3))
+    if size:
+        delivery.response.output.data = b"x" * size
+    return delivery
+
+
+async def test_delivery_buffers_are_bounded_per_subscriber_and_per_node() -> None:
+    limits = RelayLimits(
+        delivery_buffer=3, delivery_buffer_bytes=10_000, deliveries_total_bytes=15_000
+    )
+    hub = DeliveryHub(limits)
+    a, b, c = (hub.subscribe(s, 8) for s in "abc")
+    assert all(isinstance(sub, Subscriber) for sub in (a, b, c))
+    # Count: the fourth unread delivery ends the subscription, and frees what it held.
+    assert all(hub.deliver("a", _delivery(step)) for step in (1, 2, 3))
+    assert not hub.deliver("a", _delivery(4))
+    with pytest.raises(SubscriptionEnded) as err:
+        await a.next()
+    assert err.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert "(steps 1..4) were dropped" in err.value.message
+    assert not hub.deliver("a", _delivery(5)), "no subscriber until the client subscribes again"
+    assert hub.buffered_bytes == 0
+    # Bytes per subscriber: an empty buffer takes one delivery, however large.
+    assert hub.deliver("b", _delivery(1, 12_000))
+    assert not hub.deliver("b", _delivery(2, 10))
+    assert hub.buffered_bytes == 0
+    # Bytes per node: c's second delivery would pass the node's 15 000.
+    assert hub.deliver("b", _delivery(1, 12_000)) is False  # b was ended above
+    b2 = hub.subscribe("b", 8)
+    assert hub.deliver("b", _delivery(3, 9_000))
+    assert hub.deliver("c", _delivery(1, 5_000))
+    assert not hub.deliver("c", _delivery(2, 2_000))
+    assert (await b2.next()).step == 3
+    assert hub.buffered_bytes == 0
+    for sub in (a, b, b2, c):
+        hub.release(sub)
+    assert hub.subscribers() == 0
+
+
+async def test_a_replacement_takes_over_what_was_not_sent_and_replacements_are_bounded() -> None:
+    hub = DeliveryHub(RelayLimits())
+    older = hub.subscribe("s", 8)
+    assert hub.deliver("s", _delivery(1)) and hub.deliver("s", _delivery(2))
+    newer = hub.subscribe("s", 8)
+    assert await older.next() is None  # ended cleanly
+    assert [(await newer.next()).step, (await newer.next()).step] == [1, 2]
+    # Two streams of the session are still running (the older has not returned): a client
+    # that keeps subscribing without reading cannot pile up more.
+    assert "has 2 delivery streams here" in hub.subscribe("s", 8)
+    hub.release(older)
+    third = hub.subscribe("s", 8)
+    assert isinstance(third, Subscriber)
+    assert "delivery subscriptions, its limit" in hub.subscribe("t", 1)
+    hub.release(newer)
+    hub.release(third)
+    assert isinstance(hub.subscribe("t", 1), Subscriber)
