@@ -27,6 +27,7 @@ from data_plane.stage_harness import (
     reference_greedy,
     reference_logits,
 )
+from data_plane.test_stage_server import hold_forward
 
 from node_agent.relay import DeliveryHub, RelayLimits, Subscriber, SubscriptionEnded
 from node_agent.stage_server import StageLimits
@@ -274,6 +275,27 @@ async def test_relayed_steps_match_hop_by_hop_and_the_full_model(
 
     for closable in (head, sub1, sub2, *direct_streams):
         await closable.close()
+
+
+async def test_the_own_answer_does_not_wait_for_the_next_hop(start_node, keys) -> None:
+    nodes = await three_nodes(start_node)
+    n0, n1, _ = nodes
+    held = hold_forward(n1, 2, 3)
+    p = pipeline(keys, nodes, "s-nowait")
+    sub1 = await Subscription.open(n1, p.session_id, p.signed)
+    head = Stream(n0)
+    try:
+        own = await head.send(
+            request(p.session_id, 1, 0, 2, ids(PROMPT), relay_to=p.route[:1], signed=p.signed)
+        )
+        assert own.cache_length == len(PROMPT)
+        assert await asyncio.to_thread(held.entered.wait, TIMEOUT)  # node1 still computes
+        held.release.set()
+        assert (await sub1.next()).response.cache_length == len(PROMPT)
+    finally:
+        held.release.set()
+        await head.close()
+        await sub1.close()
 
 
 # ---- hostile and malformed relay routes -----------------------------------------------------
@@ -676,6 +698,24 @@ async def test_idle_expiry_ends_the_subscription_and_the_links(start_node, keys)
     while n0.servicer._relay.links() and time.monotonic() < deadline:
         await asyncio.sleep(0.05)
     assert n0.servicer._relay.links() == []
+    await head.close()
+    await sub1.close()
+
+
+async def test_closing_the_server_ends_subscriptions_and_links(start_node, keys) -> None:
+    nodes = await three_nodes(start_node)
+    n0, n1, _ = nodes
+    p = pipeline(keys, nodes, "s-close")
+    sub1 = await Subscription.open(n1, p.session_id, p.signed)
+    head = Stream(n0)
+    await head.send(
+        request(p.session_id, 1, 0, 2, ids(PROMPT), relay_to=p.route[:1], signed=p.signed)
+    )
+    assert (await sub1.next()).step == 1
+    await n0.servicer.close()
+    assert n0.servicer._relay.links() == []
+    await n1.servicer.close()
+    assert await asyncio.wait_for(sub1.call.read(), TIMEOUT) is grpc.aio.EOF
     await head.close()
     await sub1.close()
 
