@@ -42,29 +42,12 @@ def capability(
     keys: CoordinatorKeys,
     session_id: str,
     grants: Sequence[tuple[StageNode, int, int]],
-    *,
-    ttl_s: float = 600.0,
-    key: object = None,
-    max_tokens: int = 128,
+    **options: object,
 ) -> client_api_pb2.SignedCapability:
     """As the coordinator grants them: node id, address and layers per hop."""
-    now_ms = int(time.time() * 1000)
-    claims = client_api_pb2.CapabilityClaims(
-        session_id=session_id,
-        model=MODEL,
-        grants=[
-            client_api_pb2.Hop(
-                node_id=n.node_id,
-                address=n.address,
-                layers=common_pb2.LayerRange(start=s, end=e),
-            )
-            for n, s, e in grants
-        ],
-        issued_unix_ms=now_ms,
-        expires_unix_ms=now_ms + int(ttl_s * 1000),
-        max_tokens=max_tokens,
+    return keys.capability(
+        session_id, [(n.node_id, s, e, n.address) for n, s, e in grants], **options
     )
-    return identity.sign_capability(key or keys.key, claims)
 
 
 def relay_hop(node: StageNode, start: int, end: int, **overrides: str) -> stage_pb2.RelayHop:
