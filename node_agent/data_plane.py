@@ -54,7 +54,7 @@ _NO_MODEL = "this node has no model loaded (its agent runs without a model runti
 
 
 class NoModelStageServicer(stage_pb2_grpc.StageServicer):
-    """Answers Ping; refuses Forward and EndSession, since there is nothing to run."""
+    """Answers Ping; refuses Forward, EndSession and Deliveries: there is nothing to run."""
 
     def __init__(self, ctx: AgentContext) -> None:
         self._ctx = ctx
@@ -74,6 +74,11 @@ class NoModelStageServicer(stage_pb2_grpc.StageServicer):
     ) -> common_pb2.Empty:
         await context.abort(grpc.StatusCode.UNAVAILABLE, _NO_MODEL)
         return common_pb2.Empty()  # not reached: abort() raises
+
+    async def Deliveries(  # noqa: N802 - gRPC method name
+        self, request: stage_pb2.DeliveriesRequest, context: grpc.aio.ServicerContext
+    ) -> None:
+        await context.abort(grpc.StatusCode.UNAVAILABLE, _NO_MODEL)
 
 
 def build_stage_servicer(ctx: AgentContext) -> stage_pb2_grpc.StageServicer:

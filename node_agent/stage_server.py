@@ -12,6 +12,11 @@ session are serialised. Every output is signed (session, step, layers, digest of
 session's input prefix, sha256 of the output bytes): the prefix digest binds the output to
 the history that produced it, so a signed wrong output is evidence a verifier can replay.
 A node granted consecutive stages of a session serves them as one hop too.
+
+Push pipeline: a call with ``relay_to`` is also sent on, by this node, to the next hop of
+the route (every hop checked against the capability first); a call that arrives so
+(``relayed``) is answered on the session's ``Deliveries`` stream here instead of on its
+own stream. The machinery (outgoing links, subscriptions) lives in ``node_agent.relay``.
 """
 
 from __future__ import annotations
@@ -23,7 +28,7 @@ import logging
 import math
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import UTC, datetime
 
 import grpc
@@ -34,6 +39,7 @@ from node_agent import failpoints
 from node_agent.context import AgentContext
 from node_agent.data_plane import answer_ping
 from node_agent.receipts import UsageMeter
+from node_agent.relay import DeliveryHub, RelayLimits, RelayLinks, Subscriber, SubscriptionEnded
 from node_agent.runtime import CacheBudgetError, CacheFullError, StageKVCache
 from node_agent.shard_manager import (
     LoadedShard,
@@ -61,6 +67,7 @@ class StageLimits:
     # loop then stalls for no longer than that. 0 sends every step to the compute thread.
     inline_max_tokens: int = 1
     inline_max_ms: float = 100.0
+    relay: RelayLimits = field(default_factory=RelayLimits)
 
 
 class StageError(Exception):
@@ -75,6 +82,8 @@ class StageError(Exception):
 @dataclass
 class _StreamState:
     claims: client_api_pb2.CapabilityClaims | None = None
+    # As received: what this node passes on with the calls it relays from this stream.
+    signed: client_api_pb2.SignedCapability | None = None
 
 
 def open_capability(
@@ -159,6 +168,11 @@ class StageServicer(stage_pb2_grpc.StageServicer):
         # The last compute time of each stage (shard, start, end), in ms: whether its next
         # decode step is short enough to run inline.
         self._step_ms: dict[tuple[ShardKey, int, int], float] = {}
+        # Push pipeline: the sessions' Deliveries subscribers here, the outgoing links, and
+        # per cache key the newest step any call ran with (older relayed calls are stale).
+        self._deliveries = DeliveryHub(self.limits.relay)
+        self._relay = RelayLinks(ctx.channel_options, self.limits.relay)
+        self._newest_step: dict[str, int] = {}
 
     # ---- RPCs -----------------------------------------------------------------------
 
@@ -176,7 +190,12 @@ class StageServicer(stage_pb2_grpc.StageServicer):
         stream = _StreamState()
         try:
             async for request in request_iterator:
-                yield await self._forward_one(request, stream)
+                if request.relayed:
+                    await self._relayed_one(request, stream)
+                    continue
+                response = await self._forward_one(request, stream)
+                assert response is not None  # only relayed calls can be stale
+                yield response
         except StageError as err:
             log.info("Forward refused (%s): %s", err.code.name, err.message)
             await context.abort(err.code, err.message)
@@ -199,6 +218,7 @@ class StageServicer(stage_pb2_grpc.StageServicer):
                     f"the capability is for session {claims.session_id!r}, not "
                     f"{request.session_id!r}",
                 )
+            self._end_relay(request.session_id)
             # Waits for the session's running steps, so no cache is pulled from under a
             # compute thread. Forward holds one of these locks at a time: no deadlock.
             async with contextlib.AsyncExitStack() as held:
@@ -218,13 +238,68 @@ class StageServicer(stage_pb2_grpc.StageServicer):
         log.info("session %s ended", request.session_id)
         return common_pb2.Empty()
 
+    async def Deliveries(  # noqa: N802 - gRPC method name
+        self, request: stage_pb2.DeliveriesRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[stage_pb2.Delivery]:
+        self._start_expiry()
+        try:
+            subscriber = self._subscribe(request)
+        except StageError as err:
+            log.info("Deliveries refused (%s): %s", err.code.name, err.message)
+            await context.abort(err.code, err.message)
+        try:
+            # Headers now, not with the first delivery: a client that awaits them knows its
+            # subscription is in place before it sends relayed calls.
+            await context.send_initial_metadata(())
+            while (delivery := await subscriber.next()) is not None:
+                yield delivery
+        except SubscriptionEnded as err:
+            await context.abort(err.code, err.message)
+        finally:
+            self._deliveries.release(subscriber)
+
+    def _subscribe(self, request: stage_pb2.DeliveriesRequest) -> Subscriber:
+        if not request.HasField("capability"):
+            raise StageError(
+                grpc.StatusCode.UNAUTHENTICATED,
+                "Deliveries must carry the session's capability (from OpenSession or Reroute)",
+            )
+        claims = self._open_capability(request.capability)
+        self._check_expiry(claims)
+        if claims.session_id != request.session_id:
+            raise StageError(
+                grpc.StatusCode.PERMISSION_DENIED,
+                f"the capability is for session {claims.session_id!r}, not "
+                f"{request.session_id!r}",
+            )
+        if not any(g.node_id == self._ctx.node_id for g in claims.grants):
+            raise StageError(
+                grpc.StatusCode.PERMISSION_DENIED,
+                f"this node ({self._ctx.node_id}) is not among the nodes the capability "
+                "grants: it runs no call of this session",
+            )
+        # Tied to sessions: no more subscriptions than the sessions this node may serve.
+        cap = self.limits.relay.max_subscriptions
+        if self._ctx.max_sessions:
+            cap = min(cap, self._ctx.max_sessions)
+        subscriber = self._deliveries.subscribe(request.session_id, cap)
+        if isinstance(subscriber, str):
+            raise StageError(grpc.StatusCode.RESOURCE_EXHAUSTED, subscriber)
+        return subscriber
+
+    def _end_relay(self, session_id: str) -> None:
+        """The session's subscription and outgoing links end with it."""
+        self._deliveries.end_session(session_id)
+        self._relay.end_sessions([session_id])
+
     # ---- Forward, one request -------------------------------------------------------
 
-    async def _forward_one(
+    def _stream_claims(
         self, request: stage_pb2.ForwardRequest, stream: _StreamState
-    ) -> stage_pb2.ForwardResponse:
+    ) -> client_api_pb2.CapabilityClaims:
         if request.HasField("capability"):
             stream.claims = self._open_capability(request.capability)
+            stream.signed = request.capability
         claims = stream.claims
         if claims is None:
             raise StageError(
@@ -232,8 +307,58 @@ class StageServicer(stage_pb2_grpc.StageServicer):
                 "the first message of a Forward stream must carry the session's capability "
                 "(from OpenSession or Reroute)",
             )
-        self._check_expiry(claims)
+        return claims
+
+    async def _relayed_one(self, request: stage_pb2.ForwardRequest, stream: _StreamState) -> None:
+        """A call another node relayed here: the answer, or why there is none, goes to the
+        session's Deliveries stream; the stream it came on (node to node) stays open."""
+        # Without a capability of the request's own session nothing can be delivered to
+        # anyone: those errors end the stream, as on a client's stream.
+        claims = self._stream_claims(request, stream)
+        if request.session_id != claims.session_id:
+            raise StageError(
+                grpc.StatusCode.PERMISSION_DENIED,
+                f"the capability is for session {claims.session_id!r}, the relayed request "
+                f"names {request.session_id!r}",
+            )
+        delivery = stage_pb2.Delivery(step=request.step, layers=request.layers)
+        try:
+            response = await self._forward_one(request, stream)
+            if response is None:
+                return  # stale: the client went on without it
+            delivery.response.CopyFrom(response)
+        except StageError as err:
+            log.info(
+                "relayed step %d of %s refused (%s): %s",
+                request.step,
+                request.session_id,
+                err.code.name,
+                err.message,
+            )
+            delivery.error_code = err.code.value[0]
+            delivery.error_message = err.message
+        except Exception as err:  # a bug must not end the link, nor the server
+            log.exception("relayed Forward failed unexpectedly")
+            delivery.error_code = grpc.StatusCode.INTERNAL.value[0]
+            delivery.error_message = f"the node hit an internal error: {type(err).__name__}"
+        if not self._deliveries.deliver(request.session_id, delivery):
+            log.info(
+                "no Deliveries subscriber for session %s here; dropped the answer to step %d",
+                request.session_id,
+                request.step,
+            )
+
+    async def _forward_one(
+        self, request: stage_pb2.ForwardRequest, stream: _StreamState
+    ) -> stage_pb2.ForwardResponse | None:
+        """Validate, compute and sign one call (and relay it on, with ``relay_to``).
+        None for a stale relayed call, which is dropped unseen."""
+        claims = self._stream_claims(request, stream)
         start, end = request.layers.start, request.layers.end
+        session_key = cache_key(request.session_id, start, end)
+        if self._is_stale(request, session_key):
+            return None
+        self._check_expiry(claims)
         self._authorize(claims, request, start, end)
         shard = self._shards.find(request.model, start, end)
         if shard is None:
@@ -243,15 +368,20 @@ class StageServicer(stage_pb2_grpc.StageServicer):
                 f"node (it holds {self._shards.describe(request.model)}); ask the coordinator "
                 "to reroute",
             )
+        self._check_relay(claims, request, shard)
         array = self._decode_input(request, shard)
         batch, tokens = int(array.shape[0]), int(array.shape[1])
         self._check_length(request, claims, shard, batch, tokens)
-        session_key = cache_key(request.session_id, start, end)
         shard.enter()
         try:
             # One lock per cache, not per session: a check this node runs for one span of a
             # session must not hold up its pipeline call on another span of the same one.
             async with self._lock_for(session_key):
+                if self._is_stale(request, session_key):  # a direct step got in first
+                    return None
+                self._newest_step[session_key] = max(
+                    request.step, self._newest_step.get(session_key, 0)
+                )
                 cache = self._cache_for(shard, session_key, request, claims, batch, tokens)
                 output, compute_ms = await self._compute(shard, start, end, array, cache, request)
                 cache_length = cache.length
@@ -266,6 +396,10 @@ class StageServicer(stage_pb2_grpc.StageServicer):
                 request.session_id, request.step, start, end, digest, input_digest=input_digest
             )
         )
+        if request.relay_to:
+            # Queued before this node answers, sent by the link's own writer task: the next
+            # hop starts as early as possible and this answer does not wait for it.
+            self._relay_on(request, output, stream)
         return stage_pb2.ForwardResponse(
             step=request.step,
             output=output,
@@ -308,6 +442,101 @@ class StageServicer(stage_pb2_grpc.StageServicer):
                 f"{request.session_id!r}",
             )
         check_grant(claims, self._ctx.node_id, request.model, start, end)
+
+    def _is_stale(self, request: stage_pb2.ForwardRequest, session_key: str) -> bool:
+        """A relayed call not newer than a step this cache already ran: the client has
+        gone on without it (sent that step itself, or a later one)."""
+        if not request.relayed:
+            return False
+        newest = self._newest_step.get(session_key)
+        if newest is None or request.step > newest:
+            return False
+        log.debug(
+            "dropped stale relayed step %d of %s (step %d already ran)",
+            request.step,
+            session_key,
+            newest,
+        )
+        return True
+
+    def _check_relay(
+        self,
+        claims: client_api_pb2.CapabilityClaims,
+        request: stage_pb2.ForwardRequest,
+        shard: LoadedShard,
+    ) -> None:
+        """``relay_to`` must continue this call's layers hop by hop to hops the capability
+        grants, node id and address: a client must not make a node dial anywhere else."""
+        hops = request.relay_to
+        if not hops:
+            return
+        limit = self.limits.relay.max_hops
+        if len(hops) > limit:
+            raise StageError(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"relay_to has {len(hops)} hops; this node relays along at most {limit}",
+            )
+        previous = request.layers.end
+        for index, hop in enumerate(hops):
+            start, end = hop.layers.start, hop.layers.end
+            where = f"relay_to[{index}] ({hop.node_id or '?'} at {hop.address or '?'})"
+            if start != previous:
+                raise StageError(
+                    grpc.StatusCode.INVALID_ARGUMENT,
+                    f"{where} starts at layer {start}, but the hop before it ends at "
+                    f"{previous}: relay hops must continue the layers without a gap",
+                )
+            if start >= end or end > shard.num_layers:
+                raise StageError(
+                    grpc.StatusCode.INVALID_ARGUMENT,
+                    f"{where} has layers [{start}, {end}); a hop needs start < end <= "
+                    f"{shard.num_layers} (the model's layers)",
+                )
+            if not hop.address:
+                raise StageError(grpc.StatusCode.INVALID_ARGUMENT, f"{where} has no address")
+            granted = [
+                g.layers
+                for g in claims.grants
+                if g.node_id == hop.node_id and g.address == hop.address
+            ]
+            if not _granted(granted, start, end):
+                raise StageError(
+                    grpc.StatusCode.PERMISSION_DENIED,
+                    f"{where} with layers [{start}, {end}) is not a hop the capability grants "
+                    "(node id, address and layers must match a grant); this node relays only "
+                    "to the session's granted nodes",
+                )
+            previous = end
+        if request.last_position_only and previous != shard.num_layers:
+            raise StageError(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"last_position_only asks for logits, but relay_to ends at layer {previous}, "
+                f"before the model's last layer ({shard.num_layers}); set it only when the "
+                "last hop ends there",
+            )
+
+    def _relay_on(
+        self,
+        request: stage_pb2.ForwardRequest,
+        output: common_pb2.Tensor,
+        stream: _StreamState,
+    ) -> None:
+        """Send this call's output (the very bytes signed) on to relay_to[0]."""
+        assert stream.signed is not None  # the stream's claims came from it
+        hop, rest = request.relay_to[0], request.relay_to[1:]
+        onward = stage_pb2.ForwardRequest(
+            session_id=request.session_id,
+            step=request.step,
+            model=request.model,
+            layers=hop.layers,
+            start_pos=request.start_pos,
+            input=output,
+            # Checked in _check_relay: the route's last hop ends at the last layer.
+            last_position_only=request.last_position_only,
+            relay_to=rest,
+            relayed=True,
+        )
+        self._relay.send(hop.address, onward, stream.signed)
 
     def _decode_input(self, request: stage_pb2.ForwardRequest, shard: LoadedShard) -> np.ndarray:
         config = shard.config
@@ -355,12 +584,15 @@ class StageServicer(stage_pb2_grpc.StageServicer):
                     f"token id {bad} is outside the vocabulary [0, {config.vocab_size})",
                 )
         last = request.layers.end == shard.num_layers
-        if request.last_position_only and not last:
+        # With relay_to it is meant for the route's last hop (checked in _check_relay):
+        # this hop computes every position and passes it on.
+        if request.last_position_only and not last and not request.relay_to:
             raise StageError(
                 grpc.StatusCode.INVALID_ARGUMENT,
                 f"last_position_only asks for logits, but layers [{request.layers.start}, "
                 f"{request.layers.end}) end before the model's last layer "
-                f"({shard.num_layers}); set it only on the hop that ends there",
+                f"({shard.num_layers}); set it only on the hop that ends there (or on a "
+                "call whose relay_to ends there)",
             )
         if last and request.last_position_only:
             # One position answers, however long the input.
@@ -494,7 +726,7 @@ class StageServicer(stage_pb2_grpc.StageServicer):
         stage = shard.stage_for(start, end)
         start_pos = request.start_pos
         wire_dtype = request.input.dtype
-        last_position_only = request.last_position_only
+        last_position_only = request.last_position_only and stage.is_last
 
         def run() -> tuple[common_pb2.Tensor, float]:
             began = time.perf_counter()
@@ -549,6 +781,8 @@ class StageServicer(stage_pb2_grpc.StageServicer):
                     released = shard.release(key) or released
         for key in [k for k in self._input_chains if session_of(k) == session_id]:
             del self._input_chains[key]
+        for key in [k for k in self._newest_step if session_of(k) == session_id]:
+            del self._newest_step[key]
         return released
 
     def expire_idle(self) -> list[str]:
@@ -559,6 +793,13 @@ class StageServicer(stage_pb2_grpc.StageServicer):
         live_keys = {k for s in self._shards.shards() for k in s.session_keys()}
         for key in [k for k in self._input_chains if k not in live_keys]:
             del self._input_chains[key]
+        for key in [k for k in self._newest_step if k not in live_keys]:
+            del self._newest_step[key]
+        # Subscriptions and links of sessions gone from here end with them (a subscription
+        # not yet used gets the same idle time as a cache).
+        live_sessions = {session_of(k) for k in live_keys}
+        self._deliveries.sweep(live_sessions, self._shards.idle_ttl_s)
+        self._relay.keep_only(live_sessions)
         held = {shard.key for shard in self._shards.shards()}
         for view in [v for v in self._step_ms if v[0] not in held]:
             del self._step_ms[view]  # a dropped shard's step times
@@ -581,6 +822,8 @@ class StageServicer(stage_pb2_grpc.StageServicer):
                 log.exception("idle session sweep failed")
 
     async def close(self) -> None:
+        self._deliveries.close()
+        await self._relay.close()
         if self._expiry_task is not None:
             self._expiry_task.cancel()
             with contextlib.suppress(asyncio.CancelledError):

@@ -74,7 +74,7 @@ class CoordinatorKeys:
     def capability(
         self,
         session_id: str,
-        grants: Sequence[tuple[str, int, int]],
+        grants: Sequence[tuple[str, int, int] | tuple[str, int, int, str]],
         *,
         model: str = MODEL,
         max_tokens: int = 128,
@@ -85,9 +85,15 @@ class CoordinatorKeys:
         claims = client_api_pb2.CapabilityClaims(
             session_id=session_id,
             model=model,
+            # (node id, start, end[, address]): the coordinator's grants carry addresses,
+            # which a relay hop must match.
             grants=[
-                client_api_pb2.Hop(node_id=n, layers=common_pb2.LayerRange(start=s, end=e))
-                for n, s, e in grants
+                client_api_pb2.Hop(
+                    node_id=g[0],
+                    address=g[3] if len(g) > 3 else "",
+                    layers=common_pb2.LayerRange(start=g[1], end=g[2]),
+                )
+                for g in grants
             ],
             issued_unix_ms=now_ms,
             expires_unix_ms=now_ms + int(ttl_s * 1000),
@@ -203,7 +209,7 @@ def session_grant(
     """A SessionGrant for stages given as (start, end, primary, alternates)."""
     session_id = session_id or "s-" + secrets.token_hex(6)
     grants = [
-        (node.node_id, start, end)
+        (node.node_id, start, end, node.address)
         for start, end, primary, alternates in stages
         for node in [primary, *alternates]
     ]
@@ -352,8 +358,8 @@ class FakeCoordinator(client_api_pb2_grpc.ClientApiServicer):
         if not covered or covered[0][0] != request.span.start or covered[-1][1] != request.span.end:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "no replica left for that span")
         hops = [hop(n, s, e) for s, e, n in covered]
-        grants = [(g.node_id, g.layers.start, g.layers.end) for g in claims.grants]
-        grants += [(n.node_id, s, e) for s, e, n in covered]
+        grants = [(g.node_id, g.layers.start, g.layers.end, g.address) for g in claims.grants]
+        grants += [(n.node_id, s, e, n.address) for s, e, n in covered]
         capability = self.keys.capability(claims.session_id, grants, max_tokens=claims.max_tokens)
         return client_api_pb2.RerouteResponse(hops=hops, capability=capability)
 

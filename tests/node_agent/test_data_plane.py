@@ -64,6 +64,13 @@ async def test_model_calls_say_there_is_no_model(fallback_stub) -> None:
             pass
     assert err.value.code() == grpc.StatusCode.UNAVAILABLE
 
+    deliveries = fallback_stub.Deliveries(stage_pb2.DeliveriesRequest(session_id="s"), timeout=5)
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        async for _ in deliveries:
+            pass
+    assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+    assert "no model loaded" in err.value.details()
+
 
 async def test_a_busy_port_is_a_readable_error(agent_ctx) -> None:
     server, port = await start_server(agent_ctx, "127.0.0.1:0", NoModelStageServicer(agent_ctx))
