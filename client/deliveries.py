@@ -7,7 +7,8 @@ therefore reaches the client in one transit, while the hidden states travel on b
 nodes without waiting for the client.
 
 A subscription is only useful once the node has registered it, so each one waits for the
-node's first, empty ``Delivery`` (its acknowledgement) before a step relies on it. Answers
+node's response headers, which it sends once the subscription is in place, before a step
+relies on it. Answers
 nobody waits for (a step the client already finished another way) are dropped.
 """
 
@@ -16,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 
 import grpc
 
@@ -25,6 +27,8 @@ from protos.tessera.v1 import client_api_pb2, stage_pb2, stage_pb2_grpc
 log = logging.getLogger(__name__)
 
 Key = tuple[int, int, int]  # (step, layer start, layer end)
+# A relayed call's signed answer and when it arrived (time.monotonic()).
+Answer = tuple[stage_pb2.ForwardResponse, float]
 
 
 class DeliveryLost(Exception):
@@ -55,7 +59,8 @@ class Subscription:
         self._call = stub.Deliveries(
             stage_pb2.DeliveriesRequest(session_id=session_id, capability=capability)
         )
-        self._waiting: dict[Key, asyncio.Future[stage_pb2.ForwardResponse]] = {}
+        self._waiting: dict[Key, asyncio.Future[Answer]] = {}
+        # Done when the node's headers came: the subscription is in place.
         self._ready: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._ended: DeliveryLost | None = None
         self._reader = asyncio.ensure_future(self._read())
@@ -79,12 +84,10 @@ class Subscription:
             )
             raise DeliveryLost(reason, node_id=self.node_id) from None
 
-    def expect(self, step: int, start: int, end: int) -> asyncio.Future[stage_pb2.ForwardResponse]:
+    def expect(self, step: int, start: int, end: int) -> asyncio.Future[Answer]:
         """A future for the answer of the relayed call (step, layers); register it before
         the call can arrive."""
-        future: asyncio.Future[stage_pb2.ForwardResponse] = (
-            asyncio.get_running_loop().create_future()
-        )
+        future: asyncio.Future[Answer] = asyncio.get_running_loop().create_future()
         if self._ended is not None:
             future.set_exception(self._ended)
         else:
@@ -105,6 +108,15 @@ class Subscription:
 
     async def _read(self) -> None:
         try:
+            await self._call.initial_metadata()
+            if self._call.done():  # refused: headers and status came together
+                code = await self._call.code()
+                details = await self._call.details()
+                self._end(DeliveryLost(f"subscription at node {self.node_id}: {code.name}: "
+                                       f"{details}", code, self.node_id))  # fmt: skip
+                return
+            if not self._ready.done():
+                self._ready.set_result(None)
             async for delivery in self._call:
                 self._on(delivery)
             self._end(DeliveryLost(f"node {self.node_id} ended the subscription",
@@ -121,17 +133,13 @@ class Subscription:
                                    node_id=self.node_id))  # fmt: skip
 
     def _on(self, delivery: stage_pb2.Delivery) -> None:
-        if not self._ready.done():
-            self._ready.set_result(None)  # the first message is the acknowledgement
-            if not delivery.step:
-                return
         key = (delivery.step, delivery.layers.start, delivery.layers.end)
         future = self._waiting.pop(key, None)
         if future is None or future.done():
             log.debug("node %s delivered step %d nobody waits for", self.node_id, delivery.step)
             return
         if delivery.HasField("response"):
-            future.set_result(delivery.response)
+            future.set_result((delivery.response, time.monotonic()))
             return
         code = _status(delivery.error_code)
         future.set_exception(

@@ -378,8 +378,12 @@ class PipelineDriver:
         first = slots[0]
         self._history.record(first.span, start_pos, ids, "int64")
         call = self._request(first, start_pos, ids, "int64", step, False, last_only)
-        call.request.last_position_only = last_only  # passed on to the hop that ends there
-        call.request.relay_to.extend(
+        # What goes on the wire: the call plus the push. Checks, signatures and evidence
+        # use the call as the hop itself runs it (``call.request``).
+        pushed = stage_pb2.ForwardRequest()
+        pushed.CopyFrom(call.request)
+        pushed.last_position_only = last_only  # passed on to the hop that ends there
+        pushed.relay_to.extend(
             stage_pb2.RelayHop(
                 node_id=s.hop.node_id,
                 address=s.hop.address,
@@ -398,7 +402,8 @@ class PipelineDriver:
 
         failed_at = time.monotonic()
         try:
-            response, wall = await self._exchange(first, call)
+            response, wall = await self._exchange(first, call, pushed)
+            previous = failed_at + wall  # when the answer before the next one arrived
             x, dtype = await self._accept(first, call, response, wall)
         except (HopFailure, RequestRejected) as err:
             forget(0)
@@ -419,7 +424,7 @@ class PipelineDriver:
             started = time.monotonic()
             try:
                 async with asyncio.timeout(wait_s):
-                    response = await answers[k - 1]
+                    response, answered = await answers[k - 1]
                 if response.input_digest != self._history.input_digest(slot.span):
                     # The node before it handed on something else than it signed (or this
                     # node ran something else): the client's own copy goes instead.
@@ -428,7 +433,6 @@ class PipelineDriver:
                         f"{slots[k - 1].hop.node_id} signed"
                     )
                     raise HopFailure("pushed input digest differs")
-                answered = time.monotonic()
             except (TimeoutError, DeliveryLost, HopFailure) as err:
                 if call.pending is not None:
                     call.pending.cancel()
@@ -449,7 +453,10 @@ class PipelineDriver:
                     k, start_pos, x, dtype, step, last_only, hedge_now=late
                 )
             try:
-                x, dtype = await self._accept(slot, call, response, answered - started)
+                # Its wall time: from the answer before it to its own, both as they reached
+                # the client (the step's walls add up to its whole time).
+                x, dtype = await self._accept(slot, call, response, answered - previous)
+                previous = answered
             except HopFailure as failure:  # an answer that cannot be used: a failed node
                 forget(k)
                 log.warning("node %s failed on layers %s: %s", slot.hop.node_id, slot.span,
@@ -711,9 +718,10 @@ class PipelineDriver:
         return _Request(request, int(x.shape[0]), int(x.shape[1]), replay, last_position_only)
 
     async def _exchange(
-        self, slot: _Slot, call: _Request
+        self, slot: _Slot, call: _Request, wire: stage_pb2.ForwardRequest | None = None
     ) -> tuple[stage_pb2.ForwardResponse, float]:
-        """One round trip on the slot's stream: (the answer, its wall time in seconds)."""
+        """One round trip on the slot's stream: (the answer, its wall time in seconds).
+        ``wire``: what to send instead of ``call.request`` (a pushed step's first call)."""
         timeout = self._deadline(slot, call.tokens, call.replay)
         self._begin_call(slot, call)
         started = time.monotonic()
@@ -724,7 +732,7 @@ class PipelineDriver:
             # asyncio.timeout, unlike wait_for, runs the round trip in this task: no extra
             # task and event-loop pass per hop.
             async with asyncio.timeout(timeout):
-                response = await _round_trip(slot.call, call.request)
+                response = await _round_trip(slot.call, wire or call.request)
         except TimeoutError:
             slot.close_stream()
             raise HopFailure(f"straggler: no answer within {timeout:.1f} s") from None

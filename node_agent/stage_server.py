@@ -390,16 +390,16 @@ class StageServicer(stage_pb2_grpc.StageServicer):
             shard.leave()
         if self._failpoints is not None:
             output = await self._failpoints.apply(output, request.input)
+        if request.relay_to:
+            # Queued before this node signs and answers, sent by the link's own writer task:
+            # the next hop starts as early as possible and this answer does not wait for it.
+            self._relay_on(request, output, stream)
         digest = hashlib.sha256(output.data).digest()
         signature = self._ctx.private_key.sign(
             identity.output_payload(
                 request.session_id, request.step, start, end, digest, input_digest=input_digest
             )
         )
-        if request.relay_to:
-            # Queued before this node answers, sent by the link's own writer task: the next
-            # hop starts as early as possible and this answer does not wait for it.
-            self._relay_on(request, output, stream)
         return stage_pb2.ForwardResponse(
             step=request.step,
             output=output,
@@ -521,7 +521,7 @@ class StageServicer(stage_pb2_grpc.StageServicer):
         output: common_pb2.Tensor,
         stream: _StreamState,
     ) -> None:
-        """Send this call's output (the very bytes signed) on to relay_to[0]."""
+        """Send this call's output (the very bytes it signs) on to relay_to[0]."""
         assert stream.signed is not None  # the stream's claims came from it
         hop, rest = request.relay_to[0], request.relay_to[1:]
         onward = stage_pb2.ForwardRequest(

@@ -60,20 +60,34 @@ class HangingServicer(StageServicer):
         return await super()._forward_one(request, stream)
 
 
-async def test_three_hops_match_the_whole_model(start_node, keys, checkpoint) -> None:
+@pytest.mark.parametrize("push", [True, False], ids=["pushed", "hop-by-hop"])
+async def test_three_hops_match_the_whole_model(start_node, keys, checkpoint, push) -> None:
     a = await start_node([(0, 2)])
     b = await start_node([(2, 3)])
     c = await start_node([(3, 4)])
     driver = PipelineDriver(
-        session_grant(keys, [(0, 2, a, []), (2, 3, b, []), (3, 4, c, [])]), MODEL
+        session_grant(keys, [(0, 2, a, []), (2, 3, b, []), (3, 4, c, [])]),
+        MODEL,
+        config=DriverConfig(push=push),
     )
     assert await greedy(driver, PROMPT, NEW_TOKENS) == reference_greedy(
         checkpoint, PROMPT, NEW_TOKENS
     )
     assert driver.length == len(PROMPT) + NEW_TOKENS - 1
     assert driver.failovers == []
+    assert driver.pushed_steps == (NEW_TOKENS if push else 0)
     assert {t.node_id for t in driver.timings} == {a.node_id, b.node_id, c.node_id}
-    assert all(t.compute_ms > 0 and t.wall_ms >= t.compute_ms for t in driver.timings)
+    assert all(t.compute_ms > 0 for t in driver.timings)
+    if push:
+        # A pushed hop's wall runs from the answer before it to its own, as they reached
+        # the client: a step's walls add up to its whole time, which holds every compute.
+        steps: dict[int, list[tuple[float, float]]] = {}
+        for t in driver.timings:
+            steps.setdefault(t.step, []).append((t.wall_ms, t.compute_ms))
+        assert all(len(hops) == 3 for hops in steps.values())
+        assert all(sum(w for w, _ in hops) >= sum(c for _, c in hops) for hops in steps.values())
+    else:
+        assert all(t.wall_ms >= t.compute_ms for t in driver.timings)
     assert len(driver.receipts) == len(driver.timings)
     await driver.close()
     # close() ends the session on every node.

@@ -152,18 +152,25 @@ async def test_last_position_only_before_the_last_layer_is_refused(start_node, k
 # ---- the driver ----------------------------------------------------------------------------
 
 
-async def test_the_driver_asks_only_the_last_hop_and_only_when_told(start_node, keys, checkpoint):
+@pytest.mark.parametrize("push", [True, False], ids=["pushed", "hop-by-hop"])
+async def test_the_driver_asks_only_the_last_hop_and_only_when_told(
+    start_node, keys, checkpoint, push
+):
     a = await start_node([(0, 2)], servicer_class=RecordingServicer)
     b = await start_node([(2, 4)], servicer_class=RecordingServicer)
-    driver = PipelineDriver(session_grant(keys, [(0, 2, a, []), (2, 4, b, [])]), MODEL)
+    grant = session_grant(keys, [(0, 2, a, []), (2, 4, b, [])])
+    driver = PipelineDriver(grant, MODEL, config=DriverConfig(push=push))
     reference = reference_logits(checkpoint, [*PROMPT, 3])
     last = await driver.step(PROMPT, last_only=True)
     np.testing.assert_allclose(last[0], reference[len(PROMPT) - 1], rtol=1e-5, atol=1e-5)
     every = await driver.step([3])
     assert every.shape == (1, 1, VOCAB)
     np.testing.assert_allclose(every[0, 0], reference[-1], rtol=1e-5, atol=1e-5)
-    assert a.servicer.seen == [(0, 2, len(PROMPT), False), (0, 2, 1, False)]
+    # A pushed step carries the flag through the first hop, which passes it on to the
+    # last (the node refuses it unless relay_to ends at the last layer).
+    assert a.servicer.seen == [(0, 2, len(PROMPT), push), (0, 2, 1, False)]
     assert b.servicer.seen == [(2, 4, len(PROMPT), True), (2, 4, 1, False)]
+    assert driver.pushed_steps == (2 if push else 0)
     await driver.close()
 
 
