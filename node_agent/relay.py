@@ -259,6 +259,9 @@ class _Link:
         self._wake = asyncio.Event()
         self._sent_capability: bytes | None = None
         self.closed = False
+        # A write is under way (the writer task's, or one made at once by ``send``): gRPC
+        # allows one at a time on a stream.
+        self.writing = False
         loop = asyncio.get_running_loop()
         name = f"relay {session_id} -> {address}"
         self._writer = loop.create_task(self._write_loop(), name=name + " writer")
@@ -272,6 +275,36 @@ class _Link:
         self._links.queued_bytes += size
         self._wake.set()
 
+    async def write_now(
+        self, request: stage_pb2.ForwardRequest, signed: client_api_pb2.SignedCapability
+    ) -> None:
+        """Write at once, in the caller's task: the link is idle (nothing queued, no write
+        under way). Waking the writer task instead costs the next hop a pass of this
+        node's event loop, behind whatever the caller does next (signing, answering)."""
+        try:
+            await self._write(request, signed)
+        except asyncio.CancelledError:
+            raise
+        except Exception as err:  # the stream broke: drop it, the next relay reopens one
+            self._links.drop(self, f"sending failed: {_describe(err)}")
+
+    async def _write(
+        self, request: stage_pb2.ForwardRequest, signed: client_api_pb2.SignedCapability
+    ) -> None:
+        # The capability goes on this stream's first message, and again whenever the
+        # session's changed (a reroute): the next node checks every stream.
+        key = _capability_key(signed)
+        if key != self._sent_capability:
+            request.capability.CopyFrom(signed)
+            self._sent_capability = key
+        self.writing = True
+        try:
+            await self.call.write(request)
+        finally:
+            self.writing = False
+            if self.queue:
+                self._wake.set()
+
     async def _write_loop(self) -> None:
         try:
             while not self.closed:
@@ -279,16 +312,14 @@ class _Link:
                     self._wake.clear()
                     await self._wake.wait()
                     continue
+                if self.writing:  # ``write_now`` is writing; it wakes us when done
+                    self._wake.clear()
+                    await self._wake.wait()
+                    continue
                 request, signed, size = self.queue.popleft()
                 self.queued_bytes -= size
                 self._links.queued_bytes -= size
-                # The capability goes on this stream's first message, and again whenever
-                # the session's changed (a reroute): the next node checks every stream.
-                key = _capability_key(signed)
-                if key != self._sent_capability:
-                    request.capability.CopyFrom(signed)
-                    self._sent_capability = key
-                await self.call.write(request)
+                await self._write(request, signed)
         except asyncio.CancelledError:
             self._cancelled("sending")
             raise
@@ -350,14 +381,15 @@ class RelayLinks:
     def links(self) -> list[tuple[str, str]]:
         return list(self._links)
 
-    def send(
+    async def send(
         self,
         address: str,
         request: stage_pb2.ForwardRequest,
         signed: client_api_pb2.SignedCapability,
     ) -> bool:
-        """Queue ``request`` for ``address`` on the session's link (opened if needed);
-        never waits. False when it was dropped (the link's backlog is full)."""
+        """Send ``request`` to ``address`` on the session's link (opened if needed): at
+        once when the link is idle, else queued behind its backlog, never waiting for that.
+        False when it was dropped (the link's backlog is full)."""
         key = (request.session_id, address)
         link = self._links.get(key)
         if link is None or link.closed:
@@ -369,6 +401,9 @@ class RelayLinks:
             call = stage_pb2_grpc.StageStub(channel).Forward()
             link = self._links[key] = _Link(self, request.session_id, address, call)
             log.debug("relay link %s -> %s opened", request.session_id, address)
+        if not link.queue and not link.writing:
+            await link.write_now(request, signed)
+            return True
         size = request.ByteSize()
         limits = self.limits
         if link.queue and (

@@ -393,7 +393,7 @@ class StageServicer(stage_pb2_grpc.StageServicer):
         if request.relay_to:
             # Queued before this node signs and answers, sent by the link's own writer task:
             # the next hop starts as early as possible and this answer does not wait for it.
-            self._relay_on(request, output, stream)
+            await self._relay_on(request, output, stream)
         digest = hashlib.sha256(output.data).digest()
         signature = self._ctx.private_key.sign(
             identity.output_payload(
@@ -515,7 +515,7 @@ class StageServicer(stage_pb2_grpc.StageServicer):
                 "last hop ends there",
             )
 
-    def _relay_on(
+    async def _relay_on(
         self,
         request: stage_pb2.ForwardRequest,
         output: common_pb2.Tensor,
@@ -536,7 +536,7 @@ class StageServicer(stage_pb2_grpc.StageServicer):
             relay_to=rest,
             relayed=True,
         )
-        self._relay.send(hop.address, onward, stream.signed)
+        await self._relay.send(hop.address, onward, stream.signed)
 
     def _decode_input(self, request: stage_pb2.ForwardRequest, shard: LoadedShard) -> np.ndarray:
         config = shard.config
