@@ -42,6 +42,7 @@ protos: $(VENV)/.installed-dev
 bench: $(VENV)/.installed-dev
 	$(BIN)/python bench/control_plane.py
 	$(BIN)/python bench/inference.py
+	$(BIN)/python bench/push_pipeline.py
 	$(BIN)/python bench/placement.py
 	$(BIN)/python bench/training.py
 	$(BIN)/python bench/verification.py

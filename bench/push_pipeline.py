@@ -1,0 +1,166 @@
+"""Push pipeline vs hop by hop, over links with real latency, side by side in one run.
+
+Three node agents serve a 3-stage pipeline (`--min-stages 3 --replicas 2`), each behind
+its own link emulator (tests/support/link_emulator.py; `tc netem` is not available here)
+that adds a one-way delay to every byte in and out of the node: the client, the
+coordinator and the other nodes all reach a node through its link, as on a real network
+where every volunteer PC sits behind its own access line. Two clients of the same swarm
+take turns token by token (the same prompt, greedy, all verification on):
+
+  pushed      the driver's default: the step goes to the first stage with the rest of the
+              route; each node hands its output straight to the next and answers the
+              client on its Deliveries stream. Per token: client -> node 1 -> node 2 ->
+              node 3 -> client, 4 link crossings.
+  hop by hop  DriverConfig(push=False), how Petals drives a pipeline: the client sends
+              each stage its input and waits for the answer before the next stage.
+              Per token: 3 round trips, 6 link crossings.
+
+Each delay in --delays-ms is measured in its own rounds on the same swarm (the links are
+changed while it runs); 0 shows what the proxies themselves cost. The token ids of every
+run must be identical (exit status 1 if not). The last line is
+`pushed/hop by hop tokens/s at D ms a link: X` for the largest delay D.
+
+    .venv/bin/python bench/push_pipeline.py    # about 1 minute
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO_ROOT))
+sys.path.insert(0, str(REPO_ROOT / "tests"))  # the link emulator lives with the tests
+
+import inference  # noqa: E402  (bench/inference.py: the model, the runs, the report)
+from support.link_emulator import LinkEmulator  # noqa: E402
+from support.ports import reserved_ports  # noqa: E402
+
+from client.api import Client  # noqa: E402
+from client.demo_checkpoint import write_demo_checkpoint  # noqa: E402
+from client.driver import DriverConfig  # noqa: E402
+from client.local_swarm import LocalSwarm  # noqa: E402
+from client.tokenizer import load_tokenizer  # noqa: E402
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="bench/push_pipeline.py",
+        description=__doc__.split("\n\n")[0],
+        epilog=__doc__.split("\n\n", 1)[1],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument(
+        "--delays-ms",
+        default="0,5,20",
+        help="one-way delays to add on every node's link, comma-separated (default "
+        "%(default)s; a LAN is well under 1 ms, a consumer WAN path 5-50 ms)",
+    )
+    parser.add_argument("--tokens", type=int, default=24, help="tokens per run (default 24)")
+    parser.add_argument(
+        "--rounds", type=int, default=3, help="rounds per delay; the median counts (default 3)"
+    )
+    args = parser.parse_args(argv)
+    try:
+        args.delays = [float(d) for d in args.delays_ms.split(",") if d.strip()]
+    except ValueError:
+        parser.error(f"--delays-ms must be numbers separated by commas, got {args.delays_ms!r}")
+    if not args.delays or any(d < 0 or d > 500 for d in args.delays):
+        parser.error("--delays-ms needs at least one delay, each in [0, 500] ms")
+    if args.tokens < 3 or args.rounds < 1:
+        parser.error("--tokens must be at least 3 and --rounds at least 1")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    with tempfile.TemporaryDirectory(prefix="tessera-push-bench-") as tmp:
+        return bench(args, Path(tmp))
+
+
+def bench(args: argparse.Namespace, workdir: Path) -> int:
+    t0 = time.monotonic()
+    shape = inference.QUICK_SHAPE
+    checkpoint = write_demo_checkpoint(workdir / "checkpoint", shape)
+    tokenizer = load_tokenizer((checkpoint / "tokenizer.json").read_bytes())
+    assert tokenizer is not None
+    prompt_ids = tokenizer.encode(inference.PROMPT)
+    say = inference.say
+    say(
+        f"model: {shape.layers} layers, hidden {shape.hidden}, fp32 on CPU; prompt "
+        f"{len(prompt_ids)} tokens, {args.tokens} generated; 3 nodes, each behind its own link"
+    )
+    links: list[LinkEmulator] = []
+    rows = [["one-way delay", "pushed tok/s", "hop by hop tok/s", "pushed/hop by hop",
+             "pushed ms/token", "hop by hop ms/token"]]  # fmt: skip
+    ratios: dict[float, float] = {}
+    same = True
+    try:
+        layout = ["--min-stages", "3", "--replicas", "2"]
+        with LocalSwarm(workdir, coordinator_args=layout) as swarm:
+            swarm.start_coordinator()
+            nodes = []
+            with reserved_ports(len(inference.NODES)) as ports:
+                advertised = []
+                for name, port in zip(inference.NODES, ports, strict=True):
+                    link = LinkEmulator("127.0.0.1", port, name=f"link->{name}")
+                    links.append(link)
+                    advertised.append((name, port, link.start_in_thread()))
+            for name, port, address in advertised:
+                nodes.append(swarm.start_node(name, ["--listen", f"127.0.0.1:{port}",
+                                                     "--advertise", address]))  # fmt: skip
+            swarm.wait_registered(nodes)
+            swarm.add_model(checkpoint, inference.MODEL)
+            with (
+                Client(swarm.address) as pushed,
+                Client(swarm.address, driver_config=DriverConfig(push=False)) as hop,
+            ):
+                inference.wait_available(pushed)
+                for delay in args.delays:
+                    for link in links:
+                        link.set(delay_ms=delay)
+                    for client in (pushed, hop):  # warm-up, untimed
+                        inference.generate_swarm(client, prompt_ids, 4)
+                    measured = []
+                    for _ in range(args.rounds):
+                        runs = inference.interleave(
+                            {
+                                "pushed": inference.swarm_steps(pushed, prompt_ids, args.tokens),
+                                "hop by hop": inference.swarm_steps(hop, prompt_ids, args.tokens),
+                            },
+                            args.tokens,
+                        )
+                        a, b = runs["pushed"], runs["hop by hop"]
+                        same = same and a.token_ids == b.token_ids
+                        measured.append((inference.ratio(a, b), a, b))
+                    assert pushed.last_run is not None
+                    if pushed.last_run.push_off:
+                        say(f"  the pushed client stopped pushing: {pushed.last_run.push_off}")
+                    measured.sort(key=lambda m: m[0])
+                    ratio, a, b = measured[len(measured) // 2]
+                    ratios[delay] = ratio
+                    rows.append(
+                        [f"{delay:g} ms", f"{a.tokens_per_s:.2f}", f"{b.tokens_per_s:.2f}",
+                         f"{ratio:.2f}", f"{a.median_token_ms:.1f}", f"{b.median_token_ms:.1f}"]
+                    )  # fmt: skip
+                    say(
+                        f"{delay:g} ms a link: pushed/hop by hop "
+                        f"{', '.join(f'{m[0]:.2f}' for m in measured)} (median {ratio:.2f})"
+                    )
+    finally:
+        for link in links:
+            link.stop_thread()
+    say()
+    say(inference.table(rows))
+    say(f"greedy token ids identical in every run: {'yes' if same else 'NO'}")
+    say(f"total time {time.monotonic() - t0:.0f} s")
+    largest = max(ratios)
+    say(f"pushed/hop by hop tokens/s at {largest:g} ms a link: {ratios[largest]:.2f}")
+    return 0 if same else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
