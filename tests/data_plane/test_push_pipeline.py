@@ -9,29 +9,12 @@ pushed input differs from what the node before it signed.
 from __future__ import annotations
 
 import grpc
-import numpy as np
 from data_plane.stage_harness import MODEL, reference_greedy, session_grant
+from data_plane.test_driver import NEW_TOKENS, PROMPT, greedy
 
 from client.driver import DriverConfig, PipelineDriver
 from node_agent.stage_server import StageServicer
 from protos.tessera.v1 import stage_pb2
-
-PROMPT = [1, 5, 9, 13, 20, 7]
-NEW_TOKENS = 10
-
-
-async def greedy(driver: PipelineDriver, new_tokens: int, after_step=None) -> list[int]:
-    logits = await driver.step(PROMPT, last_only=True)
-    out = []
-    for index in range(new_tokens):
-        token = int(np.argmax(logits[0]))
-        out.append(token)
-        hook = (after_step or {}).get(index)
-        if hook is not None:
-            await hook()
-        if index + 1 < new_tokens:
-            logits = await driver.step([token], last_only=True)
-    return out
 
 
 class NoDeliveries(StageServicer):
@@ -61,7 +44,7 @@ async def test_pushed_steps_match_the_whole_model(start_node, keys, checkpoint) 
     driver = PipelineDriver(
         session_grant(keys, [(0, 2, a, []), (2, 3, b, []), (3, 4, c, [])]), MODEL
     )
-    tokens = await greedy(driver, NEW_TOKENS)
+    tokens = await greedy(driver, PROMPT, NEW_TOKENS)
 
     assert tokens == reference_greedy(checkpoint, PROMPT, NEW_TOKENS)
     assert driver.push_off is None
@@ -82,7 +65,7 @@ async def test_a_node_killed_mid_push_fails_over(start_node, keys, checkpoint) -
     grant = session_grant(keys, [(0, 2, a, []), (2, 3, b, [b_alt]), (3, 4, c, [])])
     driver = PipelineDriver(grant, MODEL)
 
-    tokens = await greedy(driver, NEW_TOKENS, after_step={3: lambda: b.server.stop(0)})
+    tokens = await greedy(driver, PROMPT, NEW_TOKENS, after_step={3: lambda: b.server.stop(0)})
 
     assert tokens == reference_greedy(checkpoint, PROMPT, NEW_TOKENS)
     [event] = driver.failovers
@@ -104,7 +87,8 @@ async def test_a_node_without_deliveries_is_driven_hop_by_hop(
     b = await start_node([(2, 4)], servicer_class=NoDeliveries)
     driver = PipelineDriver(session_grant(keys, [(0, 2, a, []), (2, 4, b, [])]), MODEL)
 
-    assert await greedy(driver, NEW_TOKENS) == reference_greedy(checkpoint, PROMPT, NEW_TOKENS)
+    expected = reference_greedy(checkpoint, PROMPT, NEW_TOKENS)
+    assert await greedy(driver, PROMPT, NEW_TOKENS) == expected
     assert driver.push_off is not None and "UNIMPLEMENTED" in driver.push_off
     assert driver.pushed_steps == 0
     await driver.close()
@@ -118,7 +102,8 @@ async def test_a_hand_off_other_than_the_signed_output_is_caught(
     driver = PipelineDriver(session_grant(keys, [(0, 2, a, []), (2, 4, b, [])]), MODEL)
 
     # The client's own copy of a's signed output goes to b instead: the output is right.
-    assert await greedy(driver, NEW_TOKENS) == reference_greedy(checkpoint, PROMPT, NEW_TOKENS)
+    expected = reference_greedy(checkpoint, PROMPT, NEW_TOKENS)
+    assert await greedy(driver, PROMPT, NEW_TOKENS) == expected
     assert driver.push_off is not None and "other than the one node" in driver.push_off
     assert driver.pushed_steps == 0  # the first step's hand-off was caught; no more pushes
     assert driver.failovers == []  # b itself did nothing wrong: it is still the route
@@ -131,6 +116,7 @@ async def test_push_can_be_turned_off(start_node, keys, checkpoint) -> None:
     grant = session_grant(keys, [(0, 2, a, []), (2, 4, b, [])])
     driver = PipelineDriver(grant, MODEL, config=DriverConfig(push=False))
 
-    assert await greedy(driver, NEW_TOKENS) == reference_greedy(checkpoint, PROMPT, NEW_TOKENS)
+    expected = reference_greedy(checkpoint, PROMPT, NEW_TOKENS)
+    assert await greedy(driver, PROMPT, NEW_TOKENS) == expected
     assert driver.pushed_steps == 0 and driver.push_off == "turned off"
     await driver.close()
