@@ -115,6 +115,10 @@ def _demo(workdir: Path, tokens: int, kill_after: int, args: argparse.Namespace)
             _say(f"\n3. generating {tokens} tokens through the pipeline")
             reference = _generate(client, tokens)
             _say(f"   route: {_route_text(reference, names)}")
+            _say(
+                f"   {reference.pushed_steps} of {len(reference.token_ids)} steps pushed: each "
+                "node handed its output straight to the next; the client verified every answer"
+            )
             _say(f"   output: {reference.text!r}")
             _say("   (the weights are random, so the text is noise; what matters is that it")
             _say("   comes out the same, token for token, through any route)")
