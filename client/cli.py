@@ -15,6 +15,7 @@ from google.protobuf import json_format
 
 from client import billing
 from client.api import COORDINATOR_ENV, Client, default_coordinator
+from client.driver import DriverConfig
 from client.errors import TesseraError
 from client.jobs_cli import add_training_commands as _add_training_commands
 from client.jobs_cli import jobs_command, train_command
@@ -116,6 +117,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     gen.add_argument(
         "--no-stop-at-eos", action="store_true", help="keep going past end-of-sequence tokens"
+    )
+    gen.add_argument(
+        "--hop-by-hop",
+        action="store_true",
+        help="send every stage its input yourself instead of having each node hand its "
+        "output to the next (slower over real links; for comparing, or nodes that cannot "
+        "reach each other)",
     )
     gen.add_argument(
         "--json",
@@ -309,6 +317,7 @@ def _generate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         key=key,
         max_price=args.max_price,
         prefer=args.prefer,
+        driver_config=DriverConfig(push=not args.hop_by_hop),
     ) as client:
         stream = client.generate(
             args.model,

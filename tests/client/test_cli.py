@@ -52,6 +52,7 @@ def test_top_level_help_lists_commands_and_examples(capsys) -> None:
                 "--top-p",
                 "--seed",
                 "--json",
+                "--hop-by-hop",
                 "replica",
             ],
         ),

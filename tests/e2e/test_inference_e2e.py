@@ -103,6 +103,8 @@ def test_pipeline_generation_equals_transformers(swarm, client, reference):
     assert all(a[1] == b[0] for a, b in zip(bounds, bounds[1:], strict=False))
     assert len({h.node_id for h in result.route}) == 3, "three stages on three nodes"
     assert not result.failovers
+    # Every step went node to node (the push pipeline), each answer verified by the client.
+    assert result.push_off is None and result.pushed_steps == NEW_TOKENS
 
 
 @pytest.mark.parametrize("stage", [1, 0, 2], ids=["middle", "first", "last"])
