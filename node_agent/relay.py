@@ -56,6 +56,10 @@ class RelayLimits:
     # Outgoing links: requests queued per link, and queued bytes over all links.
     link_queue: int = 256
     links_total_bytes: int = 512 << 20
+    # A write to the next node that takes longer (a peer that accepted the connection but
+    # neither reads nor answers) ends the link: the relaying handler, which writes at once
+    # when the link is idle, must never hang on it.
+    write_timeout_s: float = 5.0
 
 
 class SubscriptionEnded(Exception):
@@ -299,7 +303,8 @@ class _Link:
             self._sent_capability = key
         self.writing = True
         try:
-            await self.call.write(request)
+            async with asyncio.timeout(self._links.limits.write_timeout_s):
+                await self.call.write(request)
         finally:
             self.writing = False
             if self.queue:
@@ -364,6 +369,8 @@ class _Link:
 def _describe(err: BaseException) -> str:
     if isinstance(err, grpc.aio.AioRpcError):
         return f"{err.code().name}: {err.details()}"
+    if isinstance(err, TimeoutError):
+        return "the next node took nothing within the write timeout"
     return f"{type(err).__name__}: {err}"
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import socket
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -290,6 +291,39 @@ async def test_the_own_answer_does_not_wait_for_the_next_hop(start_node, keys) -
         held.release.set()
         await head.close()
         await sub1.close()
+
+
+async def test_a_next_node_that_takes_nothing_does_not_hold_up_the_answer(
+    start_node, keys
+) -> None:
+    # A peer that accepts the TCP connection and then neither reads nor answers: the HTTP/2
+    # handshake never completes, so a write to it never does either.
+    silent = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    silent.bind(("127.0.0.1", 0))
+    silent.listen(8)
+    address = f"127.0.0.1:{silent.getsockname()[1]}"
+    limits = StageLimits(relay=RelayLimits(write_timeout_s=0.5))
+    n0 = await start_node([(0, 2)], limits=limits)
+    signed = keys.capability(
+        "s-silent", [(n0.node_id, 0, 2, n0.address), ("n-silent", 2, NUM_LAYERS, address)]
+    )
+    route = [stage_pb2.RelayHop(node_id="n-silent", address=address,
+                                layers=common_pb2.LayerRange(start=2, end=NUM_LAYERS))]  # fmt: skip
+    head = Stream(n0)
+    try:
+        began = time.monotonic()
+        own = await head.send(request("s-silent", 1, 0, 2, ids(PROMPT), relay_to=route,
+                                      signed=signed))  # fmt: skip
+        assert own.cache_length == len(PROMPT)
+        assert time.monotonic() - began < 0.5 + 2.0  # the write timeout, not the peer
+        # The link is gone; the next step is answered as promptly (a new link, same fate).
+        assert n0.servicer._relay.links() == []
+        nxt = await head.send(request("s-silent", 2, 0, 2, ids([3]), start_pos=len(PROMPT),
+                                      relay_to=route))  # fmt: skip
+        assert nxt.cache_length == len(PROMPT) + 1
+    finally:
+        await head.close()
+        silent.close()
 
 
 # ---- hostile and malformed relay routes -----------------------------------------------------
