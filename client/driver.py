@@ -104,6 +104,9 @@ class DriverConfig:
     # How long a node may take to acknowledge the client's Deliveries subscription; a
     # node that does not is driven hop by hop instead.
     subscribe_timeout_s: float = 5.0
+    # A node whose subscription failed (gone, restarting, overloaded) is driven hop by hop
+    # for this many steps, then asked again.
+    push_retry_steps: int = 32
 
 
 @dataclass(frozen=True)
@@ -223,8 +226,9 @@ class PipelineDriver:
         # Why this session stopped pushing steps (None: it pushes when it can).
         self.push_off: str | None = None if self.config.push else "turned off"
         self.pushed_steps = 0
-        # Nodes whose subscription could not be opened: no step is pushed through them.
-        self._unpushable: set[str] = set()
+        # Nodes whose subscription could not be opened, and the step from which to try
+        # again: until then no step is pushed through them.
+        self._unpushable: dict[str, int] = {}
         # This chunk's calls whose checks are still running, in pipeline order.
         self._unsettled: list[_Unsettled] = []
         self._reporter = (
@@ -338,7 +342,7 @@ class PipelineDriver:
             if (
                 self.push_off is None
                 and len(self._slots) > 1
-                and not any(s.hop.node_id in self._unpushable for s in self._slots)
+                and all(self._unpushable.get(s.hop.node_id, 0) <= step for s in self._slots)
             ):
                 out, dtype = await self._push_through(start_pos, ids, step, last_only)
             else:
@@ -371,7 +375,7 @@ class PipelineDriver:
             if err.code == grpc.StatusCode.UNIMPLEMENTED:
                 self._stop_pushing(str(err))  # a node from before the push pipeline
             else:  # perhaps a node that is gone: hop by hop fails it over
-                self._unpushable.add(err.node_id)
+                self._unpushable[err.node_id] = step + self.config.push_retry_steps
             return await self._run_through(
                 0, self.shape.num_layers, start_pos, ids, "int64", step, last_only=last_only
             )

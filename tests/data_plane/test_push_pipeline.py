@@ -25,6 +25,19 @@ class NoDeliveries(StageServicer):
         yield stage_pb2.Delivery()  # pragma: no cover - makes this an async generator
 
 
+class DeliveriesLater(StageServicer):
+    """Refuses its first Deliveries subscription as a busy node would, then serves."""
+
+    refused = 0
+
+    async def Deliveries(self, request, context):  # noqa: N802
+        if not self.refused:
+            self.refused += 1
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "too many subscriptions")
+        async for delivery in super().Deliveries(request, context):
+            yield delivery
+
+
 class TamperedHandOff(StageServicer):
     """Runs pushed inputs with one value changed: what a node sees when the node before it
     hands on something other than the output it signed."""
@@ -119,4 +132,21 @@ async def test_push_can_be_turned_off(start_node, keys, checkpoint) -> None:
     expected = reference_greedy(checkpoint, PROMPT, NEW_TOKENS)
     assert await greedy(driver, PROMPT, NEW_TOKENS) == expected
     assert driver.pushed_steps == 0 and driver.push_off == "turned off"
+    await driver.close()
+
+
+async def test_a_node_whose_subscription_failed_is_asked_again_later(
+    start_node, keys, checkpoint
+) -> None:
+    a = await start_node([(0, 2)])
+    b = await start_node([(2, 4)], servicer_class=DeliveriesLater)
+    grant = session_grant(keys, [(0, 2, a, []), (2, 4, b, [])])
+    driver = PipelineDriver(grant, MODEL, config=DriverConfig(push_retry_steps=3))
+
+    expected = reference_greedy(checkpoint, PROMPT, NEW_TOKENS)
+    assert await greedy(driver, PROMPT, NEW_TOKENS) == expected
+    # Steps 1-3 went hop by hop (b refused), from step 4 on every step was pushed.
+    assert b.servicer.refused == 1
+    assert driver.push_off is None
+    assert driver.pushed_steps == NEW_TOKENS - 3
     await driver.close()
