@@ -42,7 +42,7 @@ import numpy as np
 
 from client.billing import UsageBook
 from client.channels import ChannelPool
-from client.deliveries import DeliveryLost, Subscriptions
+from client.deliveries import DeliveryLost, Subscription, Subscriptions
 from client.errors import PipelineError, RequestRejected
 from client.hedging import HedgeEvent, hedge_delay, percentile, race
 from client.records import FailoverEvent, HopRecord, Receipt, StageTiming
@@ -363,38 +363,15 @@ class PipelineDriver:
         """One chunk pushed through the route (module docstring): its logits. Where the
         push breaks off, the rest of the step goes hop by hop from that stage."""
         slots = list(self._slots)
-        try:
-            subscriptions = [
-                await self._subscriptions.at(
-                    s.hop.node_id, s.hop.address, self._capability,
-                    self.config.subscribe_timeout_s,
-                )  # fmt: skip
-                for s in slots[1:]
-            ]
-        except DeliveryLost as err:
-            if err.code == grpc.StatusCode.UNIMPLEMENTED:
-                self._stop_pushing(str(err))  # a node from before the push pipeline
-            else:  # perhaps a node that is gone: hop by hop fails it over
-                self._unpushable[err.node_id] = step + self.config.push_retry_steps
+        subscriptions = await self._subscribe(slots[1:], step)
+        if subscriptions is None:
             return await self._run_through(
                 0, self.shape.num_layers, start_pos, ids, "int64", step, last_only=last_only
             )
         first = slots[0]
         self._history.record(first.span, start_pos, ids, "int64")
         call = self._request(first, start_pos, ids, "int64", step, False, last_only)
-        # What goes on the wire: the call plus the push. Checks, signatures and evidence
-        # use the call as the hop itself runs it (``call.request``).
-        pushed = stage_pb2.ForwardRequest()
-        pushed.CopyFrom(call.request)
-        pushed.last_position_only = last_only  # passed on to the hop that ends there
-        pushed.relay_to.extend(
-            stage_pb2.RelayHop(
-                node_id=s.hop.node_id,
-                address=s.hop.address,
-                layers=common_pb2.LayerRange(start=s.span.start, end=s.span.end),
-            )
-            for s in slots[1:]
-        )
+        pushed = _pushed(call.request, slots[1:], last_only)
         answers = [
             sub.expect(step, s.span.start, s.span.end)
             for sub, s in zip(subscriptions, slots[1:], strict=True)
@@ -412,7 +389,6 @@ class PipelineDriver:
         except (HopFailure, RequestRejected) as err:
             forget(0)
             if isinstance(err, HopFailure):
-                log.warning("node %s failed on layers %s: %s", first.hop.node_id, first.span, err)
                 return await self._resume_hop_by_hop(
                     0, start_pos, ids, "int64", step, last_only, failure=(err, failed_at)
                 )
@@ -448,8 +424,6 @@ class PipelineDriver:
                 )  # fmt: skip
                 if late and not hedge:  # past the straggler deadline: a failed node
                     straggler = HopFailure(f"straggler: no answer within {wait_s:.1f} s")
-                    log.warning("node %s failed on layers %s: %s", slot.hop.node_id,
-                                slot.span, straggler)  # fmt: skip
                     return await self._resume_hop_by_hop(
                         k, start_pos, x, dtype, step, last_only, failure=(straggler, started)
                     )
@@ -463,8 +437,6 @@ class PipelineDriver:
                 previous = answered
             except HopFailure as failure:  # an answer that cannot be used: a failed node
                 forget(k)
-                log.warning("node %s failed on layers %s: %s", slot.hop.node_id, slot.span,
-                            failure)  # fmt: skip
                 return await self._resume_hop_by_hop(
                     k, start_pos, x, dtype, step, last_only, failure=(failure, answered)
                 )
@@ -487,6 +459,8 @@ class PipelineDriver:
         ``failure`` (and when it failed), that slot's node failed and is replaced first."""
         end = self._slots[index].span.end
         if failure is not None:
+            slot = self._slots[index]
+            log.warning("node %s failed on layers %s: %s", slot.hop.node_id, slot.span, failure[0])
             x, dtype = await self._fail_over(
                 index, failure[0], failure[1], start_pos, dtype, step, last_only
             )
@@ -497,6 +471,24 @@ class PipelineDriver:
         return await self._run_through(
             end, self.shape.num_layers, start_pos, x, dtype, step, last_only=last_only
         )
+
+    async def _subscribe(self, slots: list[_Slot], step: int) -> list[Subscription] | None:
+        """The client's subscription at each of ``slots``' nodes; None when one cannot be
+        had, and this step goes hop by hop."""
+        try:
+            return [
+                await self._subscriptions.at(
+                    s.hop.node_id, s.hop.address, self._capability,
+                    self.config.subscribe_timeout_s,
+                )  # fmt: skip
+                for s in slots
+            ]
+        except DeliveryLost as err:
+            if err.code == grpc.StatusCode.UNIMPLEMENTED:
+                self._stop_pushing(str(err))  # a node from before the push pipeline
+            else:  # perhaps a node that is gone: hop by hop fails it over
+                self._unpushable[err.node_id] = step + self.config.push_retry_steps
+            return None
 
     def _push_wait(self, slot: _Slot, x: np.ndarray) -> tuple[float, bool]:
         """How long a pushed answer may take before the step goes on without it, and
@@ -1143,6 +1135,25 @@ async def _round_trip(
     if response is grpc.aio.EOF:
         raise HopFailure("the node ended the stream without answering")
     return response
+
+
+def _pushed(
+    request: stage_pb2.ForwardRequest, rest: list[_Slot], last_only: bool
+) -> stage_pb2.ForwardRequest:
+    """What goes on the wire for a pushed step's first call: the call plus the rest of the
+    route. Checks, signatures and evidence use the call as the hop itself runs it."""
+    pushed = stage_pb2.ForwardRequest()
+    pushed.CopyFrom(request)
+    pushed.last_position_only = last_only  # passed on to the hop that ends there
+    pushed.relay_to.extend(
+        stage_pb2.RelayHop(
+            node_id=s.hop.node_id,
+            address=s.hop.address,
+            layers=common_pb2.LayerRange(start=s.span.start, end=s.span.end),
+        )
+        for s in rest
+    )
+    return pushed
 
 
 def _claims(capability: client_api_pb2.SignedCapability) -> client_api_pb2.CapabilityClaims:
