@@ -431,9 +431,13 @@ class PipelineDriver:
                     k, start_pos, x, dtype, step, last_only, hedge_now=late
                 )
             try:
-                # Its wall time: from the answer before it to its own, both as they reached
-                # the client (the step's walls add up to its whole time).
-                x, dtype = await self._accept(slot, call, response, answered - previous)
+                # Its wall time: from the answer before it to its own, as they reached the
+                # client (a step's walls then add up to its whole time). Answers on two
+                # streams may be read out of order, so never less than the node's own
+                # compute time: a node can only make itself look slower with that, never
+                # faster than the client measured (the coordinator's speed estimate).
+                wall = max(answered - previous, response.compute_ms / 1000.0)
+                x, dtype = await self._accept(slot, call, response, wall)
                 previous = answered
             except HopFailure as failure:  # an answer that cannot be used: a failed node
                 forget(k)

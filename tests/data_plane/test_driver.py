@@ -77,17 +77,13 @@ async def test_three_hops_match_the_whole_model(start_node, keys, checkpoint, pu
     assert driver.failovers == []
     assert driver.pushed_steps == (NEW_TOKENS if push else 0)
     assert {t.node_id for t in driver.timings} == {a.node_id, b.node_id, c.node_id}
-    assert all(t.compute_ms > 0 for t in driver.timings)
+    assert all(t.compute_ms > 0 and t.wall_ms >= t.compute_ms for t in driver.timings)
     if push:
-        # A pushed hop's wall runs from the answer before it to its own, as they reached
-        # the client: a step's walls add up to its whole time, which holds every compute.
-        steps: dict[int, list[tuple[float, float]]] = {}
+        # Every hop of every pushed step answered the client and was timed.
+        steps: dict[int, list[float]] = {}
         for t in driver.timings:
-            steps.setdefault(t.step, []).append((t.wall_ms, t.compute_ms))
-        assert all(len(hops) == 3 for hops in steps.values())
-        assert all(sum(w for w, _ in hops) >= sum(c for _, c in hops) for hops in steps.values())
-    else:
-        assert all(t.wall_ms >= t.compute_ms for t in driver.timings)
+            steps.setdefault(t.step, []).append(t.wall_ms)
+        assert all(len(walls) == 3 for walls in steps.values())
     assert len(driver.receipts) == len(driver.timings)
     await driver.close()
     # close() ends the session on every node.
