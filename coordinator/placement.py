@@ -495,7 +495,11 @@ class Placement:
         log.info(
             "assigning %s layers [%d, %d) to node %s", shard.model, shard.start, shard.end, node_id
         )
-        self._state[(node_id, shard)] = node_pb2.SHARD_STATE_ASSIGNED
+        if self._state.get((node_id, shard)) != node_pb2.SHARD_STATE_READY:
+            # A shard the node already serves (e.g. what it reported after a coordinator
+            # restart) stays routable while it confirms: marking it ASSIGNED left a hole in
+            # which sessions were refused (make before break).
+            self._state[(node_id, shard)] = node_pb2.SHARD_STATE_ASSIGNED
         command = coordinator_pb2.Command(
             assign=coordinator_pb2.AssignShard(
                 model=shard.model,

@@ -237,3 +237,31 @@ async def test_a_node_joining_while_a_replan_sends_assignments_is_planned_too():
     release.set()
     await asyncio.wait_for(placement.settled(), 5)
     assert {c[0] for c in swarm.commands if c[1] == "assign"} == {"n0", "n1"}
+
+
+async def test_a_shard_assigned_again_to_the_node_serving_it_stays_routable():
+    # A restarted coordinator hears from each node which shards it serves, then plans and
+    # assigns them those same shards. Until a node confirms, sessions must still find its
+    # shard: a hole there refused sessions for a moment after every restart.
+    first, placement, _, _ = make()
+    for i in range(3):
+        placement.node_up(PlacementNode(f"n{i}", f"127.0.0.1:{9000 + i}", caps()))
+    await placement.replan()
+    served = [(n, s, e) for n, kind, s, e in first.commands if kind == "assign"]
+
+    swarm, restarted, sessions, _ = make()
+    for i in range(3):
+        restarted.node_up(PlacementNode(f"n{i}", f"127.0.0.1:{9000 + i}", caps()))
+    for node_id, start, end in served:
+        await restarted.shard_status(
+            node_id,
+            node_pb2.ShardStatus(model="m", layers=common_pb2.LayerRange(start=start, end=end),
+                                 state=node_pb2.SHARD_STATE_READY),
+        )  # fmt: skip
+    assert restarted.coverage("m") == [2] * 6
+    await restarted.replan()
+    again = [(n, s, e) for n, kind, s, e in swarm.commands if kind == "assign"]
+    assert again and set(again) <= set(served), "the plan assigns what the nodes serve"
+    assert restarted.coverage("m") == [2] * 6
+    grant = sessions.open_session(client_api_pb2.OpenSessionRequest(model="m", max_length=32))
+    assert grant.stages
