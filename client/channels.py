@@ -4,13 +4,12 @@ from __future__ import annotations
 
 import grpc
 
-from protos import codec
+from protos.dialing import DIAL_OPTIONS
 
 # A 512-token prefill chunk of hidden size 4096 in float32 is 8 MiB.
 DATA_WINDOW_BYTES = 8 << 20
 CHANNEL_OPTIONS: list[tuple[str, int]] = [
-    ("grpc.max_receive_message_length", codec.MAX_MESSAGE_BYTES),
-    ("grpc.max_send_message_length", codec.MAX_MESSAGE_BYTES),
+    *DIAL_OPTIONS,
     # gRPC sizes its receive window with a ping (BDP probe) when data arrives: on a decode
     # stream that is frames and thread wake-ups beside nearly every reply. A fixed window
     # as large as a prefill chunk's hidden states keeps big messages flowing without it

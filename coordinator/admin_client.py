@@ -24,13 +24,10 @@ import grpc
 
 from coordinator.admin_auth import bearer_metadata
 from coordinator.secrets_store import ADDRESS_FILE, ADMIN_TOKEN_FILE
-from protos import codec
+from protos.dialing import DIAL_OPTIONS
 
 DATA_DIR_ENV = "TESSERA_COORDINATOR_DATA_DIR"
-CHANNEL_OPTIONS = [
-    ("grpc.max_receive_message_length", codec.MAX_MESSAGE_BYTES),
-    ("grpc.max_send_message_length", codec.MAX_MESSAGE_BYTES),
-]
+CHANNEL_OPTIONS = DIAL_OPTIONS
 
 __all__ = [
     "CHANNEL_OPTIONS",

@@ -42,7 +42,8 @@ from coordinator.events import EventBus
 from coordinator.node_state import CONNECTED, NodeState
 from coordinator.settings import Settings
 from coordinator.validation import MAX_STRING_CHARS, InvalidField, validate_registration
-from protos import codec, identity
+from protos import identity
+from protos.dialing import DIAL_OPTIONS
 from protos.tessera.v1 import (
     coordinator_pb2,
     node_pb2,
@@ -552,12 +553,8 @@ class Registry:
     async def _probe_reachability(self, address: str, node_id: str) -> bool:
         """Dial the node's stage server back: can clients reach it directly?"""
         payload = secrets.token_bytes(16)
-        options = [
-            ("grpc.max_receive_message_length", codec.MAX_MESSAGE_BYTES),
-            ("grpc.max_send_message_length", codec.MAX_MESSAGE_BYTES),
-        ]
         try:
-            async with grpc.aio.insecure_channel(address, options=options) as channel:
+            async with grpc.aio.insecure_channel(address, options=DIAL_OPTIONS) as channel:
                 reply = await stage_pb2_grpc.StageStub(channel).Ping(
                     stage_pb2.PingRequest(payload=payload),
                     timeout=self.settings.reachability_timeout_s,

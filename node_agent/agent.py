@@ -28,15 +28,13 @@ from node_agent.context import AgentContext
 from node_agent.data_plane import advertised_address, split_host_port, start_server
 from node_agent.mqtt_presence import MqttPresence
 from node_agent.rtt_probe import RttProber
-from protos import codec, identity
+from protos import identity
+from protos.dialing import DIAL_OPTIONS
 from protos.tessera.v1 import coordinator_pb2, coordinator_pb2_grpc, node_pb2, stage_pb2_grpc
 
 log = logging.getLogger(__name__)
 
-CHANNEL_OPTIONS = [
-    ("grpc.max_receive_message_length", codec.MAX_MESSAGE_BYTES),
-    ("grpc.max_send_message_length", codec.MAX_MESSAGE_BYTES),
-]
+CHANNEL_OPTIONS = DIAL_OPTIONS
 # A coordinator that acks only state changes leaves the stream silent for good, so silence
 # says nothing: HTTP/2 keepalive pings, answered by the coordinator's gRPC core without
 # waking its Python code, tell a live coordinator from a dead or hung one. A ping every

@@ -35,7 +35,7 @@ from typing import BinaryIO
 import grpc
 from tqdm import tqdm
 
-from protos import codec
+from protos.dialing import DIAL_OPTIONS
 from protos.tessera.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -140,13 +140,7 @@ class ShardFetcher:
         registers again, assign the new one to `fetcher.ticket`.
         """
         if isinstance(coordinator, str):
-            self._channel = grpc.aio.insecure_channel(
-                coordinator,
-                options=[
-                    ("grpc.max_receive_message_length", codec.MAX_MESSAGE_BYTES),
-                    ("grpc.max_send_message_length", codec.MAX_MESSAGE_BYTES),
-                ],
-            )
+            self._channel = grpc.aio.insecure_channel(coordinator, options=DIAL_OPTIONS)
             self._owns_channel = True
         else:
             self._channel = coordinator

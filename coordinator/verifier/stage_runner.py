@@ -18,14 +18,12 @@ from dataclasses import dataclass
 import grpc
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
-from protos import codec, identity
+from protos import identity
+from protos.dialing import DIAL_OPTIONS
 from protos.tessera.v1 import client_api_pb2, common_pb2, stage_pb2, stage_pb2_grpc
 
 TOKEN_TTL_S = 3600.0
-OPTIONS = [
-    ("grpc.max_receive_message_length", codec.MAX_MESSAGE_BYTES),
-    ("grpc.max_send_message_length", codec.MAX_MESSAGE_BYTES),
-]
+OPTIONS = DIAL_OPTIONS
 
 
 @dataclass(frozen=True)
