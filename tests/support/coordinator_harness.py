@@ -35,6 +35,9 @@ CHANNEL_OPTIONS = [
     ("grpc.max_receive_message_length", codec.MAX_MESSAGE_BYTES),
     # Twice the limit, so a test can send an oversized message and see the server refuse it.
     ("grpc.max_send_message_length", 2 * codec.MAX_MESSAGE_BYTES),
+    # As protos/dialing.py: a channel left over from an earlier test, to a server that had
+    # the same (recycled) port, must not lend its reconnect backoff to this one.
+    ("grpc.use_local_subchannel_pool", 1),
 ]
 
 
