@@ -42,7 +42,8 @@ from coordinator.services import (
     VerificationService,
 )
 from coordinator.settings import Settings
-from protos import codec, identity
+from protos import identity
+from protos.dialing import MESSAGE_LIMITS
 from protos.tessera.v1 import (
     admin_pb2_grpc,
     client_api_pb2_grpc,
@@ -54,8 +55,7 @@ from protos.tessera.v1 import (
 log = logging.getLogger(__name__)
 
 SERVER_OPTIONS = [
-    ("grpc.max_receive_message_length", codec.MAX_MESSAGE_BYTES),
-    ("grpc.max_send_message_length", codec.MAX_MESSAGE_BYTES),
+    *MESSAGE_LIMITS,
     # Two coordinators on one port would split the nodes between two registries: refuse.
     ("grpc.so_reuseport", 0),
     # Let agents ping us, to watch us and to keep NATs open (server_options pings them).

@@ -17,23 +17,17 @@ import grpc
 
 from node_agent.context import AgentContext
 from node_agent.plugins import load_plugin
-from protos import codec
+from protos.dialing import DATA_WINDOW, MESSAGE_LIMITS
 from protos.tessera.v1 import common_pb2, stage_pb2, stage_pb2_grpc, training_pb2_grpc
 
 log = logging.getLogger(__name__)
 
-# A 512-token prefill chunk of hidden size 4096 in float32 is 8 MiB.
-DATA_WINDOW_BYTES = 8 << 20
 SERVER_OPTIONS = [
-    ("grpc.max_receive_message_length", codec.MAX_MESSAGE_BYTES),
-    ("grpc.max_send_message_length", codec.MAX_MESSAGE_BYTES),
+    *MESSAGE_LIMITS,
     # gRPC shares ports by default; two agents on one --listen port would then split the
     # traffic between them silently. A busy port must be an error instead.
     ("grpc.so_reuseport", 0),
-    # No BDP-probing ping beside every reply of a decode stream: a fixed window instead,
-    # as large as a prefill chunk's hidden states (see client/channels.py).
-    ("grpc.http2.bdp_probe", 0),
-    ("grpc.http2.lookahead_bytes", DATA_WINDOW_BYTES),
+    *DATA_WINDOW,
 ]
 MAX_PING_PAYLOAD_BYTES = 1024 * 1024
 

@@ -29,19 +29,12 @@ from dataclasses import dataclass
 
 import grpc
 
-from node_agent.data_plane import DATA_WINDOW_BYTES
+from protos.dialing import DATA_WINDOW
 from protos.tessera.v1 import client_api_pb2, stage_pb2, stage_pb2_grpc
 
 log = logging.getLogger(__name__)
 
 MAX_RELAY_HOPS = 16
-# Links carry a decode stream's small messages and prefill chunks' large ones, as the
-# client's data channels do: a fixed window as large as a chunk, no BDP ping beside every
-# message (see client/channels.py).
-LINK_CHANNEL_OPTIONS = [
-    ("grpc.http2.bdp_probe", 0),
-    ("grpc.http2.lookahead_bytes", DATA_WINDOW_BYTES),
-]
 
 
 @dataclass(frozen=True)
@@ -378,7 +371,7 @@ class RelayLinks:
     """Outgoing node->node streams, per (session, address), on a channel per address."""
 
     def __init__(self, channel_options: Sequence[tuple[str, int]], limits: RelayLimits) -> None:
-        self._options = [*channel_options, *LINK_CHANNEL_OPTIONS]
+        self._options = [*channel_options, *DATA_WINDOW]
         self.limits = limits
         self._channels: dict[str, grpc.aio.Channel] = {}
         self._links: dict[tuple[str, str], _Link] = {}

@@ -1,4 +1,4 @@
-"""The gRPC channel options every component dials another with."""
+"""The gRPC options every component dials another with, and the data plane's window."""
 
 from __future__ import annotations
 
@@ -7,6 +7,18 @@ from protos import codec
 MESSAGE_LIMITS: list[tuple[str, int]] = [
     ("grpc.max_receive_message_length", codec.MAX_MESSAGE_BYTES),
     ("grpc.max_send_message_length", codec.MAX_MESSAGE_BYTES),
+]
+
+# A 512-token prefill chunk of hidden size 4096 in float32 is 8 MiB.
+DATA_WINDOW_BYTES = 8 << 20
+# gRPC sizes its receive window with a ping (BDP probe) when data arrives: on a decode
+# stream that is frames and thread wake-ups beside nearly every reply. A fixed window as
+# large as a prefill chunk's hidden states keeps big messages flowing without it (on
+# loopback a 4 KiB round trip measured ~15% faster; 2 MiB ones alike within noise). For
+# both ends of every data-plane stream: client, node server, node-to-node relay links.
+DATA_WINDOW: list[tuple[str, int]] = [
+    ("grpc.http2.bdp_probe", 0),
+    ("grpc.http2.lookahead_bytes", DATA_WINDOW_BYTES),
 ]
 
 # By default gRPC shares one connection per (address, options) among all the channels of
