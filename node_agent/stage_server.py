@@ -16,7 +16,8 @@ A node granted consecutive stages of a session serves them as one hop too.
 Push pipeline: a call with ``relay_to`` is also sent on, by this node, to the next hop of
 the route (every hop checked against the capability first); a call that arrives so
 (``relayed``) is answered on the session's ``Deliveries`` stream here instead of on its
-own stream. The machinery (outgoing links, subscriptions) lives in ``node_agent.relay``.
+own stream. The machinery (outgoing links, subscriptions) lives in ``node_agent.relay``. A
+hop to this very node (consecutive stages of the route here) is handed over in-process.
 """
 
 from __future__ import annotations
@@ -173,6 +174,7 @@ class StageServicer(stage_pb2_grpc.StageServicer):
         self._deliveries = DeliveryHub(self.limits.relay)
         self._relay = RelayLinks(ctx.channel_options, self.limits.relay)
         self._newest_step: dict[str, int] = {}
+        self._relays_here: set[asyncio.Task[None]] = set()  # hand-offs to this node itself
 
     # ---- RPCs -----------------------------------------------------------------------
 
@@ -536,7 +538,34 @@ class StageServicer(stage_pb2_grpc.StageServicer):
             relay_to=rest,
             relayed=True,
         )
-        await self._relay.send(hop.address, onward, stream.signed)
+        if hop.node_id == self._ctx.node_id:
+            self._relay_here(onward, stream)
+        else:
+            await self._relay.send(hop.address, onward, stream.signed)
+
+    def _relay_here(self, onward: stage_pb2.ForwardRequest, stream: _StreamState) -> None:
+        """The next hop is this very node (the route gave it consecutive stages): the call
+        is handed over in-process, as if it had come on a link, but without a round trip
+        through gRPC and the loopback, and still answered, signed and checked per stage."""
+        if len(self._relays_here) >= self.limits.relay.link_queue:
+            # As a full link does: the step is lost here, the client notices the missing
+            # delivery and sends it itself.
+            log.warning(
+                "dropped relayed step %d of %s: %d in-process hand-offs already wait",
+                onward.step, onward.session_id, len(self._relays_here),
+            )  # fmt: skip
+            return
+        # Its own stream state: the claims are the ones this call was checked with.
+        here = _StreamState(claims=stream.claims, signed=stream.signed)
+        task = asyncio.get_running_loop().create_task(self._relayed_here(onward, here))
+        self._relays_here.add(task)
+        task.add_done_callback(self._relays_here.discard)
+
+    async def _relayed_here(self, onward: stage_pb2.ForwardRequest, here: _StreamState) -> None:
+        try:
+            await self._relayed_one(onward, here)
+        except Exception:  # nobody awaits this task: its failure must at least be seen
+            log.exception("in-process relay of step %d failed", onward.step)
 
     def _decode_input(self, request: stage_pb2.ForwardRequest, shard: LoadedShard) -> np.ndarray:
         config = shard.config
@@ -822,6 +851,8 @@ class StageServicer(stage_pb2_grpc.StageServicer):
                 log.exception("idle session sweep failed")
 
     async def close(self) -> None:
+        for task in list(self._relays_here):
+            task.cancel()
         self._deliveries.close()
         await self._relay.close()
         if self._expiry_task is not None:

@@ -70,6 +70,28 @@ async def test_pushed_steps_match_the_whole_model(start_node, keys, checkpoint) 
     await driver.close()
 
 
+async def test_consecutive_stages_on_one_node_are_pushed_without_a_network_hop(
+    start_node, keys, checkpoint
+) -> None:
+    # Kept as separate stages (as when each is checked on its own): a hands the first
+    # stage's output to its second stage in-process, and answers both.
+    a = await start_node([(0, 2), (2, 3)])
+    c = await start_node([(3, 4)])
+    layout = [(0, 2, a, []), (2, 3, a, []), (3, 4, c, [])]
+    config = DriverConfig(merge_same_node_hops=False)
+    driver = PipelineDriver(session_grant(keys, layout), MODEL, config=config)
+    assert [(h.start, h.end) for h in driver.route] == [(0, 2), (2, 3), (3, 4)]
+
+    assert await greedy(driver, PROMPT, NEW_TOKENS) == reference_greedy(
+        checkpoint, PROMPT, NEW_TOKENS
+    )
+    assert driver.push_off is None
+    assert driver.pushed_steps == NEW_TOKENS
+    assert len(driver.receipts) == 3 * NEW_TOKENS  # every stage answered and signed
+    assert a.servicer._relay.links() == [(driver.session_id, c.address)]
+    await driver.close()
+
+
 async def test_a_node_killed_mid_push_fails_over(start_node, keys, checkpoint) -> None:
     a = await start_node([(0, 2)])
     b = await start_node([(2, 3)])

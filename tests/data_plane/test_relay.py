@@ -272,6 +272,81 @@ async def test_relayed_steps_match_hop_by_hop_and_the_full_model(
         await closable.close()
 
 
+async def test_a_hop_to_the_same_node_is_handed_over_in_process(
+    start_node, keys, checkpoint
+) -> None:
+    # a holds two consecutive stages of the route: its hand-off to itself never leaves
+    # the process, and it still answers, signs and counts that stage on its own.
+    a = await start_node([(0, 2), (2, 3)])
+    c = await start_node([(3, NUM_LAYERS)])
+    session_id = "s-same-node"
+    signed = capability(keys, session_id, [(a, 0, 2), (a, 2, 3), (c, 3, NUM_LAYERS)])
+    route = [relay_hop(a, 2, 3), relay_hop(c, 3, NUM_LAYERS)]
+    sub_a = await Subscription.open(a, session_id, signed)
+    sub_c = await Subscription.open(c, session_id, signed)
+    head = Stream(a)
+    generated: list[int] = []
+    inputs_of_second: list[tuple[np.ndarray, str]] = []
+    tokens, position = list(PROMPT), 0
+    for step in range(1, 6):
+        own = await head.send(
+            request(
+                session_id, step, 0, 2, ids(tokens),
+                start_pos=position,
+                relay_to=route,
+                last_position_only=True,
+                signed=signed if step == 1 else None,
+            )
+        )
+        second, last = await sub_a.next(), await sub_c.next()
+        assert (second.step, second.layers.start, second.layers.end) == (step, 2, 3)
+        assert (last.step, last.layers.start, last.layers.end) == (step, 3, NUM_LAYERS)
+        assert second.error_code == last.error_code == 0
+        verify_signed(a, session_id, own, 0, 2)
+        verify_signed(a, session_id, second.response, 2, 3)
+        verify_signed(c, session_id, last.response, 3, NUM_LAYERS)
+        # The second stage ran exactly the first stage's signed output.
+        inputs_of_second.append((decoded(own.output), own.output.dtype))
+        assert second.response.input_digest == output_check.prefix_digest(inputs_of_second)
+        assert second.response.cache_length == position + len(tokens)
+        position += len(tokens)
+        tokens = [int(np.argmax(decoded(last.response.output)[0, -1]))]
+        generated.append(tokens[0])
+    assert generated == reference_greedy(checkpoint, PROMPT, 5)
+    # No link from a to its own address: only the hop to c went over gRPC.
+    assert a.servicer._relay.links() == [(session_id, c.address)]
+    assert not a.servicer._relays_here  # every hand-off finished
+    for closable in (head, sub_a, sub_c):
+        await closable.close()
+
+
+async def test_in_process_hand_offs_are_bounded(start_node, keys) -> None:
+    # With no room for waiting hand-offs the step is dropped, as by a full link: nothing
+    # is delivered for it and the node goes on serving.
+    limits = StageLimits(relay=RelayLimits(link_queue=0))
+    a = await start_node([(0, 2), (2, NUM_LAYERS)], limits=limits)
+    session_id = "s-bounded"
+    signed = capability(keys, session_id, [(a, 0, 2), (a, 2, NUM_LAYERS)])
+    sub = await Subscription.open(a, session_id, signed)
+    head = Stream(a)
+    own = await head.send(
+        request(
+            session_id, 1, 0, 2, ids(PROMPT), relay_to=[relay_hop(a, 2, NUM_LAYERS)],
+            last_position_only=True, signed=signed,
+        )  # fmt: skip
+    )
+    assert own.cache_length == len(PROMPT)
+    with pytest.raises(TimeoutError):
+        await asyncio.wait_for(sub.call.read(), 0.5)
+    # The client sends the dropped step itself, and the node serves it.
+    answer = await head.send(
+        request(session_id, 1, 2, NUM_LAYERS, own.output, last_position_only=True)
+    )
+    assert answer.cache_length == len(PROMPT)
+    for closable in (head, sub):
+        await closable.close()
+
+
 async def test_the_own_answer_does_not_wait_for_the_next_hop(start_node, keys) -> None:
     nodes = await three_nodes(start_node)
     n0, n1, _ = nodes
