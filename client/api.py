@@ -20,6 +20,7 @@ import os
 import queue
 import threading
 import time
+from collections import deque
 from collections.abc import AsyncIterator, Callable, Coroutine, Iterator, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -42,7 +43,7 @@ from client.errors import (
 )
 from client.hedging import HedgeEvent
 from client.jobs import JobEvent, JobRunner, JobsApi, TrainingJob, TrainSpec
-from client.records import FailoverEvent, HopRecord, StageTiming
+from client.records import FailoverEvent, HopRecord, RollbackEvent, StageTiming
 from client.sampling import Sampler, SamplingParams
 from client.tokenizer import TextTokenizer, load_tokenizer
 from client.verification import StageVerifier, VerificationStats
@@ -108,6 +109,8 @@ class GenerationResult:
     # and why pushing stopped when it did (None: it never stopped).
     pushed_steps: int = 0
     push_off: str | None = None
+    # Deferred checks that rejected a primary and sent the generation back to a step.
+    rollbacks: list[RollbackEvent] = field(default_factory=list)
 
     @property
     def tokens_per_s(self) -> float:
@@ -163,7 +166,21 @@ class GenerationResult:
             "verification": self.verification.to_json() if self.verification else None,
             "pushed_steps": self.pushed_steps,
             "push_off": self.push_off,
+            "rollbacks": [r.to_json() for r in self.rollbacks],
         }
+
+
+@dataclass(frozen=True)
+class _Held:
+    """A sampled token not yet yielded: the step it came from (its start position), the
+    sampler's state before the draw (to draw again after a rollback), and where the
+    driver's timings and fail-overs stood before the step."""
+
+    position: int
+    token: int
+    sampler_state: dict[str, Any]
+    seen_timings: int
+    seen_failovers: int
 
 
 @dataclass(frozen=True)
@@ -296,45 +313,78 @@ class AsyncClient:
         )
         # The driver's own lists, which it appends to: nothing is copied per token.
         result.timings, result.failovers = driver.timings, driver.failovers
-        result.hedges = driver.hedges
+        result.hedges, result.rollbacks = driver.hedges, driver.rollbacks
         self.last_run = result
         decoder = handle.tokenizer.stream(prompt_ids) if handle.tokenizer else None
         began = time.monotonic()
         result.finish_reason = "error"
         try:
             next_input: list[int] = list(prompt_ids)
-            for index in range(max_new_tokens):
-                seen_timings, seen_failovers = len(driver.timings), len(driver.failovers)
-                logits = await driver.step(next_input, last_only=True)
-                token = sampler(logits[0])
-                if index == 0:
-                    result.first_token_s = time.monotonic() - began
-                result.token_ids.append(token)
-                piece = decoder.push(token) if decoder else ""
-                if result.text is not None:
-                    result.text += piece
-                if seen_failovers != len(driver.failovers):
-                    result.route = driver.route
-                result.wall_s = time.monotonic() - began
-                yield GeneratedToken(
-                    index=index,
-                    id=token,
-                    text=piece,
-                    stage_timings=tuple(driver.timings[seen_timings:]),
-                    failovers=tuple(driver.failovers[seen_failovers:]),
-                )
-                if (
-                    self.key is not None
-                    and self.settle_every
-                    and ((index + 1) % self.settle_every == 0)
-                ):
-                    await self._settle_periodically(driver, grant, result)
-                if stop_at_eos and token in handle.eos_ids:
-                    result.finish_reason = "eos"
+            defer = self.driver_config.defer_checks
+            # Sampled but not yet yielded: a token waits until every check of the steps
+            # it depends on has settled (DriverConfig.defer_checks).
+            held: deque[_Held] = deque()
+            finished = False
+            while True:
+                if not finished:
+                    seen_timings, seen_failovers = len(driver.timings), len(driver.failovers)
+                    position, state = driver.length, sampler.state
+                    logits = await driver.step(next_input, last_only=True, defer_checks=defer)
+                    token = sampler(logits[0])
+                    held.append(_Held(position, token, state, seen_timings, seen_failovers))
+                    finished = len(result.token_ids) + len(held) >= max_new_tokens or (
+                        stop_at_eos and token in handle.eos_ids
+                    )
+                rollback = await driver.settle_deferred(wait=finished)
+                if rollback is not None:
+                    # The step at rollback.start_pos was run again without the node a
+                    # check rejected: its token is drawn again, the ones after it are void.
+                    while held[-1].position > rollback.start_pos:
+                        held.pop()
+                    void = held.pop()
+                    assert void.position == rollback.start_pos, "a settled token was rolled back"
+                    sampler.state = void.sampler_state
+                    token = sampler(rollback.logits[0])
+                    held.append(_Held(void.position, token, void.sampler_state,
+                                      void.seen_timings, void.seen_failovers))  # fmt: skip
+                    finished = len(result.token_ids) + len(held) >= max_new_tokens or (
+                        stop_at_eos and token in handle.eos_ids
+                    )
+                    next_input = [token]
+                    continue
+                unsettled = driver.unsettled_from()
+                while held and (unsettled is None or held[0].position < unsettled):
+                    ready = held.popleft()
+                    index = len(result.token_ids)
+                    if index == 0:
+                        result.first_token_s = time.monotonic() - began
+                    result.token_ids.append(ready.token)
+                    piece = decoder.push(ready.token) if decoder else ""
+                    if result.text is not None:
+                        result.text += piece
+                    if ready.seen_failovers != len(driver.failovers):
+                        result.route = driver.route
+                    result.wall_s = time.monotonic() - began
+                    yield GeneratedToken(
+                        index=index,
+                        id=ready.token,
+                        text=piece,
+                        stage_timings=tuple(driver.timings[ready.seen_timings :]),
+                        failovers=tuple(driver.failovers[ready.seen_failovers :]),
+                    )
+                    if (
+                        self.key is not None
+                        and self.settle_every
+                        and ((index + 1) % self.settle_every == 0)
+                    ):
+                        await self._settle_periodically(driver, grant, result)
+                if finished and not held:
+                    last = result.token_ids[-1]
+                    result.finish_reason = (
+                        "eos" if stop_at_eos and last in handle.eos_ids else "length"
+                    )
                     break
                 next_input = [token]
-            else:
-                result.finish_reason = "length"
             if decoder is not None and result.text is not None:
                 result.text += decoder.flush()
         finally:

@@ -25,6 +25,14 @@ of several; the node's capability grants it every one of them). When such a merg
 fails it is split back into its stages, each with its own alternates, before the replay.
 Under verification a run is merged only when some independent replica of every one of
 its stages can check the merged span: otherwise the merged hop could never be checked.
+
+Sampled checks (client/verification.py) run beside the pipeline. A step settles them
+before it returns, unless the caller defers them (``step(defer_checks=True)``, what
+``Client.generate`` does): the step then returns at once and the checks settle later
+(``settle_deferred``); when one rejects a primary, the session goes back to that step,
+runs it again without the node, and the caller starts over from its corrected logits
+(``Rollback``). A checker slower than the primary then costs the pipeline nothing, and the
+caller still uses nothing a check has not passed before it leaves the library.
 """
 
 from __future__ import annotations
@@ -45,7 +53,7 @@ from client.channels import ChannelPool
 from client.deliveries import DeliveryLost, Subscription, Subscriptions
 from client.errors import PipelineError, RequestRejected
 from client.hedging import HedgeEvent, hedge_delay, percentile, race
-from client.records import FailoverEvent, HopRecord, Receipt, StageTiming
+from client.records import FailoverEvent, HopRecord, Receipt, RollbackEvent, StageTiming
 from client.route_history import RouteHistory, Span, covers
 from client.step_reports import SendReport, StepReporter
 from client.verification import NodeRejected, PendingCheck, StageVerifier
@@ -107,6 +115,11 @@ class DriverConfig:
     # A node whose subscription failed (gone, restarting, overloaded) is driven hop by hop
     # for this many steps, then asked again.
     push_retry_steps: int = 32
+    # Client.generate goes on to the next token while a step's sampled checks still run,
+    # and yields a token only once every check it depends on has settled (a rejection
+    # rolls the generation back to that step): a checker slower than the primary no
+    # longer holds up the pipeline. False settles every step's checks before the next.
+    defer_checks: bool = True
 
 
 @dataclass(frozen=True)
@@ -170,6 +183,29 @@ class _Unsettled:
     pending: PendingCheck
 
 
+@dataclass
+class _Deferred:
+    """A step that returned before its sampled checks settled (``step(defer_checks=True)``)."""
+
+    start_pos: int
+    ids: np.ndarray
+    last_only: bool
+    checks: list[_Unsettled]
+
+
+@dataclass(frozen=True)
+class Rollback:
+    """A deferred check rejected a primary: the step at ``start_pos`` was run again
+    without it, ``logits`` are its corrected output, and everything the caller derived
+    from that step's first answer (the token it sampled, and every step after) is void.
+    The session now holds ``length`` positions."""
+
+    start_pos: int
+    length: int
+    logits: np.ndarray
+    event: RollbackEvent
+
+
 class PipelineDriver:
     """Drives one session. Use from one event loop; calls to ``step`` must not overlap."""
 
@@ -219,6 +255,7 @@ class PipelineDriver:
         self.failovers: list[FailoverEvent] = []
         self.receipts: list[Receipt] = []
         self.hedges: list[HedgeEvent] = []
+        self.rollbacks: list[RollbackEvent] = []  # steps a deferred check sent back
         # Nodes a hedge found slow: never hedged on or asked to check again this session.
         self._demoted: set[str] = set()
         self.usage = UsageBook()  # tokens sent per hop and the nodes' usage receipts
@@ -231,6 +268,8 @@ class PipelineDriver:
         self._unpushable: dict[str, int] = {}
         # This chunk's calls whose checks are still running, in pipeline order.
         self._unsettled: list[_Unsettled] = []
+        # Steps returned before their checks settled, oldest first (settle_deferred).
+        self._deferred: deque[_Deferred] = deque()
         self._reporter = (
             StepReporter(
                 self.session_id,
@@ -263,6 +302,7 @@ class PipelineDriver:
         start_pos: int | None = None,
         *,
         last_only: bool = False,
+        defer_checks: bool = False,
     ) -> np.ndarray:
         """Run token ids through the pipeline and return float32 logits.
 
@@ -271,6 +311,13 @@ class PipelineDriver:
         a prefill's full logits would cost vocab x 4 bytes per token). ``start_pos``
         defaults to appending; an earlier position rolls every hop back first
         (speculative decoding, retries).
+
+        With ``defer_checks`` (a step of one chunk) the logits come back as soon as the
+        pipeline answered, signatures checked, while its sampled checks still run: a
+        checker slower than the primary then no longer holds up the next step. The caller
+        must treat what it derives from these logits as provisional until
+        ``settle_deferred`` has settled the step (``unsettled_from``), and start over from
+        a ``Rollback`` it returns.
         """
         ids = self._check_tokens(token_ids)
         start = self._length if start_pos is None else start_pos
@@ -293,9 +340,10 @@ class PipelineDriver:
         self._replayed_this_step.clear()
         outputs: list[np.ndarray] = []
         chunk = self._chunk_tokens(ids.shape[0], last_only)
+        defer = defer_checks and ids.shape[1] <= chunk
         for offset in range(0, ids.shape[1], chunk):
             piece = ids[:, offset : offset + chunk]
-            logits = await self._walk(start + offset, piece, last_only)
+            logits = await self._walk(start + offset, piece, last_only, defer=defer)
             outputs.append(logits[:, -1] if last_only else logits)
         self._length = total
         self._history_clean = True
@@ -303,8 +351,83 @@ class PipelineDriver:
             return outputs[-1]
         return outputs[0] if len(outputs) == 1 else np.concatenate(outputs, axis=1)
 
+    def unsettled_from(self) -> int | None:
+        """The start position of the oldest step whose checks were deferred and have not
+        settled (None: every step so far is settled). What the caller derived from a step
+        that starts at or after it is still provisional."""
+        return self._deferred[0].start_pos if self._deferred else None
+
+    async def settle_deferred(self, *, wait: bool) -> Rollback | None:
+        """Settle deferred steps oldest first: those whose checks have all answered, or
+        (``wait``) all of them. None when every settled check agreed. When one rejected a
+        primary, the node is replaced, that step is run again from the corrected output
+        (the checks of the steps after it are dropped, their work is void) and the
+        ``Rollback`` says where the caller must start over."""
+        while self._deferred:
+            entry = self._deferred[0]
+            if not wait and not all(c.pending.task.done() for c in entry.checks):
+                return None
+            self._deferred.popleft()
+            self._unsettled = entry.checks
+            rejected = await self._settle_checks()
+            if rejected is not None:
+                return await self._roll_back(entry, rejected)
+        return None
+
+    async def _roll_back(
+        self, entry: _Deferred, rejected: tuple[_Unsettled, HopFailure]
+    ) -> Rollback:
+        for later in self._deferred:
+            for unsettled in later.checks:
+                unsettled.pending.cancel()
+        self._deferred.clear()
+        length = entry.start_pos + int(entry.ids.shape[1])
+        event = RollbackEvent(
+            position=entry.start_pos,
+            rejected_node_id=rejected[0].hop.node_id,
+            discarded_positions=self._length - length,
+            reason=str(rejected[1]),
+        )
+        self.rollbacks.append(event)
+        log.warning(
+            "a check of the step at position %d rejected node %s; %d positions computed "
+            "after it are discarded and the step runs again without it",
+            entry.start_pos, event.rejected_node_id, event.discarded_positions,
+        )  # fmt: skip
+        # Every hop's inputs after that step go; the step's own stay, for the replay.
+        self._history.rollback(length)
+        self._history_clean = False
+        self._failovers_this_step = 0
+        self._replayed_this_step.clear()
+        slot = self._slots[self._index_at(rejected[0].span.start)]
+        try:
+            if slot.span == rejected[0].span and slot.hop.node_id == rejected[0].hop.node_id:
+                out, _ = await self._redo_after(rejected, entry.start_pos, entry.last_only)
+            else:
+                # The node has left the route since (a fail-over): the step runs again
+                # from the first stage, through what the route is now.
+                self._excluded.add(rejected[0].hop.node_id)
+                out, _ = await self._run_through(
+                    0, self.shape.num_layers, entry.start_pos, entry.ids, "int64",
+                    self._next_step(), last_only=entry.last_only,
+                )  # fmt: skip
+            while (again := await self._settle_checks()) is not None:
+                out, _ = await self._redo_after(again, entry.start_pos, entry.last_only)
+        finally:
+            for unsettled in self._unsettled:
+                unsettled.pending.cancel()
+            self._unsettled.clear()
+        self._length = length
+        self._history_clean = True
+        logits = out[:, -1] if entry.last_only else out
+        return Rollback(entry.start_pos, length, logits, event)
+
     async def close(self) -> None:
         """End the session on every node that served it (best effort) and close streams."""
+        for entry in self._deferred:
+            for unsettled in entry.checks:
+                unsettled.pending.cancel()
+        self._deferred.clear()
         for slot in self._slots:
             slot.close_stream()
         self._subscriptions.close()
@@ -328,14 +451,17 @@ class PipelineDriver:
 
     # ---- the walk -------------------------------------------------------------------
 
-    async def _walk(self, start_pos: int, ids: np.ndarray, last_only: bool) -> np.ndarray:
+    async def _walk(
+        self, start_pos: int, ids: np.ndarray, last_only: bool, *, defer: bool = False
+    ) -> np.ndarray:
         """One chunk of token ids through the whole route: its logits.
 
         Every reply's signature is checked before its output goes on. A call drawn for a
         redundant check is compared once its checker answers, which may be after the
         pipeline went on: all of them are settled before the logits are returned, so a
         primary that loses is still replaced (and everything after it re-run from its
-        corrected output) before the client uses anything.
+        corrected output) before the client uses anything. With ``defer`` they are kept
+        for ``settle_deferred`` instead.
         """
         try:
             step = self._next_step()
@@ -349,6 +475,9 @@ class PipelineDriver:
                 out, dtype = await self._run_through(
                     0, self.shape.num_layers, start_pos, ids, "int64", step, last_only=last_only
                 )
+            if defer and self._unsettled:
+                self._deferred.append(_Deferred(start_pos, ids, last_only, self._unsettled))
+                self._unsettled = []
             while (rejected := await self._settle_checks()) is not None:
                 out, dtype = await self._redo_after(rejected, start_pos, last_only)
         finally:

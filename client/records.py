@@ -63,6 +63,22 @@ class FailoverEvent:
 
 
 @dataclass(frozen=True)
+class RollbackEvent:
+    """A deferred check rejected a primary after the generation had gone on past the step
+    it checked: the session went back to that step and ran it again without the node."""
+
+    position: int  # sequence position of the step's first token
+    rejected_node_id: str
+    # Positions computed past the step (on the rejected node's output, or just beyond
+    # it) and thrown away; 0 when the check settled before the next step began.
+    discarded_positions: int
+    reason: str
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
 class Receipt:
     """A node's signature over one output; the ledger and verifier consume these."""
 

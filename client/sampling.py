@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -29,6 +30,15 @@ class Sampler:
 
     def __call__(self, logits: np.ndarray) -> int:
         return sample(logits, self.params, self._rng)
+
+    @property
+    def state(self) -> dict[str, Any]:
+        """Where the draws stand: set it back to draw the same token again (a rollback)."""
+        return self._rng.bit_generator.state
+
+    @state.setter
+    def state(self, value: dict[str, Any]) -> None:
+        self._rng.bit_generator.state = value
 
 
 def sample(logits: np.ndarray, params: SamplingParams, rng: np.random.Generator) -> int:

@@ -15,7 +15,9 @@ pair (protos.output_check). Agreements are reported in batches; a mismatch is re
 once, with both signed outputs and the input prefix, and the coordinator's arbiter
 decides. A primary that loses is rejected, so the driver fails over and replays on
 another node: the client never keeps a wrong output, and greedy output equals an honest
-run.
+run. (Client.generate lets the pipeline run ahead of the checks and holds each token back
+until the checks it depends on have settled; a rejection rolls the generation back to the
+step it concerned: client/driver.py.)
 """
 
 from __future__ import annotations

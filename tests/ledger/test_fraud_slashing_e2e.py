@@ -30,6 +30,7 @@ from support.market import (
     earnings_cli,
     funded_client,
     generate,
+    idle,
     make_market_checkpoint,
     paid_by_node,
     running_market,
@@ -73,6 +74,12 @@ def market(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalSwarm]:
         yield swarm
 
 
+def wait_until_idle(market: LocalSwarm) -> None:
+    # The route is cheapest first only while no node carries load from the last session.
+    with Client(market.address) as client:
+        wait_for(lambda: idle(client), "every node's heartbeat to report no session")
+
+
 def charge(name: str, tokens: int = TOKENS) -> int:
     return tokens * LAYERS * PRICES[name] // 1000
 
@@ -102,6 +109,7 @@ def test_a_node_proven_wrong_is_slashed_and_the_client_refunded(market: LocalSwa
     assert int(again["available"]) == honest_share - STAKE
 
     # 2. Still honest: these earnings are pending when it turns bad.
+    wait_until_idle(market)
     second = generate(market, key, prefer="cheap")
     assert [h.node_id for h in second.route] == [cheater]
     assert second.settlement is not None and second.settlement.charged == honest_share
@@ -110,7 +118,9 @@ def test_a_node_proven_wrong_is_slashed_and_the_client_refunded(market: LocalSwa
     # 3. Bravo now signs wrong outputs. Its first one is checked, arbitrated, convicted.
     (market.workdir / "cheat-now").touch()
     balance_before = int(balance_cli(market)["available"])
+    wait_until_idle(market)
     bad = generate(market, key, prefer="cheap")
+    assert [h.node_id for h in bad.initial_route] == [cheater]
     assert bad.verification is not None
     outcomes = [v.outcome for v in bad.verification.verdicts]
     assert verification_pb2.Verdict.PRIMARY_WRONG in outcomes, outcomes
@@ -119,12 +129,17 @@ def test_a_node_proven_wrong_is_slashed_and_the_client_refunded(market: LocalSwa
     taker = names[hop.node_id]
     assert taker != CHEATER
     # The close carried bravo's receipt of the bad prefill, counter-signed: it is refused
-    # by the ledger (rejected work), so the client pays only the honest node.
+    # by the ledger (rejected work), so the client pays only the honest node. Checks are
+    # deferred: bravo may have run decode steps past its prefill before the conviction
+    # came in (the rollback discarded them); the client sent those, so they are counted.
+    [rollback] = bad.rollbacks
+    assert (rollback.position, rollback.rejected_node_id) == (0, cheater)
     receipts = {
         ledger_pb2.UsageReceipt.FromString(u.receipt).node_id: u.billed_tokens
         for u in bad.close_request.usage
     }
-    assert receipts == {cheater: len(PROMPT), hop.node_id: TOKENS}
+    sent_to_cheater = len(PROMPT) + rollback.discarded_positions
+    assert receipts == {cheater: sent_to_cheater, hop.node_id: TOKENS}
     # The taker is dearer than bravo, and a cheap route's escrow holds bravo's price: the
     # escrow caps what the fail-over can cost the client.
     taken = min(charge(taker), bad.quote)

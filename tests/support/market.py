@@ -122,6 +122,16 @@ def serves(client: Client, node_id: str) -> bool:
     )
 
 
+def idle(client: Client) -> bool:
+    """No node's last heartbeat reports a session or a queued call. The router adds that
+    load to a node's cost, and a heartbeat may still count a session that just ended: a
+    test that asserts which node a new session's route starts with waits for this."""
+    return all(
+        n.telemetry.active_sessions == 0 and n.telemetry.queue_length == 0
+        for n in client.nodes()
+    )
+
+
 def price_of(market: LocalSwarm, node_id: str) -> int:
     return PRICES[market.node(node_id).name]
 

@@ -1,0 +1,168 @@
+"""Deferred checks: Client.generate goes on while a step's checks run, and rolls back.
+
+Real stage servers on loopback (see stage_harness) with the in-test coordinator; every
+call is checked (probability 1) and the checkers answer checks slowly, as a slower card
+would. The generation must not wait for them, must yield a token only once the checks it
+depends on have settled, and when a check rejects the primary of a step the pipeline has
+already gone past, must go back to that step: the output equals the whole model's, for
+greedy decoding and for seeded sampling alike.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+from data_plane.stage_harness import (
+    MODEL,
+    NUM_LAYERS,
+    BackgroundLoop,
+    CoordinatorKeys,
+    FakeCoordinator,
+    StageNode,
+    reference_greedy,
+    reference_logits,
+)
+from verification.test_driver_verification import keyed
+
+from client import Client
+from client.driver import DriverConfig
+from client.sampling import Sampler, SamplingParams
+from node_agent import failpoints
+from node_agent.stage_server import StageServicer
+
+PROMPT = [1, 5, 9, 13, 20]
+NEW_TOKENS = 12
+CHECK_DELAY_S = 0.3  # far longer than a step of the tiny model
+
+
+class SlowChecker(StageServicer):
+    """Honest, but answers the calls it runs as a checker only after a while."""
+
+    async def _forward_one(self, request, stream):
+        if request.background:
+            await asyncio.sleep(CHECK_DELAY_S)
+        return await super()._forward_one(request, stream)
+
+
+class CheckedCoordinator(FakeCoordinator):
+    """Grants what a real coordinator grants for verification: node keys, accounts, and a
+    check probability of 1 for every node."""
+
+    def __init__(self, keys, checkpoint, layout, nodes) -> None:
+        super().__init__(keys, checkpoint, layout)
+        self.nodes = nodes
+
+    async def OpenSession(self, request, context):  # noqa: N802
+        grant = await super().OpenSession(request, context)
+        accounts = {n.node_id: f"operator-{i}" for i, n in enumerate(self.nodes)}
+        return keyed(self.keys, grant, self.nodes, accounts, 1.0)
+
+
+@dataclass
+class Swarm:
+    address: str
+    cheater: StageNode
+    checkpoint: Path
+
+
+@pytest.fixture
+def swarm(
+    checkpoint: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> Iterator[Swarm]:
+    loop = BackgroundLoop()
+    keys = CoordinatorKeys()
+
+    async def start() -> tuple[CheckedCoordinator, list[StageNode]]:
+        def node(name: str, shards: list[tuple[int, int]], **options) -> StageNode:
+            return StageNode.start(
+                checkpoint, keys.public, shards, data_dir=tmp_path / name, **options
+            )
+
+        # The first stage's primary corrupts 30% of its outputs (the failpoint is read
+        # when its servicer starts); its replicas check, slowly.
+        monkeypatch.setenv(failpoints.ENV_VAR, "corrupt=0.3,seed=1")
+        cheater = await node("cheater", [(0, 2)])
+        monkeypatch.delenv(failpoints.ENV_VAR)
+        honest = [await node(f"honest{i}", [(0, 2)], servicer_class=SlowChecker) for i in (1, 2)]
+        last = [await node(f"last{i}", [(2, NUM_LAYERS)], servicer_class=SlowChecker)
+                for i in (1, 2)]  # fmt: skip
+        layout = [(0, 2, cheater, honest), (2, NUM_LAYERS, last[0], [last[1]])]
+        coordinator = CheckedCoordinator(keys, checkpoint, layout, [cheater, *honest, *last])
+        await coordinator.start()
+        return coordinator, [cheater, *honest, *last]
+
+    coordinator, nodes = loop.run(start())
+    yield Swarm(f"127.0.0.1:{coordinator.port}", nodes[0], checkpoint)
+
+    async def stop() -> None:
+        await coordinator.stop()
+        for n in nodes:
+            await n.stop()
+
+    loop.run(stop())
+    loop.close()
+
+
+def sampled_reference(checkpoint: Path, params: SamplingParams, new_tokens: int) -> list[int]:
+    """Seeded sampling over the whole model's logits, one token at a time."""
+    sampler, ids = Sampler(params), list(PROMPT)
+    for _ in range(new_tokens):
+        ids.append(sampler(reference_logits(checkpoint, ids)[-1]))
+    return ids[len(PROMPT) :]
+
+
+def test_a_check_that_rejects_a_past_step_rolls_the_generation_back(swarm: Swarm) -> None:
+    with Client(swarm.address, timeout_s=60) as client:
+        result = client.generate_all(
+            MODEL, token_ids=PROMPT, max_new_tokens=NEW_TOKENS, stop_at_eos=False
+        )
+    assert result.token_ids == reference_greedy(swarm.checkpoint, PROMPT, NEW_TOKENS)
+    assert result.finish_reason == "length"
+    # The pipeline went on past a step whose check later rejected the cheater.
+    assert result.rollbacks, "no check ever rejected the cheater"
+    assert all(r.rejected_node_id == swarm.cheater.node_id for r in result.rollbacks)
+    assert any(r.discarded_positions > 0 for r in result.rollbacks)
+    assert swarm.cheater.node_id not in {hop.node_id for hop in result.route}
+    assert result.verification is not None and result.verification.mismatches >= 1
+
+
+def test_seeded_sampling_draws_the_same_tokens_after_a_rollback(swarm: Swarm) -> None:
+    params = SamplingParams(temperature=0.9, top_p=0.95, seed=11)
+    with Client(swarm.address, timeout_s=60) as client:
+        result = client.generate_all(
+            MODEL, token_ids=PROMPT, max_new_tokens=NEW_TOKENS, stop_at_eos=False,
+            temperature=params.temperature, top_p=params.top_p, seed=params.seed,
+        )  # fmt: skip
+    assert result.rollbacks
+    assert result.token_ids == sampled_reference(swarm.checkpoint, params, NEW_TOKENS)
+
+
+def test_tokens_stream_only_once_their_checks_settled(swarm: Swarm) -> None:
+    # Every call is checked and each check takes CHECK_DELAY_S, so no token can be
+    # yielded before the first check answered: the stream lags the pipeline, never
+    # runs ahead of its checks.
+    with Client(swarm.address, timeout_s=60) as client:
+        tokens = list(
+            client.generate(MODEL, token_ids=PROMPT, max_new_tokens=4, stop_at_eos=False)
+        )
+        result = client.last_run
+    assert result is not None
+    assert result.first_token_s >= CHECK_DELAY_S
+    assert [t.id for t in tokens] == reference_greedy(swarm.checkpoint, PROMPT, 4)
+    assert [t.index for t in tokens] == [0, 1, 2, 3]
+
+
+def test_checks_can_be_settled_step_by_step_instead(swarm: Swarm) -> None:
+    config = DriverConfig(defer_checks=False)
+    with Client(swarm.address, timeout_s=60, driver_config=config) as client:
+        result = client.generate_all(
+            MODEL, token_ids=PROMPT, max_new_tokens=NEW_TOKENS, stop_at_eos=False
+        )
+    assert result.token_ids == reference_greedy(swarm.checkpoint, PROMPT, NEW_TOKENS)
+    assert result.rollbacks == []  # every step waited for its checks: nothing to undo
+    assert any(f.failed_node_id == swarm.cheater.node_id for f in result.failovers)
+
