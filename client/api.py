@@ -682,7 +682,13 @@ class Client:
         *,
         stop_at_eos: bool = True,
     ) -> Iterator[GeneratedToken]:
-        """Yield tokens as they are generated; see ``AsyncClient.generate``."""
+        """Yield tokens as they are generated; see ``AsyncClient.generate``.
+
+        The generation runs on the client's loop thread on its own: the next step starts as
+        soon as a token is out, not when the caller asks for it, so a caller that takes its
+        time with each token (printing, a UI) does not slow the pipeline. Leaving the loop
+        early (``break``, an exception, Ctrl-C) stops the generation and ends its session.
+        """
         stream = self._async.generate(
             model,
             prompt=prompt,
@@ -693,19 +699,37 @@ class Client:
             seed=seed,
             stop_at_eos=stop_at_eos,
         )
+        # At most max_new_tokens items and an end mark: it cannot grow without bound.
+        out: queue.SimpleQueue[tuple[GeneratedToken | None, BaseException | None]] = (
+            queue.SimpleQueue()
+        )
+        ended = threading.Event()
 
-        async def next_token() -> GeneratedToken:
-            return await stream.__anext__()
+        async def pump() -> None:
+            try:
+                async for token in stream:
+                    out.put((token, None))
+                out.put((None, None))
+            except BaseException as err:  # handed to the caller's thread, as it was raised
+                out.put((None, err))
+                raise
+            finally:
+                await stream.aclose()
+                ended.set()
 
+        future = asyncio.run_coroutine_threadsafe(pump(), self._loop.loop)
         try:
             while True:
-                try:
-                    token = self._loop.run(next_token())
-                except StopAsyncIteration:
+                token, error = out.get()
+                if error is not None:
+                    raise error
+                if token is None:
                     return
                 yield token
         finally:
-            self._loop.run(stream.aclose())
+            if not future.done():
+                future.cancel()  # the generation's own cleanup ends its session
+            ended.wait(timeout=30.0)
 
     def generate_all(self, model: str, **kwargs: Any) -> GenerationResult:
         for _ in self.generate(model, **kwargs):

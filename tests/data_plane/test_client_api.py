@@ -7,6 +7,7 @@ is the in-test FakeCoordinator serving the ClientApi calls from a fixed layout.
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -125,6 +126,23 @@ def test_stopping_early_still_closes_the_session(swarm: Swarm) -> None:
         next(stream)
         stream.close()
     assert len(swarm.coordinator.closed) == 1
+    assert swarm.active_sessions() == 0
+
+
+def test_the_generation_does_not_wait_for_the_caller(swarm: Swarm) -> None:
+    # The caller holds on to its first token; meanwhile the pipeline goes on, and every
+    # token is there when the caller comes back for the rest.
+    expected = reference_greedy(swarm.checkpoint, [1, 2, 3], 8)
+    with Client(swarm.address) as client:
+        stream = client.generate(MODEL, token_ids=[1, 2, 3], max_new_tokens=8, stop_at_eos=False)
+        first = next(stream)
+        run = client.last_run
+        assert run is not None
+        deadline = time.monotonic() + 30
+        while len(run.token_ids) < 8 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert run.token_ids == expected  # all generated before the caller asked again
+        assert [first.id, *(t.id for t in stream)] == expected
     assert swarm.active_sessions() == 0
 
 
