@@ -246,8 +246,11 @@ def local_steps(model: StageModel, prompt_ids: list[int], tokens: int) -> Iterat
 
 
 def swarm_steps(client: Client, prompt_ids: list[int], tokens: int) -> Iterator[int]:
-    """Greedy decoding through the swarm with the client library, as a user would."""
-    stream = client.generate(MODEL, token_ids=prompt_ids, max_new_tokens=tokens, stop_at_eos=False)
+    """Greedy decoding through the swarm with the client library, as a user would; each
+    step starts when its turn comes (run_ahead=False), never while another run computes."""
+    stream = client.generate(
+        MODEL, token_ids=prompt_ids, max_new_tokens=tokens, stop_at_eos=False, run_ahead=False
+    )
     for token in stream:
         yield token.id
 

@@ -681,13 +681,17 @@ class Client:
         seed: int | None = None,
         *,
         stop_at_eos: bool = True,
+        run_ahead: bool = True,
     ) -> Iterator[GeneratedToken]:
         """Yield tokens as they are generated; see ``AsyncClient.generate``.
 
         The generation runs on the client's loop thread on its own: the next step starts as
         soon as a token is out, not when the caller asks for it, so a caller that takes its
-        time with each token (printing, a UI) does not slow the pipeline. Leaving the loop
-        early (``break``, an exception, Ctrl-C) stops the generation and ends its session.
+        time with each token (printing, a UI) does not slow the pipeline. With
+        ``run_ahead=False`` each step starts only when the caller asks for its token (for
+        a caller that times tokens one by one while other work takes turns with it, as
+        bench/inference.py does). Leaving the loop early (``break``, an exception, Ctrl-C)
+        stops the generation and ends its session either way.
         """
         stream = self._async.generate(
             model,
@@ -699,6 +703,9 @@ class Client:
             seed=seed,
             stop_at_eos=stop_at_eos,
         )
+        if not run_ahead:
+            yield from self._on_demand(stream)
+            return
         # At most max_new_tokens items and an end mark: it cannot grow without bound.
         out: queue.SimpleQueue[tuple[GeneratedToken | None, BaseException | None]] = (
             queue.SimpleQueue()
@@ -730,6 +737,20 @@ class Client:
             if not future.done():
                 future.cancel()  # the generation's own cleanup ends its session
             ended.wait(timeout=30.0)
+
+    def _on_demand(self, stream: AsyncIterator[GeneratedToken]) -> Iterator[GeneratedToken]:
+        async def next_token() -> GeneratedToken:
+            return await anext(stream)
+
+        try:
+            while True:
+                try:
+                    token = self._loop.run(next_token())
+                except StopAsyncIteration:
+                    return
+                yield token
+        finally:
+            self._loop.run(stream.aclose())  # type: ignore[attr-defined]
 
     def generate_all(self, model: str, **kwargs: Any) -> GenerationResult:
         for _ in self.generate(model, **kwargs):

@@ -146,6 +146,20 @@ def test_the_generation_does_not_wait_for_the_caller(swarm: Swarm) -> None:
     assert swarm.active_sessions() == 0
 
 
+def test_without_run_ahead_each_step_waits_for_the_caller(swarm: Swarm) -> None:
+    expected = reference_greedy(swarm.checkpoint, [1, 2, 3], 4)
+    with Client(swarm.address) as client:
+        stream = client.generate(
+            MODEL, token_ids=[1, 2, 3], max_new_tokens=4, stop_at_eos=False, run_ahead=False
+        )
+        first = next(stream)
+        time.sleep(0.3)  # ample time for the next steps, were they running
+        run = client.last_run
+        assert run is not None and run.token_ids == [first.id]
+        assert [first.id, *(t.id for t in stream)] == expected
+    assert swarm.active_sessions() == 0
+
+
 def test_directory_calls_and_unknown_models(swarm: Swarm) -> None:
     with Client(swarm.address) as client:
         assert len(client.nodes()) == 3
