@@ -15,6 +15,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+import grpc
 import pytest
 from data_plane.stage_harness import (
     MODEL,
@@ -32,7 +33,7 @@ from client import Client
 from client.driver import DriverConfig
 from client.sampling import Sampler, SamplingParams
 from node_agent import failpoints
-from node_agent.stage_server import StageServicer
+from node_agent.stage_server import StageError, StageServicer
 
 PROMPT = [1, 5, 9, 13, 20]
 NEW_TOKENS = 12
@@ -69,9 +70,27 @@ class Swarm:
     checkpoint: Path
 
 
-@pytest.fixture
-def swarm(
-    checkpoint: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+class CorruptsThenDies(StageServicer):
+    """Its first pipeline call's output is corrupted (its failpoint), then it is gone: every
+    later pipeline call is refused as by a node that went away."""
+
+    calls = 0
+
+    async def _forward_one(self, request, stream):
+        if not request.background:
+            self.calls += 1
+            if self.calls > 1:
+                raise StageError(grpc.StatusCode.UNAVAILABLE, "this node is shutting down")
+        return await super()._forward_one(request, stream)
+
+
+def start_swarm(
+    checkpoint: Path,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    *,
+    corrupt: str = "0.3",
+    cheater_class: type[StageServicer] = StageServicer,
 ) -> Iterator[Swarm]:
     loop = BackgroundLoop()
     keys = CoordinatorKeys()
@@ -82,10 +101,10 @@ def swarm(
                 checkpoint, keys.public, shards, data_dir=tmp_path / name, **options
             )
 
-        # The first stage's primary corrupts 30% of its outputs (the failpoint is read
+        # The first stage's primary corrupts some of its outputs (the failpoint is read
         # when its servicer starts); its replicas check, slowly.
-        monkeypatch.setenv(failpoints.ENV_VAR, "corrupt=0.3,seed=1")
-        cheater = await node("cheater", [(0, 2)])
+        monkeypatch.setenv(failpoints.ENV_VAR, f"corrupt={corrupt},seed=1")
+        cheater = await node("cheater", [(0, 2)], servicer_class=cheater_class)
         monkeypatch.delenv(failpoints.ENV_VAR)
         honest = [await node(f"honest{i}", [(0, 2)], servicer_class=SlowChecker) for i in (1, 2)]
         last = [await node(f"last{i}", [(2, NUM_LAYERS)], servicer_class=SlowChecker)
@@ -105,6 +124,13 @@ def swarm(
 
     loop.run(stop())
     loop.close()
+
+
+@pytest.fixture
+def swarm(
+    checkpoint: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> Iterator[Swarm]:
+    yield from start_swarm(checkpoint, tmp_path, monkeypatch)
 
 
 def sampled_reference(checkpoint: Path, params: SamplingParams, new_tokens: int) -> list[int]:
@@ -166,3 +192,31 @@ def test_checks_can_be_settled_step_by_step_instead(swarm: Swarm) -> None:
     assert result.rollbacks == []  # every step waited for its checks: nothing to undo
     assert any(f.failed_node_id == swarm.cheater.node_id for f in result.failovers)
 
+
+def test_a_rollback_after_the_rejected_node_already_left_the_route(
+    checkpoint: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The cheater corrupts the prefill, then dies at the next step: the driver fails over
+    # to a replica before the prefill's (slow) check rejects the cheater. The rollback
+    # then finds the cheater gone from the route and runs the prefill again, from the
+    # first stage, through the route as it is now (the last stage had cached the
+    # corrupted hidden states).
+    swarms = start_swarm(
+        checkpoint, tmp_path, monkeypatch, corrupt="1.0", cheater_class=CorruptsThenDies
+    )
+    swarm = next(swarms)
+    try:
+        with Client(swarm.address, timeout_s=60) as client:
+            result = client.generate_all(
+                MODEL, token_ids=PROMPT, max_new_tokens=6, stop_at_eos=False
+            )
+        assert result.token_ids == reference_greedy(checkpoint, PROMPT, 6)
+        [failover] = result.failovers
+        assert failover.failed_node_id == swarm.cheater.node_id
+        assert failover.position == len(PROMPT)  # the first decode step
+        [rollback] = result.rollbacks
+        assert (rollback.position, rollback.rejected_node_id) == (0, swarm.cheater.node_id)
+        assert rollback.discarded_positions >= 1
+    finally:
+        for _ in swarms:  # the generator's teardown
+            pass
