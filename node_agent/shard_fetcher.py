@@ -35,6 +35,7 @@ from typing import BinaryIO
 import grpc
 from tqdm import tqdm
 
+from node_agent import backoff
 from protos.dialing import DIAL_OPTIONS
 from protos.tessera.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc
 
@@ -133,6 +134,7 @@ class ShardFetcher:
         shards_dir: str | Path | None = None,
         max_blobs_per_call: int = 256,
         attempts: int = 3,
+        retry_pause: backoff.Backoff | None = None,
     ) -> None:
         """`cache_dir` holds the blobs; `shards_dir` the assembled stage directories.
 
@@ -152,6 +154,9 @@ class ShardFetcher:
         self.shards_dir = Path(shards_dir) if shards_dir else self.cache_dir.parent / "shards"
         self.max_blobs_per_call = max_blobs_per_call
         self.attempts = attempts
+        # Between attempts: a coordinator that is restarting or overloaded would turn down
+        # retries sent at once just the same (shorter in tests via TESSERA_BACKOFF_*).
+        self.retry_pause = retry_pause or backoff.from_env(cap_s=5.0)
         self.bytes_fetched = 0  # over the network, since this fetcher was made
         self._incoming = self.cache_dir / ".incoming"
         self._incoming.mkdir(parents=True, exist_ok=True)
@@ -290,6 +295,7 @@ class ShardFetcher:
         for attempt in range(1, self.attempts + 1):
             try:
                 await self._fetch_batch(model, pending, counter)
+                self.retry_pause.reset()  # the next outage starts with short waits again
                 return
             except grpc.aio.AioRpcError as err:
                 if err.code() not in _RETRYABLE or attempt == self.attempts:
@@ -304,10 +310,12 @@ class ShardFetcher:
                 problem = str(err)
             # Blobs that arrived intact stay; only the rest is asked for again.
             pending = {d: s for d, s in pending.items() if d not in self._verified}
+            pause = self.retry_pause.next_delay()
             log.warning(
-                "model %s: fetch attempt %d/%d failed (%s); retrying %d blob(s)",
-                model, attempt, self.attempts, problem, len(pending),
+                "model %s: fetch attempt %d/%d failed (%s); retrying %d blob(s) in %.1f s",
+                model, attempt, self.attempts, problem, len(pending), pause,
             )
+            await asyncio.sleep(pause)
 
     async def _fetch_batch(self, model: str, batch: dict[str, int], counter: _Progress) -> None:
         request = coordinator_pb2.FetchRequest(model=model, sha256=list(batch))

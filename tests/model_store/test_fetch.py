@@ -279,13 +279,24 @@ async def test_fetcher_survives_a_stream_that_breaks(served_model, tmp_path):
 
     store.fetch_tensors = flaky
     fetcher = await _fetcher(served_model, tmp_path / "node")
+    pauses: list[int] = []
+    real_delay = fetcher.retry_pause.next_delay
+
+    def counted_delay() -> float:
+        delay = real_delay()
+        pauses.append(fetcher.retry_pause.attempt)
+        return delay
+
+    fetcher.retry_pause.next_delay = counted_delay  # type: ignore[method-assign]
     manifest = await fetcher.fetch_manifest("tiny")
     names = stage_tensor_names(manifest, 0, 3)
     paths = await fetcher.ensure_tensors("tiny", names)
     assert calls == 2
+    assert pauses == [1]  # one pause before the retry, then reset by the success
     for name in names:
         assert paths[name].stat().st_size == manifest.tensors[name].nbytes
     assert not list((tmp_path / "node" / "cache" / "blobs" / ".incoming").iterdir())
+    assert fetcher.retry_pause.attempt == 0
     await fetcher.close()
 
 
