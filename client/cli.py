@@ -354,6 +354,14 @@ def _generate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
             f"{len(result.route)} hops, {len(result.failovers)} fail-overs]",
             file=sys.stderr,
         )
+        for rollback in result.rollbacks:
+            print(
+                f"[a check proved node {rollback.rejected_node_id} wrong at position "
+                f"{rollback.position}: the generation went back there without it "
+                f"({rollback.discarded_positions} positions redone); no token from it was "
+                "shown]",
+                file=sys.stderr,
+            )
         if result.settlement is not None:
             print(
                 f"[charged {result.settlement.charged} of {result.quote} credit units escrowed; "

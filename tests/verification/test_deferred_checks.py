@@ -30,6 +30,7 @@ from data_plane.stage_harness import (
 from verification.test_driver_verification import keyed
 
 from client import Client
+from client import cli as tessera_cli
 from client.driver import DriverConfig
 from client.sampling import Sampler, SamplingParams
 from node_agent import failpoints
@@ -220,3 +221,17 @@ def test_a_rollback_after_the_rejected_node_already_left_the_route(
     finally:
         for _ in swarms:  # the generator's teardown
             pass
+
+
+def test_the_cli_says_when_a_check_sent_the_generation_back(swarm: Swarm, capsys) -> None:
+    code = tessera_cli.main(
+        [
+            "generate", "--coordinator", swarm.address, "--model", MODEL,
+            "--token-ids", ",".join(map(str, PROMPT)), "--max-new-tokens", str(NEW_TOKENS),
+            "--no-stop-at-eos",
+        ]
+    )  # fmt: skip
+    captured = capsys.readouterr()
+    assert code == 0
+    assert f"[{NEW_TOKENS} tokens," in captured.err
+    assert f"a check proved node {swarm.cheater.node_id} wrong at position" in captured.err
