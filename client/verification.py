@@ -81,11 +81,11 @@ class PendingCheck:
         self.task = task
 
     def cancel(self) -> None:
-        """The primary's call failed: its check is moot. An answer may be in flight on
-        the checker's stream, so the stream goes too (the next check opens another)."""
+        """The primary's call failed: its check is moot. A check cancelled mid-call closes
+        its checker's stream itself (an answer may still be on its way); one still queued
+        behind other work on that stream just leaves the queue."""
         if not self.task.done():
             self.task.cancel()
-            self._verifier._close_stream(self.checker.node_id)
 
 
 class NodeRejected(Exception):
@@ -149,9 +149,9 @@ class StageVerifier:
         self._unfit_checkers: set[str] = set()
         self._streams: dict[str, _CheckerStream] = {}
         self._pending: list[verification_pb2.Comparison] = []
-        # Work queued on each checker's stream (checks, catch-ups): the newest per node,
-        # and all of it, so that the session's end can cancel what is left.
-        self._inflight: dict[str, asyncio.Task[object]] = {}
+        # Work on each checker's stream (checks, catch-ups) takes turns on a lock per node;
+        # all of it is kept, so that the session's end can cancel what is left.
+        self._turns: dict[str, asyncio.Lock] = {}
         self._tasks: set[asyncio.Task[object]] = set()
         # Per span: (primary, checker or None) drawn for the span's next call.
         self._drawn: dict[Span, tuple[str, HopRecord | None]] = {}
@@ -218,23 +218,25 @@ class StageVerifier:
 
     def _queue(self, checker: HopRecord, work: Callable[[], Awaitable[T]]) -> asyncio.Task[T]:
         """Run ``work`` on the checker's stream once the work queued before it is done:
-        one call at a time on a stream."""
+        one call at a time on a stream, in the order queued (the lock is fair). A task
+        cancelled while it waits leaves the queue without breaking it; one cancelled in
+        the middle of its calls closes the stream, whose next answer would be its own."""
         node_id = checker.node_id
-        previous = self._inflight.get(node_id)
+        turn = self._turns.setdefault(node_id, asyncio.Lock())
 
         async def run() -> T:
-            if previous is not None and not previous.done():
-                await asyncio.wait([previous])  # its outcome is its own business
-            return await work()
+            async with turn:
+                try:
+                    return await work()
+                except asyncio.CancelledError:
+                    self._close_stream(node_id)
+                    raise
 
         task = asyncio.ensure_future(run())
-        self._inflight[node_id] = task  # type: ignore[assignment]
         self._tasks.add(task)  # type: ignore[arg-type]
 
         def settled(done: asyncio.Task[T]) -> None:
             self._tasks.discard(done)  # type: ignore[arg-type]
-            if self._inflight.get(node_id) is done:
-                del self._inflight[node_id]
             if not done.cancelled():
                 done.exception()  # retrieved: a check nobody awaits is not "lost"
 

@@ -1,0 +1,82 @@
+"""One call at a time on a checker's stream, whatever gets cancelled.
+
+Checks and catch-ups for one checker share its Forward stream and take turns on it. A
+check cancelled while queued (a rollback or a failed primary makes later checks moot)
+must not let the work behind it start while the work before it still has a call on the
+stream: two overlapping calls on one gRPC stream fail (GRPC_CALL_ERROR_TOO_MANY_OPERATIONS)
+or read each other's answers, and a check that never gets its answer holds a token back
+for the whole check timeout.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+from client.channels import ChannelPool
+from client.records import HopRecord
+from client.verification import StageVerifier, _CheckerStream
+
+CHECKER = HopRecord("checker-1", "127.0.0.1:1", 0, 2)
+
+
+class FakeCall:
+    """Stands in for a stream's gRPC call: only whether it was cancelled matters here."""
+
+    def __init__(self) -> None:
+        self.cancelled = False
+
+    def cancel(self) -> None:
+        self.cancelled = True
+
+
+async def test_work_behind_a_cancelled_queued_check_waits_for_the_work_before_it() -> None:
+    verifier = StageVerifier("s-1", ChannelPool())
+    order: list[str] = []
+    started, release = asyncio.Event(), asyncio.Event()
+
+    async def first() -> None:
+        order.append("first starts")
+        started.set()
+        await release.wait()
+        order.append("first ends")
+
+    async def moot() -> None:
+        order.append("moot")
+
+    async def third() -> None:
+        order.append("third")
+
+    a = verifier._queue(CHECKER, first)
+    await started.wait()
+    b = verifier._queue(CHECKER, moot)
+    c = verifier._queue(CHECKER, third)
+    b.cancel()
+    await asyncio.sleep(0.05)
+    assert order == ["first starts"]  # third waits for first, not for the cancelled one
+    release.set()
+    await asyncio.gather(a, c)
+    assert order == ["first starts", "first ends", "third"]
+    assert b.cancelled()
+
+
+async def test_a_check_cancelled_mid_call_closes_its_stream_and_a_queued_one_does_not() -> None:
+    verifier = StageVerifier("s-2", ChannelPool())
+    call = FakeCall()
+    verifier._streams[CHECKER.node_id] = _CheckerStream(CHECKER.address, call)  # type: ignore[arg-type]
+    started = asyncio.Event()
+
+    async def waits_for_an_answer() -> None:
+        started.set()
+        await asyncio.sleep(60)
+
+    running = verifier._queue(CHECKER, waits_for_an_answer)
+    queued = verifier._queue(CHECKER, waits_for_an_answer)
+    await started.wait()
+    queued.cancel()
+    await asyncio.sleep(0.05)
+    assert not call.cancelled  # the running call's stream is left alone
+    assert CHECKER.node_id in verifier._streams
+    running.cancel()
+    await asyncio.sleep(0.05)
+    assert call.cancelled  # its answer may still come: nobody may read it as theirs
+    assert CHECKER.node_id not in verifier._streams
