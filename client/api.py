@@ -21,9 +21,9 @@ import queue
 import threading
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Callable, Coroutine, Iterator, Sequence
+from collections.abc import AsyncGenerator, Callable, Coroutine, Iterator, Sequence
 from concurrent.futures import Future
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -270,7 +270,7 @@ class AsyncClient:
         seed: int | None = None,
         *,
         stop_at_eos: bool = True,
-    ) -> AsyncIterator[GeneratedToken]:
+    ) -> AsyncGenerator[GeneratedToken, None]:
         """Yield generated tokens as they come; ``last_run`` holds the full record after."""
         if (prompt is None) == (token_ids is None):
             raise ValueError("pass exactly one of prompt= (text) or token_ids= (a list of ints)")
@@ -325,6 +325,12 @@ class AsyncClient:
             # it depends on has settled (DriverConfig.defer_checks).
             held: deque[_Held] = deque()
             finished = False
+
+            def last_one(token: int) -> bool:
+                return len(result.token_ids) + len(held) >= max_new_tokens or (
+                    stop_at_eos and token in handle.eos_ids
+                )
+
             while True:
                 if not finished:
                     seen_timings, seen_failovers = len(driver.timings), len(driver.failovers)
@@ -332,9 +338,7 @@ class AsyncClient:
                     logits = await driver.step(next_input, last_only=True, defer_checks=defer)
                     token = sampler(logits[0])
                     held.append(_Held(position, token, state, seen_timings, seen_failovers))
-                    finished = len(result.token_ids) + len(held) >= max_new_tokens or (
-                        stop_at_eos and token in handle.eos_ids
-                    )
+                    finished = last_one(token)
                 rollback = await driver.settle_deferred(wait=finished)
                 if rollback is not None:
                     # The step at rollback.start_pos was run again without the node a
@@ -345,11 +349,8 @@ class AsyncClient:
                     assert void.position == rollback.start_pos, "a settled token was rolled back"
                     sampler.state = void.sampler_state
                     token = sampler(rollback.logits[0])
-                    held.append(_Held(void.position, token, void.sampler_state,
-                                      void.seen_timings, void.seen_failovers))  # fmt: skip
-                    finished = len(result.token_ids) + len(held) >= max_new_tokens or (
-                        stop_at_eos and token in handle.eos_ids
-                    )
+                    held.append(replace(void, token=token))
+                    finished = last_one(token)
                     next_input = [token]
                     continue
                 unsettled = driver.unsettled_from()
@@ -738,7 +739,7 @@ class Client:
                 future.cancel()  # the generation's own cleanup ends its session
             ended.wait(timeout=30.0)
 
-    def _on_demand(self, stream: AsyncIterator[GeneratedToken]) -> Iterator[GeneratedToken]:
+    def _on_demand(self, stream: AsyncGenerator[GeneratedToken, None]) -> Iterator[GeneratedToken]:
         async def next_token() -> GeneratedToken:
             return await anext(stream)
 
@@ -750,7 +751,7 @@ class Client:
                     return
                 yield token
         finally:
-            self._loop.run(stream.aclose())  # type: ignore[attr-defined]
+            self._loop.run(stream.aclose())
 
     def generate_all(self, model: str, **kwargs: Any) -> GenerationResult:
         for _ in self.generate(model, **kwargs):

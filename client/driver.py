@@ -198,12 +198,10 @@ class Rollback:
     """A deferred check rejected a primary: the step at ``start_pos`` was run again
     without it, ``logits`` are its corrected output, and everything the caller derived
     from that step's first answer (the token it sampled, and every step after) is void.
-    The session now holds ``length`` positions."""
+    The event is in ``PipelineDriver.rollbacks``."""
 
     start_pos: int
-    length: int
     logits: np.ndarray
-    event: RollbackEvent
 
 
 class PipelineDriver:
@@ -377,10 +375,7 @@ class PipelineDriver:
     async def _roll_back(
         self, entry: _Deferred, rejected: tuple[_Unsettled, HopFailure]
     ) -> Rollback:
-        for later in self._deferred:
-            for unsettled in later.checks:
-                unsettled.pending.cancel()
-        self._deferred.clear()
+        self._drop_deferred()
         length = entry.start_pos + int(entry.ids.shape[1])
         event = RollbackEvent(
             position=entry.start_pos,
@@ -402,32 +397,46 @@ class PipelineDriver:
         slot = self._slots[self._index_at(rejected[0].span.start)]
         try:
             if slot.span == rejected[0].span and slot.hop.node_id == rejected[0].hop.node_id:
-                out, _ = await self._redo_after(rejected, entry.start_pos, entry.last_only)
+                out, dtype = await self._redo_after(rejected, entry.start_pos, entry.last_only)
             else:
                 # The node has left the route since (a fail-over): the step runs again
                 # from the first stage, through what the route is now.
                 self._excluded.add(rejected[0].hop.node_id)
-                out, _ = await self._run_through(
+                out, dtype = await self._run_through(
                     0, self.shape.num_layers, entry.start_pos, entry.ids, "int64",
                     self._next_step(), last_only=entry.last_only,
                 )  # fmt: skip
-            while (again := await self._settle_checks()) is not None:
-                out, _ = await self._redo_after(again, entry.start_pos, entry.last_only)
+            out, _ = await self._settled(out, dtype, entry.start_pos, entry.last_only)
         finally:
-            for unsettled in self._unsettled:
-                unsettled.pending.cancel()
-            self._unsettled.clear()
+            self._cancel_unsettled()
         self._length = length
         self._history_clean = True
-        logits = out[:, -1] if entry.last_only else out
-        return Rollback(entry.start_pos, length, logits, event)
+        return Rollback(entry.start_pos, out[:, -1] if entry.last_only else out)
 
-    async def close(self) -> None:
-        """End the session on every node that served it (best effort) and close streams."""
+    def _cancel_unsettled(self) -> None:
+        """The checks of a chunk that raised (or was redone) are moot."""
+        for unsettled in self._unsettled:
+            unsettled.pending.cancel()
+        self._unsettled.clear()
+
+    def _drop_deferred(self) -> None:
         for entry in self._deferred:
             for unsettled in entry.checks:
                 unsettled.pending.cancel()
         self._deferred.clear()
+
+    async def _settled(
+        self, out: np.ndarray, dtype: str, start_pos: int, last_only: bool
+    ) -> tuple[np.ndarray, str]:
+        """The chunk's output once each of its checks has passed: a rejected primary is
+        replaced and every span after it runs again from the corrected output."""
+        while (rejected := await self._settle_checks()) is not None:
+            out, dtype = await self._redo_after(rejected, start_pos, last_only)
+        return out, dtype
+
+    async def close(self) -> None:
+        """End the session on every node that served it (best effort) and close streams."""
+        self._drop_deferred()
         for slot in self._slots:
             slot.close_stream()
         self._subscriptions.close()
@@ -478,12 +487,9 @@ class PipelineDriver:
             if defer and self._unsettled:
                 self._deferred.append(_Deferred(start_pos, ids, last_only, self._unsettled))
                 self._unsettled = []
-            while (rejected := await self._settle_checks()) is not None:
-                out, dtype = await self._redo_after(rejected, start_pos, last_only)
+            out, dtype = await self._settled(out, dtype, start_pos, last_only)
         finally:
-            for unsettled in self._unsettled:  # a step that raised: its checks are moot
-                unsettled.pending.cancel()
-            self._unsettled.clear()
+            self._cancel_unsettled()
         return out
 
     async def _push_through(
