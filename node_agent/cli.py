@@ -28,6 +28,7 @@ from node_agent.data_dir import DataDirBusyError, DataDirLock, default_data_dir
 from node_agent.matmul_benchmark import DEFAULT_BUDGET_S, measure_tflops
 from node_agent.mqtt_presence import MqttPresence, parse_broker_url
 from node_agent.plugins import load_plugin
+from node_agent.runtime.dtypes import pin_full_fp32
 from node_agent.shard_handler import ShardHandler
 from node_agent.telemetry import ProcessTelemetry
 from protos import identity as wire_identity
@@ -293,6 +294,8 @@ def _join(args: argparse.Namespace) -> int:
         key = identity.load_or_create_key(args.data_dir)
         node_id = wire_identity.node_id(wire_identity.public_key_bytes(key))
         hw = hardware_probe.probe(args.device, args.max_memory_gb)
+        if hw.device_kind == "cuda":
+            pin_full_fp32()  # before the benchmark: torch reads the override at its first matmul
         log.info(
             "node %s on %s (%s): %.1f GiB usable of %.1f GiB, dtypes %s",
             node_id,

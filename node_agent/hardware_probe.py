@@ -123,6 +123,8 @@ def _auto_device() -> tuple[str, int]:
 
 
 def _probe_cuda(index: int, ram: int, cores: int, max_memory_gb: float | None) -> HardwareInfo:
+    from node_agent.runtime.dtypes import cuda_supports_bf16
+
     torch = _import_torch()
     if torch is None or not torch.cuda.is_available():
         raise DeviceError(
@@ -135,7 +137,10 @@ def _probe_cuda(index: int, ram: int, cores: int, max_memory_gb: float | None) -
     props = torch.cuda.get_device_properties(index)
     total = int(props.total_memory)
     dtypes = ["float32", "float16"]
-    if torch.cuda.is_bf16_supported():
+    # Not torch.cuda.is_bf16_supported(): it says yes for pre-Ampere GPUs, which only
+    # emulate bf16. The coordinator gives bf16 to any node that claims it, and the runtime
+    # refuses bf16 there, so a T4 claiming it could never load a shard.
+    if cuda_supports_bf16(torch.device("cuda", index)):
         dtypes.append("bfloat16")
     return HardwareInfo(
         device_kind="cuda",

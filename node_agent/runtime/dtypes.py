@@ -2,9 +2,17 @@
 
 from __future__ import annotations
 
+import logging
+import os
+
 import torch
 
 from node_agent.runtime.errors import UnsupportedDtypeError
+
+log = logging.getLogger(__name__)
+
+# Set, it makes torch run fp32 matmuls on TF32 tensor cores whatever the flags say.
+TF32_OVERRIDE_ENV = "TORCH_ALLOW_TF32_CUBLAS_OVERRIDE"
 
 _DTYPE_ALIASES: dict[str, torch.dtype] = {
     "fp32": torch.float32,
@@ -54,7 +62,7 @@ def resolve_dtype(
     if dev.type == "cuda":
         if not torch.cuda.is_available():
             raise UnsupportedDtypeError(f"device {dev} requested but CUDA is not available")
-        bf16_ok = _cuda_supports_bf16(dev)
+        bf16_ok = cuda_supports_bf16(dev)
         if dtype is None:
             return torch.bfloat16 if bf16_ok else torch.float16
         if dtype == torch.bfloat16 and not bf16_ok:
@@ -66,8 +74,28 @@ def resolve_dtype(
     raise UnsupportedDtypeError(f"device type {dev.type!r} is not supported; use cpu or cuda")
 
 
-def _cuda_supports_bf16(device: torch.device) -> bool:
+def cuda_supports_bf16(device: torch.device) -> bool:
+    """Native bf16 on this GPU: what the node may claim and the coordinator may assign."""
     if torch.version.hip:
         return torch.cuda.is_bf16_supported()
     # Pre-Ampere GPUs only emulate bf16, far slower than fp16, so it does not count.
     return torch.cuda.get_device_capability(device) >= (8, 0)
+
+
+def pin_full_fp32() -> None:
+    """Make this process's fp32 matmuls full fp32 on CUDA, whatever the environment asked.
+
+    TF32 keeps 10 mantissa bits of each matmul input. On an H200 it put 1.4e-3 of relative
+    error into an fp32 stage's output (bench/cuda_check.py), above the 1e-3 that checks
+    allow an fp32 node: an honest node computing in TF32 while it claims fp32 would be
+    convicted. torch reads the override variable once, at the first matmul it runs, so the
+    node calls this before any GPU work.
+    """
+    if os.environ.pop(TF32_OVERRIDE_ENV, "0").strip() not in ("", "0"):
+        log.warning(
+            "ignoring %s: a node computes fp32 in full precision, since TF32's rounding would "
+            "fail the checks that compare its results with other nodes'",
+            TF32_OVERRIDE_ENV,
+        )
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from node_agent.runtime.config import ModelConfig
-from node_agent.runtime.dtypes import resolve_dtype
+from node_agent.runtime.dtypes import pin_full_fp32, resolve_dtype
 from node_agent.runtime.errors import WeightLoadError
 from node_agent.runtime.kv_cache import StageKVCache
 from node_agent.runtime.layers import DecoderLayer, RMSNorm, RotaryEmbedding, attention_mask
@@ -72,6 +72,8 @@ class StageModel(nn.Module):
         self.is_last = is_last
         self.device = torch.device(device)
         self.dtype = resolve_dtype(self.device, dtype)
+        if self.device.type == "cuda":
+            pin_full_fp32()  # fp32 here must be fp32 (training stages, the fp32 logits)
         tied_head = is_last and config.tie_word_embeddings
         # Built on the meta device so no memory is spent on weights about to be replaced.
         with torch.device("meta"):

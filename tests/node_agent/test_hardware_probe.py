@@ -1,6 +1,7 @@
 """The probe reports sane numbers for this machine and honours the owner's memory cap."""
 
 import os
+from types import SimpleNamespace
 
 import psutil
 import pytest
@@ -58,3 +59,27 @@ def test_a_missing_cuda_gpu_is_a_clear_error() -> None:
 def test_cpu_model_name_is_a_single_clean_line() -> None:
     name = hardware_probe.cpu_model_name()
     assert name and "\n" not in name and name == name.strip()
+
+
+@pytest.mark.parametrize(
+    ("name", "capability", "claims_bf16"),
+    [("Tesla T4", (7, 5), False), ("NVIDIA A100", (8, 0), True), ("NVIDIA H200", (9, 0), True)],
+)
+def test_only_gpus_with_native_bf16_claim_it(monkeypatch, name, capability, claims_bf16) -> None:
+    # No GPU here: torch's CUDA queries answer as the named card would. torch says bf16 is
+    # supported even on a T4 (it emulates it), which is exactly what the probe must not trust.
+    import torch
+
+    props = SimpleNamespace(
+        name=name, total_memory=16 * GIB, major=capability[0], minor=capability[1]
+    )
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda index: props)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: True)
+    monkeypatch.setattr(torch.version, "hip", None)
+    hw = probe("cuda")
+    assert hw.device_name == name and hw.compute_capability == f"{capability[0]}.{capability[1]}"
+    assert ("bfloat16" in hw.dtypes) is claims_bf16
+    assert "float16" in hw.dtypes

@@ -3,6 +3,11 @@
 from __future__ import annotations
 
 import json
+import logging
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -16,6 +21,7 @@ from node_agent.runtime import (
     resolve_dtype,
     tensor_names_for_stage,
 )
+from node_agent.runtime.dtypes import TF32_OVERRIDE_ENV, pin_full_fp32
 from node_agent.runtime.layers import rope_inv_freq
 
 MINIMAL = {
@@ -156,3 +162,53 @@ def test_resolve_dtype_on_cuda():
     chosen = resolve_dtype("cuda")
     assert chosen in (torch.bfloat16, torch.float16)
     assert resolve_dtype("cuda", "fp16") == torch.float16
+
+
+def test_pin_full_fp32_turns_tf32_off_and_drops_the_override(monkeypatch, caplog):
+    monkeypatch.setenv(TF32_OVERRIDE_ENV, "1")
+    before = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = True
+    try:
+        with caplog.at_level(logging.WARNING, logger="node_agent.runtime.dtypes"):
+            pin_full_fp32()
+        assert TF32_OVERRIDE_ENV not in os.environ
+        assert not torch.backends.cuda.matmul.allow_tf32
+        assert not torch.backends.cudnn.allow_tf32
+        assert any(TF32_OVERRIDE_ENV in r.message for r in caplog.records)
+    finally:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = before
+
+
+_MATMUL_ERROR = """
+import sys, torch
+if sys.argv[1] == "stage":
+    from node_agent.runtime import load_stage_model
+    load_stage_model(sys.argv[2], 0, 1, device="cuda", dtype="fp32")
+g = torch.Generator().manual_seed(0)
+a, b = (torch.randn(1024, 1024, generator=g, dtype=torch.float64) for _ in range(2))
+exact = a @ b
+got = (a.float().cuda() @ b.float().cuda()).double().cpu()
+print(((got - exact).norm() / exact.norm()).item())
+"""
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_a_cuda_stage_computes_fp32_in_full_precision_despite_the_override(tiny_checkpoint):
+    """The override really turns TF32 on (the control), and a CUDA stage turns it off."""
+    env = dict(os.environ, **{TF32_OVERRIDE_ENV: "1"})
+    path = str(tiny_checkpoint("llama_gqa").path)
+
+    def error(mode: str) -> float:
+        out = subprocess.run(
+            [sys.executable, "-c", _MATMUL_ERROR, mode, path],
+            env=env,
+            cwd=Path(__file__).resolve().parents[2],  # the repository: node_agent importable
+            capture_output=True,
+            text=True,
+            timeout=120,
+            check=True,
+        )
+        return float(out.stdout.strip().splitlines()[-1])
+
+    assert error("bare") > 1e-4  # TF32: ~1e-3
+    assert error("stage") < 1e-5  # fp32: ~1e-7
