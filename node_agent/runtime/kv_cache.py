@@ -6,10 +6,39 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from node_agent.runtime.errors import CacheBudgetError, CacheFullError, UnknownSessionError
+
+
+class KVTensors:
+    """A cache's preallocated K/V tensors alone, written at a position held in a tensor.
+
+    What a captured decode step (runtime/cuda_graphs.py) writes through: with the position
+    on the GPU one graph serves every step. It refers only to the tensors, never to the
+    cache that keeps the graph, so no reference cycle holds a released cache's memory.
+    Keys past the position written are stale or zero; the caller's mask hides them.
+    """
+
+    def __init__(self, keys: list[torch.Tensor], values: list[torch.Tensor]) -> None:
+        self.keys = keys
+        self.values = values
+
+    @property
+    def max_len(self) -> int:
+        return self.keys[0].shape[2] if self.keys else 0
+
+    def update(
+        self, layer: int, start_pos: torch.Tensor, keys: torch.Tensor, values: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store a chunk's K/V at ``start_pos`` (a 0-d tensor); returns every position."""
+        index = start_pos + torch.arange(keys.shape[2], device=start_pos.device)
+        cached_k, cached_v = self.keys[layer], self.values[layer]
+        cached_k.index_copy_(2, index, keys)
+        cached_v.index_copy_(2, index, values)
+        return cached_k, cached_v
 
 
 class StageKVCache:
@@ -44,6 +73,11 @@ class StageKVCache:
         # Zero-filled rather than empty so stale GPU memory can never leak into attention.
         self._keys = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(num_layers)]
         self._values = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(num_layers)]
+        self.tensors = KVTensors(self._keys, self._values)
+        # Captured decode steps over this cache (runtime/cuda_graphs.py): they point at its
+        # tensors, so they live and die with it. Keyed by (stage view, last position only).
+        self.decode_graphs: dict[tuple[int, bool], Any] = {}
+        self.decode_steps = 0  # single-position steps run eagerly so far
         self.num_layers = num_layers
         self.batch = batch
         self.max_len = max_len

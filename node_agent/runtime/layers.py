@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from node_agent.runtime.config import ModelConfig
-from node_agent.runtime.kv_cache import StageKVCache
+from node_agent.runtime.kv_cache import KVTensors, StageKVCache
 
 _TORCH_MAJOR_MINOR = tuple(int(part) for part in torch.__version__.split(".")[:2])
 # enable_gqa arrived in torch 2.5; older torch gets K/V heads repeated explicitly.
@@ -94,6 +94,18 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos + rotate_half(x) * sin
 
 
+def decode_mask(
+    key_positions: torch.Tensor, position: torch.Tensor, sliding_window: int | None
+) -> torch.Tensor:
+    """Boolean ``[1, S]`` mask for one query at ``position`` (a 0-d tensor) over keys at
+    ``key_positions`` ``[S]``: the same rule as attention_mask, computed on the device so a
+    captured graph serves every position."""
+    mask = key_positions <= position
+    if sliding_window is not None:
+        mask = mask & (key_positions > position - sliding_window)
+    return mask.view(1, -1)
+
+
 def attention_mask(
     query_start: int,
     num_queries: int,
@@ -148,9 +160,9 @@ class Attention(nn.Module):
         cos: torch.Tensor,
         sin: torch.Tensor,
         mask: torch.Tensor | None,
-        cache: StageKVCache | None,
+        cache: StageKVCache | KVTensors | None,
         cache_layer: int,
-        start_pos: int,
+        start_pos: int | torch.Tensor,
     ) -> torch.Tensor:
         batch, seq, _ = x.shape
         q = self.q_proj(x).view(batch, seq, self.num_heads, self.head_dim).transpose(1, 2)
@@ -159,7 +171,8 @@ class Attention(nn.Module):
         q = apply_rope(q, cos, sin)
         k = apply_rope(k, cos, sin)
         if cache is not None:
-            k, v = cache.update(cache_layer, start_pos, k, v)
+            # A StageKVCache takes an int position, KVTensors a 0-d tensor (captured steps).
+            k, v = cache.update(cache_layer, start_pos, k, v)  # type: ignore[arg-type]
         out = _sdpa(q, k, v, mask, self.scale, self.num_heads // self.num_kv_heads)
         out = out.transpose(1, 2).reshape(batch, seq, self.num_heads * self.head_dim)
         return self.o_proj(out)
@@ -228,9 +241,9 @@ class DecoderLayer(nn.Module):
         cos: torch.Tensor,
         sin: torch.Tensor,
         mask: torch.Tensor | None,
-        cache: StageKVCache | None,
+        cache: StageKVCache | KVTensors | None,
         cache_layer: int,
-        start_pos: int,
+        start_pos: int | torch.Tensor,
     ) -> torch.Tensor:
         # Out-of-place residual adds keep the graph valid when training backprops through us.
         h = x + self.self_attn(

@@ -9,10 +9,17 @@ import torch.nn.functional as F
 from torch import nn
 
 from node_agent.runtime.config import ModelConfig
+from node_agent.runtime.cuda_graphs import graphed_step, graphs_enabled
 from node_agent.runtime.dtypes import pin_full_fp32, resolve_dtype
 from node_agent.runtime.errors import WeightLoadError
-from node_agent.runtime.kv_cache import StageKVCache
-from node_agent.runtime.layers import DecoderLayer, RMSNorm, RotaryEmbedding, attention_mask
+from node_agent.runtime.kv_cache import KVTensors, StageKVCache
+from node_agent.runtime.layers import (
+    DecoderLayer,
+    RMSNorm,
+    RotaryEmbedding,
+    attention_mask,
+    decode_mask,
+)
 from node_agent.runtime.tensor_names import validate_stage_range
 
 
@@ -86,6 +93,7 @@ class StageModel(nn.Module):
         self.rotary = RotaryEmbedding(config, self.device)
         self._load_weights(tensors)
         self._windows = [config.sliding_window_for_layer(i) for i in range(start, end)]
+        self._graphs = self.device.type == "cuda" and graphs_enabled()
 
     @property
     def num_layers(self) -> int:
@@ -125,13 +133,23 @@ class StageModel(nn.Module):
         sampling needs no more, and a prompt's other positions would cost a vocab-wide
         matmul each (other stages ignore it: the next stage needs every position).
         """
-        hidden = self._input_hidden(x)
-        batch, seq = hidden.shape[:2]
+        self._check_input(x)
+        batch, seq = x.shape[:2]
         if start_pos < 0:
             raise ValueError(f"start_pos must be >= 0, got {start_pos}")
         if cache is not None:
             self._check_cache(cache, batch)
             cache.check_append(start_pos, seq)
+            if seq == 1 and self._graphs and not torch.is_grad_enabled():
+                try:
+                    out = graphed_step(self, cache, x, start_pos, last_position_only)
+                except BaseException:
+                    cache.truncate(min(cache.length, start_pos))  # as below
+                    raise
+                if out is not None:
+                    cache.commit(start_pos + 1)
+                    return out
+        hidden = self._embed(x)
         key_start = 0 if cache is not None else start_pos
         num_keys = start_pos + seq - key_start
         positions = torch.arange(start_pos, start_pos + seq, device=self.device)
@@ -152,6 +170,32 @@ class StageModel(nn.Module):
             raise
         if cache is not None:
             cache.commit(start_pos + seq)
+        return self._output(hidden, last_position_only)
+
+    def static_decode(
+        self,
+        x: torch.Tensor,
+        tensors: KVTensors,
+        position: torch.Tensor,
+        *,
+        last_position_only: bool = False,
+    ) -> torch.Tensor:
+        """One single-position step at ``position`` (a 0-d device tensor) over a cache's
+        tensors, with shapes and addresses that do not depend on the position: the step a
+        CUDA graph captures (runtime/cuda_graphs.py). It attends to every cache position
+        through a mask, so it computes what ``forward`` computes, and validates nothing:
+        ``forward`` has checked the input and the position before."""
+        hidden = self._embed(x)
+        cos, sin = self.rotary(position.view(1), self.dtype)
+        keys = torch.arange(tensors.max_len, device=self.device)
+        masks = {window: decode_mask(keys, position, window) for window in set(self._windows)}
+        for local, (layer, window) in enumerate(
+            zip(self.model.layers.values(), self._windows, strict=True)
+        ):
+            hidden = layer(hidden, cos, sin, masks[window], tensors, local, position)
+        return self._output(hidden, last_position_only)
+
+    def _output(self, hidden: torch.Tensor, last_position_only: bool) -> torch.Tensor:
         if not self.is_last:
             return hidden
         if last_position_only:
@@ -160,7 +204,12 @@ class StageModel(nn.Module):
         head = self.lm_head.weight if self.lm_head is not None else self.model.embed_tokens.weight
         return F.linear(hidden, head).float()
 
-    def _input_hidden(self, x: torch.Tensor) -> torch.Tensor:
+    def _embed(self, x: torch.Tensor) -> torch.Tensor:
+        if self.is_first:
+            return self.model.embed_tokens(x.to(self.device))
+        return x.to(device=self.device, dtype=self.dtype)
+
+    def _check_input(self, x: torch.Tensor) -> None:
         if self.is_first:
             if x.dtype != torch.int64 or x.dim() != 2:
                 raise ValueError(
@@ -176,7 +225,7 @@ class StageModel(nn.Module):
                 raise ValueError(
                     f"token ids must be in [0, {self.config.vocab_size}), got range [{lo}, {hi}]"
                 )
-            return self.model.embed_tokens(x.to(self.device))
+            return
         if not x.is_floating_point() or x.dim() != 3 or x.shape[2] != self.config.hidden_size:
             raise ValueError(
                 f"stage expects hidden states [batch, seq, {self.config.hidden_size}], got "
@@ -184,7 +233,6 @@ class StageModel(nn.Module):
             )
         if x.numel() == 0:
             raise ValueError(f"cannot run an empty chunk {list(x.shape)}")
-        return x.to(device=self.device, dtype=self.dtype)
 
     def _check_cache(self, cache: StageKVCache, batch: int) -> None:
         if cache.num_layers != self.num_layers:
