@@ -97,11 +97,12 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
+from text_table import table  # noqa: E402  (bench/text_table.py)
 
 from client.api import Client, GenerationResult  # noqa: E402
 from client.demo_checkpoint import DemoShape, write_demo_checkpoint  # noqa: E402
 from client.driver import DriverConfig  # noqa: E402
-from client.local_swarm import LocalSwarm  # noqa: E402
+from client.local_swarm import LocalSwarm, wait_for_replicas  # noqa: E402
 from client.records import HopRecord  # noqa: E402
 from client.tokenizer import load_tokenizer  # noqa: E402
 from node_agent.runtime import StageModel, load_stage_model  # noqa: E402
@@ -362,31 +363,7 @@ def _pipe_stage(
     tx.send(None)
 
 
-def wait_available(client: Client, timeout_s: float = 300.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        info = {m.name: m for m in client.models()}.get(MODEL)
-        if info is not None and info.available:
-            return
-        time.sleep(0.2)
-    raise RuntimeError(f"model {MODEL} did not become available within {timeout_s:.0f} s")
-
-
 # ---- report -------------------------------------------------------------------------------
-
-
-def table(rows: list[list[str]]) -> str:
-    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
-    lines = []
-    for n, row in enumerate(rows):
-        cells = [
-            cell.ljust(width) if i == 0 else cell.rjust(width)
-            for i, (cell, width) in enumerate(zip(row, widths, strict=True))
-        ]
-        lines.append("  ".join(cells).rstrip())
-        if n == 0:
-            lines.append("  ".join("-" * width for width in widths))
-    return "\n".join(lines)
 
 
 def decode_breakdown(run: Run) -> tuple[float, float]:
@@ -487,7 +464,7 @@ def bench(args: argparse.Namespace, workdir: Path) -> int:
             Client(swarm.address) as client,
             Client(swarm.address, driver_config=DriverConfig(push=False)) as hop_client,
         ):
-            wait_available(client)
+            wait_for_replicas(client, MODEL, timeout_s=300)
             say(f"swarm of {len(nodes)} nodes ready after {time.monotonic() - t0:.0f} s")
             warm = max(4, args.tokens // 6)
             warm_run = generate_swarm(client, prompt_ids, warm)

@@ -42,7 +42,7 @@ from support.ports import reserved_ports  # noqa: E402
 from client.api import Client  # noqa: E402
 from client.demo_checkpoint import write_demo_checkpoint  # noqa: E402
 from client.driver import DriverConfig  # noqa: E402
-from client.local_swarm import LocalSwarm  # noqa: E402
+from client.local_swarm import LocalSwarm, wait_for_replicas  # noqa: E402
 from client.tokenizer import load_tokenizer  # noqa: E402
 
 
@@ -118,7 +118,7 @@ def bench(args: argparse.Namespace, workdir: Path) -> int:
                 Client(swarm.address) as pushed,
                 Client(swarm.address, driver_config=DriverConfig(push=False)) as hop,
             ):
-                inference.wait_available(pushed)
+                wait_for_replicas(pushed, inference.MODEL, timeout_s=300)
                 for delay in args.delays:
                     for link in links:
                         link.set(delay_ms=delay)

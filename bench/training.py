@@ -46,12 +46,13 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
+from text_table import table  # noqa: E402  (bench/text_table.py)
 
 from client.api import AsyncClient, Client  # noqa: E402
 from client.datasets import BatchSampler, TokenDataset  # noqa: E402
 from client.demo_checkpoint import DemoShape, write_demo_checkpoint  # noqa: E402
 from client.jobs import JobEvent, TrainSpec  # noqa: E402
-from client.local_swarm import LocalSwarm  # noqa: E402
+from client.local_swarm import LocalSwarm, wait_for_replicas  # noqa: E402
 from node_agent.runtime import load_stage_model  # noqa: E402
 from node_agent.runtime.training import StageTrainer, clip_scale  # noqa: E402
 
@@ -196,13 +197,7 @@ def heal(swarm: LocalSwarm) -> None:
     restarted = [swarm.start_node(name) for name in NODES if name not in alive]
     swarm.wait_registered(restarted)
     with Client(swarm.address) as client:
-        deadline = time.monotonic() + 300
-        while time.monotonic() < deadline:
-            info = {m.name: m for m in client.models()}.get(MODEL)
-            if info is not None and info.available and min(info.ready_replicas) >= 1:
-                return
-            time.sleep(0.2)
-    raise RuntimeError(f"model {MODEL} did not become available")
+        wait_for_replicas(client, MODEL, timeout_s=300)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -280,20 +275,6 @@ def bench(args: argparse.Namespace, workdir: Path) -> int:
     ratio = clean.samples_per_s(args.warmup, args.batch_size) / base
     say(f"swarm/local training samples/s ratio: {ratio:.2f}")
     return 0 if max(worst, same_after) <= 1e-3 else 1
-
-
-def table(rows: list[list[str]]) -> str:
-    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
-    lines = []
-    for n, row in enumerate(rows):
-        cells = [
-            c.ljust(w) if i == 0 else c.rjust(w)
-            for i, (c, w) in enumerate(zip(row, widths, strict=True))
-        ]
-        lines.append("  ".join(cells).rstrip())
-        if n == 0:
-            lines.append("  ".join("-" * w for w in widths))
-    return "\n".join(lines)
 
 
 if __name__ == "__main__":

@@ -28,7 +28,7 @@ from typing import Any
 from client.api import Client, GenerationResult
 from client.demo_checkpoint import write_demo_checkpoint
 from client.demo_training import run_training_demo
-from client.local_swarm import LocalSwarm
+from client.local_swarm import LocalSwarm, wait_for_replicas
 
 MODEL = "demo-llama"
 PROMPT = "The swarm says: "
@@ -109,7 +109,7 @@ def _demo(workdir: Path, tokens: int, kill_after: int, args: argparse.Namespace)
         swarm.add_model(checkpoint, MODEL)
         _say(f"   imported the checkpoint as model {MODEL!r}; nodes are loading their shards")
         with Client(address) as client:
-            _wait_available(client)
+            wait_for_replicas(client, MODEL, replicas=2)
             _say(f"   model available after {time.monotonic() - t0:.1f}s")
 
             _say(f"\n3. generating {tokens} tokens through the pipeline")
@@ -173,21 +173,6 @@ def _demo(workdir: Path, tokens: int, kill_after: int, args: argparse.Namespace)
     return 0
 
 
-def _wait_available(
-    client: Client, model: str = MODEL, replicas: int = 2, timeout_s: float = 180.0
-) -> None:
-    """Wait until every layer has `replicas` ready replicas (2: each stage has an alternate)."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        info = {m.name: m for m in client.models()}.get(model)
-        if info is not None and info.available and min(info.ready_replicas) >= replicas:
-            return
-        time.sleep(0.3)
-    raise RuntimeError(
-        f"model {model} did not get {replicas} ready replica(s) of every layer in {timeout_s:.0f}s"
-    )
-
-
 def _train(swarm: LocalSwarm, client: Client, workdir: Path, killed: str, steps: int) -> None:
     # The node killed in step 4 comes back, and a fourth joins: a stage that dies during
     # training then has somewhere to go.
@@ -201,7 +186,7 @@ def _train(swarm: LocalSwarm, client: Client, workdir: Path, killed: str, steps:
         _say,
         steps=steps,
         kill_at=min(25, steps - 5),
-        wait_served=lambda c, model: _wait_available(c, model, replicas=1),
+        wait_served=lambda c, model: wait_for_replicas(c, model, replicas=1),
     )
     _say(
         f"   accuracy {result.accuracy_before:.0%} -> {result.accuracy_after:.0%}; "

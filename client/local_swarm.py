@@ -17,6 +17,10 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from client.api import Client
 
 _REGISTERED = re.compile(r"registered as (\w+)")
 
@@ -208,3 +212,20 @@ class LocalSwarm:
 
 def _tail(text: str, lines: int = 15) -> str:
     return "\n".join(text.splitlines()[-lines:])
+
+
+def wait_for_replicas(
+    client: Client, model: str, replicas: int = 1, timeout_s: float = 180.0
+) -> None:
+    """Wait until every layer of `model` has `replicas` ready replicas (1: it can serve;
+    2: every stage also has an alternate, and checks have a second node)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        info = {m.name: m for m in client.models()}.get(model)
+        if info is not None and info.available and min(info.ready_replicas) >= replicas:
+            return
+        time.sleep(0.2)
+    raise SwarmError(
+        f"model {model} did not get {replicas} ready replica(s) of every layer in "
+        f"{timeout_s:.0f} s; the node logs say why"
+    )
