@@ -395,7 +395,14 @@ class ShardManager:
             cmd.kv_tokens_budget or DEFAULT_KV_TOKENS_BUDGET,
             self.idle_ttl_s,
         )
-        log.info("loaded %s in %.2f s", key, time.monotonic() - started)
+        log.info(
+            "loaded %s on %s in %s (%.0f MB of weights) in %.2f s",
+            key,
+            shard.device,
+            str(shard.dtype).removeprefix("torch."),
+            shard.weight_bytes / 1e6,
+            time.monotonic() - started,
+        )
         # Everything alive now (torch, gRPC, protobuf, the weights' modules) lives as long
         # as the process: moved out of the collector's reach, a full collection that
         # lands in a decode step no longer walks hundreds of thousands of objects.
