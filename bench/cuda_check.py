@@ -248,7 +248,7 @@ def parity(args: argparse.Namespace, checkpoint: Path, report: Report) -> None:
                                 where,
                                 f"{worst:.1e}",
                                 f"{tolerance:.0e}",
-                                f"{tolerance / max(worst, 1e-12):.0f}x",
+                                f"{tolerance / worst:.0f}x" if worst else "exact",
                             ]
                         )
                         if worst >= tolerance and not tf32:
