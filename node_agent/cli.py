@@ -59,6 +59,10 @@ SIGTERM or Ctrl-C drains: no new sessions, running ones finish (up to
 --drain-timeout-s), then the node leaves; a second Ctrl-C leaves at once.
 Exit codes: 0 left cleanly, 1 unexpected error, 2 bad flags or local set-up,
 3 the coordinator refuses this node (banned, or invalid capabilities).
+
+On an NVIDIA GPU the node computes in bf16 (fp16 before Ampere) and decodes through CUDA
+graphs, several times faster than eager PyTorch at batch 1; TESSERA_CUDA_GRAPHS=0 in its
+environment turns them off. fp32 stays full fp32: TF32 would fail verification.
 """
 
 
