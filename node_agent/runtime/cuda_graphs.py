@@ -16,8 +16,9 @@ What a graph needs, and how the stage provides it (StageModel.static_decode):
 A session's first few single-position steps run eagerly (a short session never pays for a
 capture), then the next one is captured. Anything that goes wrong while capturing leaves
 that session eager, with a warning: a graph is only ever a faster way to the same result.
-A graph goes with its session's cache; past MAX_LIVE_GRAPHS live ones, new sessions decode
-eagerly. TESSERA_CUDA_GRAPHS=0 in the node's environment turns graphs off.
+A graph goes with its session's cache; past MAX_LIVE_GRAPHS live ones, or once their pools
+hold GRAPH_MEMORY_FRACTION of the GPU's memory, new sessions decode eagerly.
+TESSERA_CUDA_GRAPHS=0 in the node's environment turns graphs off.
 
 Measured with bench/cuda_check.py on an H200, 1.1B Llama shape, batch 1, bf16: decode at
 289 tokens/s with graphs, 64 eager, 51 for transformers' eager code on the same card.
@@ -26,6 +27,7 @@ Measured with bench/cuda_check.py on an H200, 1.1B Llama shape, batch 1, bf16: d
 from __future__ import annotations
 
 import logging
+import math
 import os
 import threading
 import weakref
@@ -44,23 +46,59 @@ log = logging.getLogger(__name__)
 EAGER_STEPS_FIRST = 2
 # Each graph keeps a memory pool of its own for the step's intermediates (32 MiB for a
 # 22-layer stage of a 1.1B model on an H200), outside the KV budget the coordinator plans
-# with: past this many live graphs on a node, new sessions decode eagerly.
+# with, so what live graphs hold is bounded: at most this many, and at most this share of
+# the GPU's memory (an 8 GB card keeps under 250 MB for them). Past either, new sessions
+# decode eagerly.
 MAX_LIVE_GRAPHS = 64
+GRAPH_MEMORY_FRACTION = 0.03
 # Two threads capturing at once would see each other's work in their graphs.
 _CAPTURING = threading.Lock()
-_live = 0
-_live_lock = threading.Lock()
+
+
+class _LiveGraphs:
+    """How many graphs are live and the bytes their pools hold; a graph leaves the count
+    when it is collected, which is when its session's cache goes."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.count = 0
+        self.bytes = 0
+        self.largest = 0  # the best guess at the next graph's pool
+
+    def admits(self, budget_bytes: float) -> bool:
+        with self._lock:
+            return self.count < MAX_LIVE_GRAPHS and self.bytes + self.largest <= budget_bytes
+
+    def add(self, graph: DecodeGraph) -> None:
+        size = graph.pool_bytes
+        with self._lock:
+            self.count += 1
+            self.bytes += size
+            self.largest = max(self.largest, size)
+        weakref.finalize(graph, self._remove, size)
+
+    def _remove(self, size: int) -> None:
+        with self._lock:
+            self.count -= 1
+            self.bytes -= size
+
+
+_live = _LiveGraphs()
 
 
 def live_graphs() -> int:
-    """Graphs whose session caches are still open (a graph goes with its cache)."""
-    return _live
+    return _live.count
 
 
-def _count(delta: int) -> None:
-    global _live
-    with _live_lock:
-        _live += delta
+def live_graph_bytes() -> int:
+    return _live.bytes
+
+
+def graph_budget_bytes(device: torch.device) -> float:
+    """The most the pools of all live graphs on this device may hold."""
+    if device.type != "cuda":
+        return math.inf
+    return GRAPH_MEMORY_FRACTION * torch.cuda.get_device_properties(device).total_memory
 
 
 def graphs_enabled() -> bool:
@@ -89,10 +127,9 @@ class DecodeGraph:
         self.position = torch.zeros((), dtype=torch.int64, device=stage.device)
         self.graph: torch.cuda.CUDAGraph | None = None
         self.out: torch.Tensor | None = None
+        self.pool_bytes = 0  # the GPU memory the graph's private pool took
         if capture:
             self._capture(x, start_pos)
-        _count(+1)
-        weakref.finalize(self, _count, -1)
 
     def run(self, x: torch.Tensor, start_pos: int) -> torch.Tensor:
         self._load(x, start_pos)
@@ -128,7 +165,11 @@ class DecodeGraph:
             # thread_local: another thread's work (a check on the background thread) may
             # go on while this thread captures; only this thread's calls are recorded.
             with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+                # Inside: entering emptied the allocator's cache, so what is reserved from
+                # here on is the graph's pool (or, over-counted, another thread's work).
+                before = torch.cuda.memory_reserved(device)
                 self.out = self._step()
+            self.pool_bytes = max(0, torch.cuda.memory_reserved(device) - before)
         self.graph = graph
 
 
@@ -147,11 +188,12 @@ def graphed_step(
         if key in cache.decode_graphs or cache.decode_steps < EAGER_STEPS_FIRST:
             cache.decode_steps += 1
             return None
-        if live_graphs() >= MAX_LIVE_GRAPHS:
+        if not _live.admits(graph_budget_bytes(stage.device)):
             log.info(
-                "%d CUDA graphs are live (the most a node keeps); a new session's layers "
+                "%d CUDA graphs hold %.0f MiB, the most a node keeps; a new session's layers "
                 "[%d, %d) decode without one",
                 live_graphs(),
+                live_graph_bytes() / 2**20,
                 stage.start,
                 stage.end,
             )
@@ -172,5 +214,6 @@ def graphed_step(
             )
             cache.decode_graphs[key] = None
             return None
+        _live.add(graph)
         cache.decode_graphs[key] = graph
     return graph.run(x, start_pos)

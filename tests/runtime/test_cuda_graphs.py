@@ -16,7 +16,12 @@ import pytest
 import torch
 
 from node_agent.runtime import StageKVCache, StageModel, cuda_graphs, load_stage_model
-from node_agent.runtime.cuda_graphs import EAGER_STEPS_FIRST, DecodeGraph, live_graphs
+from node_agent.runtime.cuda_graphs import (
+    EAGER_STEPS_FIRST,
+    DecodeGraph,
+    live_graph_bytes,
+    live_graphs,
+)
 
 PROMPT = 6
 BATCH = 2
@@ -177,6 +182,31 @@ def test_a_node_keeps_a_bounded_number_of_graphs(tiny_checkpoint, graphs_on_cpu,
     assert next(iter(newcomer.decode_graphs.values())) is not None
 
 
+@torch.inference_mode()
+def test_graphs_stop_at_their_memory_budget(tiny_checkpoint, graphs_on_cpu, monkeypatch):
+    stage = graphs_on_cpu(tiny_checkpoint("llama_gqa").path, 0, 2)
+    mib = 2**20
+
+    class TenMiBGraph(DecodeGraph):  # as if each graph's pool took 10 MiB of the GPU
+        def __init__(self, *args, **kwargs) -> None:
+            super().__init__(*args, capture=False, **kwargs)
+            self.pool_bytes = 10 * mib
+
+    monkeypatch.setattr(cuda_graphs, "DecodeGraph", TenMiBGraph)
+    budget = live_graph_bytes() + 25 * mib  # room for two, not three
+    monkeypatch.setattr(cuda_graphs, "graph_budget_bytes", lambda device: budget)
+    caches = [stage.new_cache(MAX_LEN, 1) for _ in range(3)]
+    for cache in caches:
+        stage(torch.tensor([[1, 2, 3]]), cache, 0)
+        for position in range(3, 3 + EAGER_STEPS_FIRST + 1):
+            stage(torch.tensor([[position]]), cache, position)
+    graphs = [next(iter(c.decode_graphs.values())) for c in caches]
+    assert [g is not None for g in graphs] == [True, True, False]
+    assert live_graph_bytes() == budget - 5 * mib
+    del caches, graphs
+    assert live_graph_bytes() == budget - 25 * mib
+
+
 # ---- on a real GPU ---------------------------------------------------------------------
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -216,7 +246,7 @@ def test_captured_graphs_replay_to_the_eager_results(tiny_checkpoint, variant, d
         assert error < scale, f"step {step} at {position}: relative error {error:.1e}"
     for cache in graphed:
         captured = [g for g in cache.decode_graphs.values() if g is not None]
-        assert captured and all(g.graph is not None for g in captured)
+        assert captured and all(g.graph is not None and g.pool_bytes > 0 for g in captured)
 
 
 @cuda
