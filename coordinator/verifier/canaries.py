@@ -195,11 +195,14 @@ class Canaries:
     ) -> None:
         """Record the honest error of a passing pair, per (device kind, dtype) pair: the
         data the tolerances are calibrated from. An honest error creeping towards its
-        tolerance is a false positive in the making, and is said loudly."""
+        tolerance is a false positive in the making, and is said loudly, each time the
+        pair's largest error grows: a GPU bf16 pair sits near a quarter of its tolerance on
+        every canary (bench/cuda_check.py), which once is news and each time is noise."""
         mine = (facts.device_kind, facts.compute_dtype)
         for peer in peers:
             key = pair_key(mine, peer)
             row = self._calibration.get(key, {"comparisons": 0, "max_error": 0.0})
+            new_high = error > row["max_error"]
             row = {
                 "pair": key,
                 "comparisons": row["comparisons"] + 1,
@@ -209,7 +212,7 @@ class Canaries:
             }
             self._calibration[key] = row
             self._verifier._ctx.db["canary_calibration"].upsert(row, pk="pair")
-            if error > tolerance * CALIBRATION_WARNING:
+            if new_high and error > tolerance * CALIBRATION_WARNING:
                 log.warning(
                     "honest canary error %.3g on %s is over %.0f%% of its tolerance %.3g: "
                     "widen the tolerance for this pair before it flags honest nodes",
