@@ -135,7 +135,8 @@ class DecodeGraph:
         self._load(x, start_pos)
         if self.graph is None:
             return self._step()
-        self.graph.replay()
+        with torch.cuda.device(self.stage.device):  # replays on that GPU's current stream
+            self.graph.replay()
         assert self.out is not None
         # The graph writes into the same buffer every step; the caller may keep its output.
         return self.out.clone()
@@ -152,7 +153,10 @@ class DecodeGraph:
     def _capture(self, x: torch.Tensor, start_pos: int) -> None:
         device = self.stage.device
         self._load(x, start_pos)
-        with _CAPTURING:
+        # torch.cuda.graph captures on a stream of the *current* GPU, while a stage's kernels
+        # go to its own GPU's stream: on cuda:1 with cuda:0 current the capture would record
+        # nothing, and every replay would hand back the first step's output.
+        with _CAPTURING, torch.cuda.device(device):
             # Kernel selection and the allocator's first requests must happen before the
             # capture, on a side stream as torch asks. The warm-up writes this very step's
             # K/V, which the replay then writes again, identically.
