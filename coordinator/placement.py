@@ -72,9 +72,16 @@ def compute_dtype(capabilities: node_pb2.Capabilities) -> str:
 
 
 def claimed_ms_per_gparam(capabilities: node_pb2.Capabilities) -> float:
-    """What the node's own benchmark implies per billion parameters and token (2 FLOPs
-    per parameter at its measured matmul rate): a prior that measurements replace."""
-    return 2.0 / max(capabilities.matmul_tflops, 1e-3)
+    """What the node's own benchmarks imply per billion parameters and token: the slower of
+    2 FLOPs per parameter at its matmul rate and reading every weight once at its memory
+    bandwidth, which is what decoding at batch 1 does (on a GPU the second is tens of times
+    the first). A prior that measurements replace; an agent too old to report bandwidth
+    gets the matmul term alone."""
+    compute = 2.0 / max(capabilities.matmul_tflops, 1e-3)
+    if capabilities.memory_bandwidth_gbps <= 0:
+        return compute
+    weight_bytes = _DTYPE_BYTES[compute_dtype(capabilities)]
+    return max(compute, weight_bytes / capabilities.memory_bandwidth_gbps * 1e3)
 
 
 def node_spec(
@@ -92,6 +99,7 @@ def node_spec(
         node_id=node.node_id,
         usable_bytes=caps.memory_usable_bytes,
         speed=max(caps.matmul_tflops, 1e-3),
+        mem_bandwidth=caps.memory_bandwidth_gbps,
         dtype_bytes=_DTYPE_BYTES[compute_dtype(caps)],
         kv_tokens=kv_tokens,
         region=caps.region,

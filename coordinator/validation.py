@@ -16,6 +16,7 @@ MAX_MEMORY_BYTES = 16 * TIB
 MAX_DEVICE_COUNT = 64
 MAX_CPU_CORES = 4096
 MAX_TFLOPS = 10_000.0
+MAX_BANDWIDTH_GBPS = 100_000.0  # an H200 streams 4,800
 MAX_PRICE = 1e9
 MAX_SESSIONS = 1_000_000
 MAX_STRING_CHARS = 256
@@ -93,6 +94,7 @@ def validate_capabilities(caps: node_pb2.Capabilities, prefix: str = "capabiliti
     _at_most(p + "cpu_cores", caps.cpu_cores, MAX_CPU_CORES)
     _at_most(p + "ram_bytes", caps.ram_bytes, MAX_MEMORY_BYTES, " bytes")
     _finite_range(p + "matmul_tflops", caps.matmul_tflops, MAX_TFLOPS)
+    _finite_range(p + "memory_bandwidth_gbps", caps.memory_bandwidth_gbps, MAX_BANDWIDTH_GBPS)
     _string(p + "region", caps.region, _REGION_RE,
             'a region like "eu-west" (letters, digits, ._-/)')  # fmt: skip
     _finite_range(p + "price_per_1k_token_layers", caps.price_per_1k_token_layers, MAX_PRICE)

@@ -89,6 +89,7 @@ class AgentConfig:
     heartbeat_s: float | None = None  # None: the coordinator's interval
     drain_timeout_s: float = 120.0  # the longest a SIGTERM waits for running sessions
     tflops: float = 0.0
+    bandwidth_gbps: float = 0.0  # measured memory bandwidth, 0 = not measured
     max_memory_bytes: int = 0  # the owner's cap (--max-memory-gb), 0 = none
     keepalive_s: float = _KEEPALIVE_S  # ping the coordinator this often; half of it to answer
 
@@ -258,12 +259,14 @@ class NodeAgent:
         self.ctx.attach_ticket = response.attach_ticket
         hw = self.ctx.hardware
         log.info(
-            "registered as %s (name=%s, device=%s %s, tflops=%.3f, usable=%.1f GiB, data=%s)",
+            "registered as %s (name=%s, device=%s %s, tflops=%.3f, %.0f GB/s, usable=%.1f GiB, "
+            "data=%s)",
             response.node_id,
             self.config.name,
             hw.torch_device,
             hw.device_name,
             self.config.tflops,
+            self.config.bandwidth_gbps,
             hw.memory_usable_bytes / 2**30,
             self.data_address,
         )
@@ -294,6 +297,7 @@ class NodeAgent:
             cpu_cores=hw.cpu_cores,
             ram_bytes=hw.ram_bytes,
             matmul_tflops=self.config.tflops,
+            memory_bandwidth_gbps=self.config.bandwidth_gbps,
             region=self.config.region,
             price_per_1k_token_layers_units=self.config.price,
             price_per_sample_layer_units=self.config.training_price,

@@ -25,7 +25,11 @@ from node_agent import (
 from node_agent.agent import CHANNEL_OPTIONS, AgentConfig, ExitCode, NodeAgent
 from node_agent.context import AgentContext
 from node_agent.data_dir import DataDirBusyError, DataDirLock, default_data_dir
-from node_agent.matmul_benchmark import DEFAULT_BUDGET_S, measure_tflops
+from node_agent.matmul_benchmark import (
+    DEFAULT_BUDGET_S,
+    measure_bandwidth_gbps,
+    measure_tflops,
+)
 from node_agent.mqtt_presence import MqttPresence, parse_broker_url
 from node_agent.plugins import load_plugin
 from node_agent.runtime.dtypes import pin_full_fp32
@@ -149,7 +153,7 @@ def build_parser() -> argparse.ArgumentParser:
         type=_positive_float,
         default=DEFAULT_BUDGET_S,
         metavar="S",
-        help="how long the start-up matmul benchmark runs (default: %(default)s)",
+        help="how long each start-up benchmark (matmul, memory copy) runs (default: %(default)s)",
     )
     common.add_argument(
         "--log-level",
@@ -282,11 +286,13 @@ def _probe(args: argparse.Namespace) -> int:
         node_id = wire_identity.node_id(
             wire_identity.public_key_bytes(identity.load_or_create_key(args.data_dir))
         )
+    budget = args.benchmark_s
     report = {
         "node_id": node_id,
         "data_dir": str(args.data_dir),
         **dataclasses.asdict(hw),
-        "matmul_tflops": round(measure_tflops(hw.torch_device, args.benchmark_s), 4),
+        "matmul_tflops": round(measure_tflops(hw.torch_device, budget), 4),
+        "memory_bandwidth_gbps": round(measure_bandwidth_gbps(hw.torch_device, budget / 2), 1),
         "agent_version": __version__,
     }
     print(json.dumps(report, indent=2))
@@ -310,8 +316,15 @@ def _join(args: argparse.Namespace) -> int:
             ",".join(hw.dtypes),
         )
         tflops = measure_tflops(hw.torch_device, args.benchmark_s)
-        log.info("benchmark: %.3f TFLOPS (matmul on %s)", tflops, hw.torch_device)
-        tflops *= failpoints.benchmark_factor()  # 1.0 unless a test makes the node lie
+        bandwidth = measure_bandwidth_gbps(hw.torch_device, args.benchmark_s / 2)
+        log.info(
+            "benchmark: %.3f TFLOPS (matmul), %.0f GB/s (memory) on %s",
+            tflops,
+            bandwidth,
+            hw.torch_device,
+        )
+        lie = failpoints.benchmark_factor()  # 1.0 unless a test makes the node lie
+        tflops, bandwidth = tflops * lie, bandwidth * lie
         config = AgentConfig(
             coordinator=args.coordinator,
             name=args.name,
@@ -324,6 +337,7 @@ def _join(args: argparse.Namespace) -> int:
             heartbeat_s=args.heartbeat_s,
             drain_timeout_s=args.drain_timeout_s,
             tflops=tflops,
+            bandwidth_gbps=bandwidth,
             max_memory_bytes=int((args.max_memory_gb or 0) * hardware_probe.GIB),
         )
         ctx = AgentContext(

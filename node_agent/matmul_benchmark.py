@@ -1,14 +1,16 @@
 """Measure what this device really computes, instead of trusting a spec sheet.
 
-A square matmul in the dtype the node would serve in: float32 on CPU, float16 on a GPU.
-The coordinator's planner turns the result into layer throughput, so a slow or busy
-machine gets proportionally less work.
+A square matmul in the dtype the node would serve in (float32 on CPU, float16 on a GPU),
+and a large copy for memory bandwidth. The coordinator's planner turns both into a layer's
+decode time (the slower of compute and streaming the weights), so a slow or busy machine
+gets proportionally less work until measured traffic takes over.
 """
 
 from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 
 log = logging.getLogger(__name__)
 
@@ -30,33 +32,62 @@ def measure_tflops(torch_device: str = "cpu", budget_s: float = DEFAULT_BUDGET_S
     return _torch_tflops(torch, device, torch.float32, n=1024, budget_s=budget_s)
 
 
+def measure_bandwidth_gbps(torch_device: str = "cpu", budget_s: float = DEFAULT_BUDGET_S) -> float:
+    """Memory bandwidth on `torch_device` in GB/s (bytes read plus written), copying a buffer
+    far larger than any cache for about `budget_s` seconds; 0.0 without torch.
+
+    Decode at batch 1 reads every weight once per token: on a GPU this, not the matmul
+    rate, decides the speed (an RTX 3090 does 71 fp16 TFLOP/s but streams ~900 GB/s)."""
+    try:
+        import torch
+    except ImportError:
+        return 0.0
+    device = torch.device(torch_device)
+    size = (256 if device.type in ("cuda", "mps") else 64) * 2**20
+    source = torch.randint(0, 256, (size,), dtype=torch.uint8, device=device)
+    target = torch.empty_like(source)
+    copies, elapsed = _timed(lambda: target.copy_(source), _synchronizer(torch, device), budget_s)
+    return 2.0 * size * copies / elapsed / 1e9
+
+
 def _torch_tflops(torch, device, dtype, n: int, budget_s: float) -> float:  # noqa: ANN001
     a = torch.randn(n, n, device=device, dtype=dtype)
     b = torch.randn(n, n, device=device, dtype=dtype)
     out = torch.empty(n, n, device=device, dtype=dtype)
+    with torch.inference_mode():
+        products, elapsed = _timed(
+            lambda: torch.matmul(a, b, out=out), _synchronizer(torch, device), budget_s
+        )
+    return 2.0 * n**3 * products / elapsed / 1e12
 
-    def sync() -> None:
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        elif device.type == "mps":
-            torch.mps.synchronize()
 
+def _synchronizer(torch, device) -> Callable[[], None]:  # noqa: ANN001
+    if device.type == "cuda":
+        return lambda: torch.cuda.synchronize(device)
+    if device.type == "mps":
+        return torch.mps.synchronize
+    return lambda: None
+
+
+def _timed(
+    op: Callable[[], object], sync: Callable[[], None], budget_s: float
+) -> tuple[int, float]:
+    """Run `op` for about `budget_s` seconds: (how many times, seconds it took)."""
     # The first calls pay for kernel selection and clock ramp-up; they are not throughput.
     for _ in range(2):
-        torch.matmul(a, b, out=out)
+        op()
     sync()
     iterations = 0
     start = time.perf_counter()
     elapsed = 0.0
-    with torch.inference_mode():
-        while elapsed < budget_s:
-            # Batches between clock reads keep the timer's cost out of fast GPU runs.
-            for _ in range(4):
-                torch.matmul(a, b, out=out)
-            sync()
-            iterations += 4
-            elapsed = time.perf_counter() - start
-    return 2.0 * n**3 * iterations / elapsed / 1e12
+    while elapsed < budget_s:
+        # Batches between clock reads keep the timer's cost out of fast GPU runs.
+        for _ in range(4):
+            op()
+        sync()
+        iterations += 4
+        elapsed = time.perf_counter() - start
+    return iterations, elapsed
 
 
 def _numpy_tflops(budget_s: float, n: int = 512) -> float:

@@ -85,6 +85,7 @@ def test_probe_prints_json_and_creates_nothing(tmp_path, capsys) -> None:
                      "--benchmark-s", "0.05"]) == 0  # fmt: skip
     report = json.loads(capsys.readouterr().out)
     assert report["device_kind"] == "cpu" and report["matmul_tflops"] > 0
+    assert report["memory_bandwidth_gbps"] > 0
     assert report["node_id"] == "" and not data_dir.exists()
 
     key = identity.load_or_create_key(data_dir)

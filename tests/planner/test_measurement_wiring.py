@@ -14,10 +14,15 @@ import grpc
 import pytest
 from planner.test_placement_and_sessions import caps, make, ready_all
 
-from coordinator.placement import MAX_PROBE_PEERS, PlacementNode
+from coordinator.placement import (
+    MAX_PROBE_PEERS,
+    PlacementNode,
+    claimed_ms_per_gparam,
+    node_spec,
+)
 from coordinator.sessions import MAX_STEP_TIMES, SessionError
 from protos import identity
-from protos.tessera.v1 import client_api_pb2, common_pb2
+from protos.tessera.v1 import client_api_pb2, common_pb2, node_pb2
 
 
 async def three_node_session(max_length: int = 32):
@@ -66,13 +71,22 @@ async def test_bad_step_reports_are_refused_with_the_right_codes():
     cases = [
         ([step_of(stage)] * (MAX_STEP_TIMES + 1), grpc.StatusCode.RESOURCE_EXHAUSTED),
         (
-            [client_api_pb2.StepTime(node_id="stranger", layers=stage.layers, tokens=1,
-                                     wall_ms=1.0)],  # fmt: skip
+            [
+                client_api_pb2.StepTime(
+                    node_id="stranger", layers=stage.layers, tokens=1, wall_ms=1.0
+                )
+            ],  # fmt: skip
             grpc.StatusCode.PERMISSION_DENIED,
         ),
         (
-            [client_api_pb2.StepTime(node_id=stage.primary.node_id, tokens=1, wall_ms=1.0,
-                                     layers=common_pb2.LayerRange(start=0, end=6))],  # fmt: skip
+            [
+                client_api_pb2.StepTime(
+                    node_id=stage.primary.node_id,
+                    tokens=1,
+                    wall_ms=1.0,
+                    layers=common_pb2.LayerRange(start=0, end=6),
+                )
+            ],  # fmt: skip
             grpc.StatusCode.INVALID_ARGUMENT,
         ),
         ([step_of(stage, tokens=0)], grpc.StatusCode.INVALID_ARGUMENT),
@@ -158,3 +172,28 @@ async def test_sessions_route_around_a_measured_slow_link():
             first,
             second,
         )
+
+
+def test_the_claimed_speed_is_the_slower_of_compute_and_streaming_the_weights():
+    def claimed(**fields) -> float:
+        return claimed_ms_per_gparam(node_pb2.Capabilities(**fields))
+
+    # An RTX 3090 in bf16: 71 TFLOP/s is 0.03 ms per billion parameters, but reading 2 GB
+    # of weights at 936 GB/s takes 2.1 ms: decode at batch 1 is bound by the second.
+    gpu = dict(device_kind="cuda", dtypes=["float32", "float16", "bfloat16"], matmul_tflops=71)
+    assert claimed(**gpu, memory_bandwidth_gbps=936) == pytest.approx(2 / 936 * 1e3)
+    # A CPU in fp32 reads 4 bytes a parameter.
+    assert claimed(device_kind="cpu", matmul_tflops=1.0, memory_bandwidth_gbps=50) == (
+        pytest.approx(4 / 50 * 1e3)
+    )
+    # Compute-bound when the bandwidth is plentiful, and an older agent that reports no
+    # bandwidth keeps the matmul prior.
+    assert claimed(device_kind="cpu", matmul_tflops=0.01, memory_bandwidth_gbps=50) == 200.0
+    assert claimed(**gpu) == pytest.approx(2 / 71)
+
+
+def test_the_planner_sees_the_nodes_bandwidth():
+    node = PlacementNode("fast-gpu", "127.0.0.1:9100", caps())
+    node.capabilities.memory_bandwidth_gbps = 900.0
+    spec = node_spec(node, kv_tokens=4096)
+    assert spec.mem_bandwidth == 900.0

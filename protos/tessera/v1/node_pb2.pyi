@@ -41,7 +41,7 @@ SHARD_STATE_FAILED: ShardState
 SHARD_STATE_DROPPED: ShardState
 
 class Capabilities(_message.Message):
-    __slots__ = ("device_kind", "device_name", "device_count", "memory_total_bytes", "memory_usable_bytes", "compute_capability", "cpu_cores", "ram_bytes", "matmul_tflops", "region", "price_per_1k_token_layers", "limits", "agent_version", "dtypes", "price_per_1k_token_layers_units", "price_per_sample_layer_units")
+    __slots__ = ("device_kind", "device_name", "device_count", "memory_total_bytes", "memory_usable_bytes", "compute_capability", "cpu_cores", "ram_bytes", "matmul_tflops", "region", "price_per_1k_token_layers", "limits", "agent_version", "dtypes", "price_per_1k_token_layers_units", "price_per_sample_layer_units", "memory_bandwidth_gbps")
     DEVICE_KIND_FIELD_NUMBER: _ClassVar[int]
     DEVICE_NAME_FIELD_NUMBER: _ClassVar[int]
     DEVICE_COUNT_FIELD_NUMBER: _ClassVar[int]
@@ -58,6 +58,7 @@ class Capabilities(_message.Message):
     DTYPES_FIELD_NUMBER: _ClassVar[int]
     PRICE_PER_1K_TOKEN_LAYERS_UNITS_FIELD_NUMBER: _ClassVar[int]
     PRICE_PER_SAMPLE_LAYER_UNITS_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_BANDWIDTH_GBPS_FIELD_NUMBER: _ClassVar[int]
     device_kind: str
     device_name: str
     device_count: int
@@ -74,7 +75,8 @@ class Capabilities(_message.Message):
     dtypes: _containers.RepeatedScalarFieldContainer[str]
     price_per_1k_token_layers_units: int
     price_per_sample_layer_units: int
-    def __init__(self, device_kind: _Optional[str] = ..., device_name: _Optional[str] = ..., device_count: _Optional[int] = ..., memory_total_bytes: _Optional[int] = ..., memory_usable_bytes: _Optional[int] = ..., compute_capability: _Optional[str] = ..., cpu_cores: _Optional[int] = ..., ram_bytes: _Optional[int] = ..., matmul_tflops: _Optional[float] = ..., region: _Optional[str] = ..., price_per_1k_token_layers: _Optional[float] = ..., limits: _Optional[_Union[OwnerLimits, _Mapping]] = ..., agent_version: _Optional[str] = ..., dtypes: _Optional[_Iterable[str]] = ..., price_per_1k_token_layers_units: _Optional[int] = ..., price_per_sample_layer_units: _Optional[int] = ...) -> None: ...
+    memory_bandwidth_gbps: float
+    def __init__(self, device_kind: _Optional[str] = ..., device_name: _Optional[str] = ..., device_count: _Optional[int] = ..., memory_total_bytes: _Optional[int] = ..., memory_usable_bytes: _Optional[int] = ..., compute_capability: _Optional[str] = ..., cpu_cores: _Optional[int] = ..., ram_bytes: _Optional[int] = ..., matmul_tflops: _Optional[float] = ..., region: _Optional[str] = ..., price_per_1k_token_layers: _Optional[float] = ..., limits: _Optional[_Union[OwnerLimits, _Mapping]] = ..., agent_version: _Optional[str] = ..., dtypes: _Optional[_Iterable[str]] = ..., price_per_1k_token_layers_units: _Optional[int] = ..., price_per_sample_layer_units: _Optional[int] = ..., memory_bandwidth_gbps: _Optional[float] = ...) -> None: ...
 
 class OwnerLimits(_message.Message):
     __slots__ = ("max_memory_bytes", "max_sessions", "active_hours")
