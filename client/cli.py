@@ -253,12 +253,13 @@ def _nodes(args: argparse.Namespace) -> int:
             f"{n.capabilities.device_kind}: {n.capabilities.device_name}".strip(": "),
             _bytes(n.capabilities.memory_usable_bytes),
             f"{n.capabilities.matmul_tflops:.2f}",
+            _gbps(n.capabilities.memory_bandwidth_gbps),
             _ago(now_ms - n.last_seen_unix_ms) if n.last_seen_unix_ms else "never",
             _trust(n),
         ]
         for n in nodes
     ]
-    header = ["ID", "NAME", "STATE", "DEVICE", "MEMORY", "TFLOPS", "LAST SEEN", "TRUST"]
+    header = ["ID", "NAME", "STATE", "DEVICE", "MEMORY", "TFLOPS", "GB/S", "LAST SEEN", "TRUST"]
     print(_table(header, rows))
     return 0
 
@@ -416,6 +417,10 @@ def _bytes(count: int) -> str:
             return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
         value /= 1024
     return f"{count} B"
+
+
+def _gbps(value: float) -> str:
+    return f"{value:.0f}" if value else "-"  # 0: an agent too old to measure it
 
 
 def _ago(ms: float) -> str:

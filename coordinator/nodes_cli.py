@@ -82,13 +82,15 @@ def run_list(args: argparse.Namespace) -> int:
         rows = [json_format.MessageToDict(n, preserving_proto_field_name=True) for n in reply.nodes]
         print(json.dumps(rows, indent=2))
         return 0
-    header = ("NODE_ID", "NAME", "STATE", "DEVICE", "USABLE_GB", "TFLOPS", "LAST_SEEN", "TRUST")
+    header = ("NODE_ID", "NAME", "STATE", "DEVICE", "USABLE_GB", "TFLOPS", "GB/S", "LAST_SEEN",
+              "TRUST")  # fmt: skip
     rows = [header]
     for n in reply.nodes:
         caps = n.capabilities
         rows.append((
             n.node_id, n.name, _state_name(n.state), f"{caps.device_kind} {caps.device_name}"[:32],
             f"{caps.memory_usable_bytes / 1e9:.1f}", f"{caps.matmul_tflops:.2f}",
+            f"{caps.memory_bandwidth_gbps:.0f}" if caps.memory_bandwidth_gbps else "-",
             _age(n.last_seen_unix_ms),
             f"{n.trust.trust:.2f} {n.trust.verified}/{n.trust.failures}"
             if n.HasField("trust") else "-",

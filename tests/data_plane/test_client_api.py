@@ -231,7 +231,7 @@ def test_cli_generate_streams_text_and_lists(swarm: Swarm, capsys) -> None:
     assert tessera_cli.main(["nodes", "--coordinator", swarm.address]) == 0
     table = capsys.readouterr().out.splitlines()
     assert table[0].split() == [
-        "ID", "NAME", "STATE", "DEVICE", "MEMORY", "TFLOPS", "LAST", "SEEN", "TRUST"
+        "ID", "NAME", "STATE", "DEVICE", "MEMORY", "TFLOPS", "GB/S", "LAST", "SEEN", "TRUST"
     ]  # fmt: skip
     assert len(table) == 4 and "online" in table[1] and "3s ago" in table[1]
     assert tessera_cli.main(["nodes", "--coordinator", swarm.address, "--json"]) == 0
