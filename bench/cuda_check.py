@@ -60,7 +60,7 @@ from client.demo_checkpoint import DemoShape, write_demo_checkpoint  # noqa: E40
 from client.local_swarm import LocalSwarm, wait_for_replicas  # noqa: E402
 from client.tokenizer import load_tokenizer  # noqa: E402
 from node_agent.hardware_probe import probe  # noqa: E402
-from node_agent.matmul_benchmark import measure_tflops  # noqa: E402
+from node_agent.matmul_benchmark import measure_bandwidth_gbps, measure_tflops  # noqa: E402
 from node_agent.runtime import StageModel, load_stage_model  # noqa: E402
 from node_agent.runtime.cuda_graphs import EAGER_STEPS_FIRST  # noqa: E402
 from protos import output_check  # noqa: E402
@@ -535,8 +535,17 @@ def device_part(args: argparse.Namespace, report: Report) -> None:
         f"{hw.memory_usable_bytes / 2**30:.0f} GiB; dtypes {', '.join(hw.dtypes)}"
     )
     tflops = measure_tflops(hw.torch_device, budget_s=1.0)
-    report.say(f"start-up matmul benchmark (what the planner is told): {tflops:.3g} TFLOP/s")
-    report.data["device"] = {"name": hw.device_name, "dtypes": list(hw.dtypes), "tflops": tflops}
+    bandwidth = measure_bandwidth_gbps(hw.torch_device, budget_s=1.0)
+    report.say(
+        f"start-up benchmarks (what the planner is told): {tflops:.3g} TFLOP/s matmul, "
+        f"{bandwidth:.0f} GB/s memory"
+    )
+    report.data["device"] = {
+        "name": hw.device_name,
+        "dtypes": list(hw.dtypes),
+        "tflops": tflops,
+        "bandwidth_gbps": bandwidth,
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
