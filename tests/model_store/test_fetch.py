@@ -116,13 +116,14 @@ async def test_a_corrupt_blob_on_the_coordinator_is_reported(served_model):
     assert error.code() == grpc.StatusCode.DATA_LOSS and "missing" in error.details()
 
 
-_nodes: dict[str, object] = {}
-
-
 async def _fetcher(server, data_dir: Path) -> ShardFetcher:
-    """A fetcher for a node registered with `server`; the same node again after a restart."""
-    node = _nodes.get(server.address) or await server.register_node()
-    _nodes[server.address] = node
+    """A fetcher for a node registered with `server`; the same node again after a restart.
+
+    The node is kept on the server object itself: every test gets a new coordinator, which
+    may well listen on a port an earlier test's coordinator used, so a cache keyed by the
+    address handed a later test a node its coordinator had never heard of."""
+    node = getattr(server, "fetch_node", None) or await server.register_node()
+    server.fetch_node = node
     return ShardFetcher.for_data_dir(server.address, node.node_id, node.ticket, data_dir)
 
 
