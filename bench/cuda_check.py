@@ -53,6 +53,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
+from greedy import greedy_steps  # noqa: E402  (bench/greedy.py)
 from text_table import table  # noqa: E402  (bench/text_table.py)
 
 from client.api import Client  # noqa: E402
@@ -187,7 +188,7 @@ def errors(a: torch.Tensor, b: torch.Tensor) -> list[float]:
 
 
 def dtype_name(dtype: torch.dtype) -> str:
-    return {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}[dtype]
+    return str(dtype).removeprefix("torch.")  # the wire's names: float32, float16, bfloat16
 
 
 def parity(args: argparse.Namespace, checkpoint: Path, report: Report) -> None:
@@ -303,18 +304,6 @@ def graph_memory(stage: StageModel, report: Report) -> int:
     return held
 
 
-def greedy_runtime(stage: StageModel, prompt: torch.Tensor, tokens: int) -> Iterator[int]:
-    cache = stage.new_cache(max_len=prompt.shape[1] + tokens, batch=1)
-    x, position = prompt, 0
-    for _ in range(tokens):
-        with torch.inference_mode():
-            logits = stage(x, cache, position, last_position_only=True)
-        position += x.shape[1]
-        token = int(torch.argmax(logits[0, -1]))
-        yield token
-        x = torch.tensor([[token]], device=prompt.device)
-
-
 def greedy_transformers(model: torch.nn.Module, prompt: torch.Tensor, tokens: int) -> Iterator[int]:
     x, past = prompt, None
     for _ in range(tokens):
@@ -377,8 +366,8 @@ def speed(args: argparse.Namespace, checkpoint: Path, report: Report) -> None:
         hf = LlamaForCausalLM.from_pretrained(checkpoint).to(device=device, dtype=dtype).eval()
         weight_bytes = sum(p.numel() * p.element_size() for p in graphed.parameters())
         sides = {
-            "runtime, CUDA graphs": (lambda m=graphed: greedy_runtime(m, prompt, tokens), Timing()),
-            "runtime, eager": (lambda m=eager: greedy_runtime(m, prompt, tokens), Timing()),
+            "runtime, CUDA graphs": (lambda m=graphed: greedy_steps(m, prompt, tokens), Timing()),
+            "runtime, eager": (lambda m=eager: greedy_steps(m, prompt, tokens), Timing()),
             "transformers": (lambda m=hf: greedy_transformers(m, prompt, tokens), Timing()),
         }
         if device.type != "cuda":  # graphs are for GPUs only: the dry run has one runtime
@@ -442,7 +431,7 @@ def swarm(args: argparse.Namespace, workdir: Path, report: Report) -> None:
     gpu = ["--device", str(device)]
     nodes = {"gpu-a": gpu, "gpu-b": gpu, "cpu-c": ["--device", "cpu"]}
     local = load_stage_model(checkpoint, 0, shape.layers).eval()
-    expected = list(greedy_runtime(local, torch.tensor([prompt_ids]), tokens))
+    expected = list(greedy_steps(local, torch.tensor([prompt_ids]), tokens))
     shutil.rmtree(workdir / "swarm", ignore_errors=True)
     with LocalSwarm(
         workdir / "swarm", coordinator_args=["--min-stages", "3", "--replicas", "2"]

@@ -97,6 +97,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
+from greedy import greedy_steps  # noqa: E402  (bench/greedy.py)
 from text_table import table  # noqa: E402  (bench/text_table.py)
 
 from client.api import Client, GenerationResult  # noqa: E402
@@ -105,7 +106,7 @@ from client.driver import DriverConfig  # noqa: E402
 from client.local_swarm import LocalSwarm, wait_for_replicas  # noqa: E402
 from client.records import HopRecord  # noqa: E402
 from client.tokenizer import load_tokenizer  # noqa: E402
-from node_agent.runtime import StageModel, load_stage_model  # noqa: E402
+from node_agent.runtime import load_stage_model  # noqa: E402
 
 MODEL = "bench-llama"
 PROMPT = "In a swarm of community GPUs, every stage keeps its own cache and "
@@ -230,20 +231,6 @@ def say(text: str = "") -> None:
 #
 # Each is an iterator that computes one token per next(): the runs of a round take turns
 # token by token (see "No overlap" above), timed by `interleave`.
-
-
-def local_steps(model: StageModel, prompt_ids: list[int], tokens: int) -> Iterator[int]:
-    """Greedy decoding in a plain loop: prefill, then one token at a time."""
-    cache = model.new_cache(len(prompt_ids) + tokens)
-    x = torch.tensor([prompt_ids], dtype=torch.int64)
-    position = 0
-    for _ in range(tokens):
-        with torch.inference_mode():
-            logits = model(x, cache, position, last_position_only=True)
-        position += x.shape[1]
-        token = int(torch.argmax(logits[0, -1]))
-        yield token
-        x = torch.tensor([[token]], dtype=torch.int64)
 
 
 def swarm_steps(client: Client, prompt_ids: list[int], tokens: int) -> Iterator[int]:
@@ -438,6 +425,7 @@ def bench(args: argparse.Namespace, workdir: Path) -> int:
     tokenizer = load_tokenizer((checkpoint / "tokenizer.json").read_bytes())
     assert tokenizer is not None
     prompt_ids = tokenizer.encode(PROMPT)
+    prompt = torch.tensor([prompt_ids])  # the local run's input
     local_model = load_stage_model(checkpoint, 0, shape.layers).eval()
     local_model.requires_grad_(False)
     gc.freeze()  # as the node agents do after loading a shard: same collector work per step
@@ -476,13 +464,13 @@ def bench(args: argparse.Namespace, workdir: Path) -> int:
             try:
                 for _ in pipes.steps(prompt_ids, warm):
                     pass
-                for _ in local_steps(local_model, prompt_ids, warm):
+                for _ in greedy_steps(local_model, prompt, warm):
                     pass
                 generate_swarm(hop_client, prompt_ids, warm)
                 for r in range(args.rounds):
                     runs = interleave(
                         {
-                            "local": local_steps(local_model, prompt_ids, args.tokens),
+                            "local": greedy_steps(local_model, prompt, args.tokens),
                             "pipes (floor)": pipes.steps(prompt_ids, args.tokens),
                             "swarm": swarm_steps(client, prompt_ids, args.tokens),
                             "swarm, hop by hop": swarm_steps(hop_client, prompt_ids, args.tokens),
