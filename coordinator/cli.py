@@ -174,6 +174,12 @@ def _add_serve_parser(subparsers: Any) -> None:
         "bound; with min-stages > 1 the layout ignores it)",
     )  # fmt: skip
     serve_parser.add_argument(
+        "--max-token-price", type=_non_negative_float, default=0.0, metavar="UNITS",
+        help="plan for served tokens/s within this price per 1,000 tokens through the whole "
+        "model (credit units; a pipeline costs its members' layers x their prices): dearer "
+        "pipelines are not formed, their nodes become replicas (default: 0, no bound)",
+    )  # fmt: skip
+    serve_parser.add_argument(
         "--kv-tokens", type=_positive_int, default=4096, metavar="N",
         help="KV-cache tokens each shard reserves for its sessions (default: %(default)s)",
     )  # fmt: skip
@@ -228,6 +234,7 @@ def _run_serve(args: argparse.Namespace) -> int:
         replicas=args.replicas,
         min_stages=args.min_stages,
         max_token_latency_ms=args.max_token_latency,
+        max_token_price_units=args.max_token_price,
         kv_tokens_per_shard=args.kv_tokens,
         default_price_units=args.default_price,
         default_training_price_units=args.default_training_price,

@@ -17,7 +17,13 @@ from coordinator.context import CoordinatorContext
 from coordinator.ledger.amounts import LedgerError
 from coordinator.node_state import NodeState
 from coordinator.placement import Placement, PlacementNode, model_spec
-from coordinator.registry import NodeStateChanged, ShardStatusReported, TelemetryReported
+from coordinator.registry import (
+    NodeStateChanged,
+    ShardStatusReported,
+    TelemetryReported,
+    now_ms,
+)
+from coordinator.reliability import HISTORY_EVENTS, NodeHistory
 from coordinator.sessions import SessionError, Sessions
 from protos.tessera.v1 import client_api_pb2
 
@@ -43,6 +49,14 @@ class SessionRpc:
             billing=ctx.ledger.billing if ctx.ledger is not None else None,
             hop_details=self._hop_details,
         )
+        # The planner's reliability input: every node's departures and time online, from
+        # the state changes in the database, then as they happen.
+        self.history = NodeHistory()
+        self.history.replay(ctx.registry.repo.events(limit=HISTORY_EVENTS))
+        placement.leave_rate_of = lambda node_id: self.history.leave_rate_per_h(node_id, now_ms())
+        ledger = ctx.ledger
+        if ledger is not None:
+            placement.price_of = lambda node_id: float(ledger.price_of(node_id).price)
         ctx.registry.add_listener(self._on_registry_event)
         if store is not None:
             store.add_listener(lambda event, name: self._refresh_models())
@@ -66,8 +80,9 @@ class SessionRpc:
     async def start(self) -> None:
         self._refresh_models()
         for view in self._ctx.registry.nodes([NodeState.ONLINE]):
-            self._placement.node_up(PlacementNode(view.node_id, view.data_address,
-                                                  view.capabilities))
+            self._placement.node_up(
+                PlacementNode(view.node_id, view.data_address, view.capabilities)
+            )
 
     async def stop(self) -> None:
         for task in self._tasks:
@@ -87,6 +102,7 @@ class SessionRpc:
 
     def _on_registry_event(self, event: object) -> None:
         if isinstance(event, NodeStateChanged):
+            self.history.observe(event.node_id, event.new.value, event.ts_ms, event.reason)
             if event.new is NodeState.ONLINE:
                 view = self._ctx.registry.node(event.node_id)
                 if view is not None:
@@ -145,6 +161,7 @@ def build(ctx: CoordinatorContext) -> SessionRpc:
         min_stages=settings.min_stages,
         kv_tokens=settings.kv_tokens_per_shard,
         max_token_latency_s=settings.max_token_latency_ms / 1000.0,
+        max_token_price=settings.max_token_price_units,
     )
     ctx.planner = placement
     return SessionRpc(ctx, placement)

@@ -31,5 +31,11 @@ _TO_PROTO = {
 }
 _FROM_PROTO = {v: k for k, v in _TO_PROTO.items()}
 
+# Why every connected node goes offline when the coordinator stops, and why whoever was
+# still connected is marked offline when it starts again (after a crash): the
+# coordinator's outages, which coordinator/reliability.py does not count against nodes.
+SHUTDOWN_REASON = "the coordinator is shutting down"
+RESTART_REASON = "coordinator restarted"
+
 # States in which a node is connected and may be given work (draining: only finish work).
 CONNECTED = frozenset({NodeState.ONLINE, NodeState.SUSPECT, NodeState.DRAINING})

@@ -89,10 +89,14 @@ def node_spec(
     kv_tokens: int,
     measurements: Measurements | None = None,
     cached: Iterable[Shard] = (),
+    *,
+    leave_rate_per_h: float = 0.0,
+    price: float = 0.0,
 ) -> NodeSpec:
     """The planner's view of a node: memory and dtype from its capabilities; speed and
     RTT from the coordinator's measurements once it has them (the node's claim until
-    then, and never faster than it was measured); region as the node declared it."""
+    then, and never faster than it was measured); region as the node declared it; how
+    often it leaves (its history) and what it asks (the ledger's price)."""
     caps = node.capabilities
     claimed = claimed_ms_per_gparam(caps)
     return NodeSpec(
@@ -106,6 +110,8 @@ def node_spec(
         ms_per_gparam=measurements.ms_per_gparam(node.node_id, claimed) if measurements else 0.0,
         rtt_ms=measurements.rtt_ms(node.node_id) if measurements else 0.0,
         cached=tuple(cached),
+        leave_rate_per_h=leave_rate_per_h,
+        price=price,
     )
 
 
@@ -121,6 +127,7 @@ class Placement:
         min_stages: int = 1,
         kv_tokens: int = 2048,
         max_token_latency_s: float = 0.0,
+        max_token_price: float = 0.0,
         debounce_s: float = 0.2,
         on_change: Callable[[str], None] | None = None,
         measurements: Measurements | None = None,
@@ -134,6 +141,7 @@ class Placement:
         self.kv_tokens = kv_tokens
         # The planner's latency bound for every model (0: none); see PLANNER.md.
         self.max_token_latency_s = max_token_latency_s
+        self.max_token_price = max_token_price  # and its price bound (0: none)
         self._debounce_s = debounce_s
         self._on_change = on_change
         self._models: dict[str, ModelSpec] = {}
@@ -157,12 +165,23 @@ class Placement:
         self._probing: dict[str, tuple[str, ...]] = {}
         # Cost multiplier per node for the router; the verifier makes failing nodes dearer.
         self.trust_cost: Callable[[str], float] = lambda node_id: 1.0
+        # The planner's reliability and price inputs, wired by coordinator/inference.py:
+        # departures per hour online (coordinator/reliability.py; 0 = no history) and
+        # the node's price per 1,000 token-layers (the ledger's; 0 = free).
+        self.leave_rate_of: Callable[[str], float] = lambda node_id: 0.0
+        self.price_of: Callable[[str], float] = lambda node_id: 0.0
 
     # ---- inputs -------------------------------------------------------------------------
 
     def set_models(self, models: Iterable[ModelSpec]) -> None:
-        bound = self.max_token_latency_s
-        self._models = {m.name: replace(m, max_token_latency_s=bound) for m in models}
+        self._models = {
+            m.name: replace(
+                m,
+                max_token_latency_s=self.max_token_latency_s,
+                max_token_price=self.max_token_price,
+            )
+            for m in models
+        }
         self.schedule_replan()
 
     def node_up(self, node: PlacementNode) -> None:
@@ -425,7 +444,12 @@ class Placement:
             nodes = []
             for node in self._nodes.values():
                 spec = node_spec(
-                    node, self.kv_tokens, self.measurements, self._cached.get(node.node_id, ())
+                    node,
+                    self.kv_tokens,
+                    self.measurements,
+                    self._cached.get(node.node_id, ()),
+                    leave_rate_per_h=self.leave_rate_of(node.node_id),
+                    price=self.price_of(node.node_id),
                 )
                 training = self.training_bytes(node.node_id)
                 nodes.append(replace(spec, usable_bytes=max(0, spec.usable_bytes - training)))

@@ -43,6 +43,10 @@ CROSS_REGION_S = 0.06
 # Spare nodes (in no pipeline) replicate the least-covered layers even above the floor:
 # routes mix them with pipeline nodes, which adds sessions.
 SPARES_REPLICATE = True
+# Departures per hour online assumed for a node without history (coordinator/reliability.py
+# estimates the others): an exponential lifetime whose median is an hour, as
+# bench/placement_sim/churn.py assumes for GPU volunteers.
+PRIOR_LEAVE_RATE_PER_H = math.log(2)
 
 
 @dataclass(frozen=True)
@@ -57,6 +61,9 @@ class ModelSpec:
     # The latency bound of the objective: a pipeline whose estimated time per token is
     # above it serves nothing the model's users asked for (0 = no bound).
     max_token_latency_s: float = 0.0
+    # The price bound, in credit units per 1,000 tokens through every layer: a pipeline
+    # dearer than this serves nobody the operator means to sell to (0 = no bound).
+    max_token_price: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -90,6 +97,11 @@ class NodeSpec:
     upload_mbps: float = 0.0  # uplink: pushing a token's hidden state to the next hop
     download_mbps: float = 0.0  # fetching weights (0: DEFAULT_DOWNLOAD_MBPS)
     cached: tuple[Shard, ...] = ()  # shards whose weights the node has on disk already
+    # How often it leaves: departures per hour online, from its history (0 = no history:
+    # PRIOR_LEAVE_RATE_PER_H). A pipeline is down from a member's departure until a
+    # replacement has fetched that member's weights (see `availability`).
+    leave_rate_per_h: float = 0.0
+    price: float = 0.0  # what it asks, credit units per 1,000 token-layers (0 = free)
 
 
 @dataclass
@@ -141,15 +153,21 @@ class ModelPlan:
         return missing
 
 
-def shard_bytes(model: ModelSpec, node: NodeSpec, start: int, end: int) -> int:
-    """Weights plus the KV cache budget of a shard, in the node's compute dtype."""
+def weight_bytes(model: ModelSpec, node: NodeSpec, start: int, end: int) -> int:
+    """The weights of layers [start, end) (with the embedding or the LM head at the ends),
+    in the node's compute dtype."""
     params = (end - start) * model.params_per_layer
     if start == 0:
         params += model.embed_params
     if end == model.num_layers:
         params += model.head_params
+    return params * node.dtype_bytes
+
+
+def shard_bytes(model: ModelSpec, node: NodeSpec, start: int, end: int) -> int:
+    """Weights plus the KV cache budget of a shard, in the node's compute dtype."""
     kv = node.kv_tokens * (end - start) * model.kv_values_per_token_per_layer
-    return (params + kv) * node.dtype_bytes
+    return weight_bytes(model, node, start, end) + kv * node.dtype_bytes
 
 
 def fits(model: ModelSpec, node: NodeSpec, start: int, end: int, used: int = 0) -> bool:
@@ -223,37 +241,88 @@ def plan(
 def estimated_tokens_per_s(
     model: ModelSpec, model_plan: ModelPlan, nodes: Mapping[str, NodeSpec]
 ) -> float:
-    """The planner's objective: sum over full pipelines of 1 / (time per token).
+    """The planner's objective: sum over full pipelines of availability / (time per token).
 
     Each node serves the same number of sessions (its KV budget), so a pipeline's sessions
-    each make 1 / latency tokens per second; the common factor is left out.
+    each make 1 / latency tokens per second while it is up; the common factor is left out.
     """
     total = 0.0
     for pipe in model_plan.pipelines:
-        seconds = pipeline_seconds(model, model_plan, nodes, pipe)
-        if seconds is not None:
-            total += pipeline_rate(model, seconds)
+        members = _pipe_members(model_plan, nodes, pipe)
+        if members is not None:
+            total += pipeline_value(model, members)
     return total
+
+
+Member = tuple[NodeSpec, int, int]  # a pipeline member and its layers [start, end)
+
+
+def _pipe_members(
+    model_plan: ModelPlan, nodes: Mapping[str, NodeSpec], pipe: Sequence[str]
+) -> list[Member] | None:
+    members = []
+    for nid in pipe:
+        shard = model_plan.holders.get(nid)
+        if nid not in nodes or shard is None:
+            return None  # a member is gone
+        members.append((nodes[nid], shard.start, shard.end))
+    return members
 
 
 def pipeline_seconds(
     model: ModelSpec, model_plan: ModelPlan, nodes: Mapping[str, NodeSpec], pipe: Sequence[str]
 ) -> float | None:
     """Estimated time per token through one of the plan's pipelines (None: a member is gone)."""
-    members = [nodes[nid] for nid in pipe if nid in nodes and nid in model_plan.holders]
-    if len(members) != len(pipe):
-        return None
-    seconds = sum(model_plan.holders[n.node_id].layers * layer_seconds(model, n) for n in members)
-    return seconds + network_seconds(model, members)
+    members = _pipe_members(model_plan, nodes, pipe)
+    return None if members is None else _members_seconds(model, members)
 
 
-def pipeline_rate(model: ModelSpec, seconds: float) -> float:
-    """A pipeline's term of the objective: 1 / its time per token, or nothing when that
-    time breaks the model's latency bound (its sessions would be too slow to count)."""
+def _members_seconds(model: ModelSpec, members: Sequence[Member]) -> float:
+    compute = sum((b - a) * layer_seconds(model, n) for n, a, b in members)
+    return compute + network_seconds(model, [n for n, _, _ in members])
+
+
+def pipeline_value(model: ModelSpec, members: Sequence[Member]) -> float:
+    """A pipeline's term of the objective: its expected tokens/s per session slot."""
+    seconds = _members_seconds(model, members)
+    return pipeline_rate(model, seconds, token_price(members)) * availability(model, members)
+
+
+def pipeline_rate(model: ModelSpec, seconds: float, price: float = 0.0) -> float:
+    """1 / a pipeline's time per token, or nothing when that time breaks the model's
+    latency bound or its price per 1,000 tokens the price bound: its sessions would be too
+    slow, or too dear, to count."""
     bound = model.max_token_latency_s
     if bound > 0 and seconds > bound:
         return 0.0
+    if model.max_token_price > 0 and price > model.max_token_price:
+        return 0.0
     return 1.0 / seconds
+
+
+def token_price(members: Iterable[Member]) -> float:
+    """What 1,000 tokens through the pipeline cost: layers x each member's price."""
+    return sum((b - a) * node.price for node, a, b in members)
+
+
+def leave_rate_per_s(node: NodeSpec) -> float:
+    return (node.leave_rate_per_h or PRIOR_LEAVE_RATE_PER_H) / 3600.0
+
+
+def availability(model: ModelSpec, members: Iterable[Member]) -> float:
+    """The share of time a pipeline is expected to serve.
+
+    It serves until a member leaves, then is down until a replacement has fetched that
+    member's weights (at DEFAULT_DOWNLOAD_MBPS: which node replaces it is not known yet).
+    Up and down times alternate, so the share is up / (up + down) = 1 / (1 + sum over
+    members of leave rate x repair time). The sum of the members' weights is the model's,
+    so with equal leave rates every pipeline of a model has the same availability; it
+    decides only between nodes whose histories differ: reliable nodes are worth more
+    together, as fast ones are.
+    """
+    rate = DEFAULT_DOWNLOAD_MBPS * 1e6 / 8
+    down = sum(leave_rate_per_s(n) * weight_bytes(model, n, a, b) / rate for n, a, b in members)
+    return 1.0 / (1.0 + down)
 
 
 def handoff_seconds(model: ModelSpec, node: NodeSpec) -> float:
@@ -455,9 +524,18 @@ Chain = list[tuple[_Cand, int, int]]
 
 
 def _chain_seconds(model: ModelSpec, chain: Chain) -> float:
-    """Estimated time per token through a chain (the objective's per-pipeline term)."""
+    """Estimated time per token through a chain."""
     compute = sum((b - a) * c.seconds for c, a, b in chain)
     return compute + network_seconds(model, [c.node for c, _, _ in chain])
+
+
+def _chain_value(model: ModelSpec, chain: Chain, seconds: float | None = None) -> float:
+    """The chain's term of the objective (`pipeline_value`, from the candidates' cached
+    layer times)."""
+    members = [(c.node, a, b) for c, a, b in chain]
+    if seconds is None:
+        seconds = _chain_seconds(model, chain)
+    return pipeline_rate(model, seconds, token_price(members)) * availability(model, members)
 
 
 def _own_seconds(c: _Cand) -> float:
@@ -481,6 +559,7 @@ def _refine(model: ModelSpec, pipelines: list[Chain], rounds: int = 2) -> list[C
     if len(pipelines) > LARGE_SWARM_PIPELINES:
         rounds = 1  # plan time: a second round gains little on thousands of nodes
     seconds = [_chain_seconds(model, chain) for chain in pipelines]
+    values = [_chain_value(model, chain, t) for chain, t in zip(pipelines, seconds, strict=True)]
     # Positions refer to these member lists (chain order changes when a chain is rebuilt).
     members = [[c for c, _, _ in chain] for chain in pipelines]
     places: dict[tuple[str, int, int, int, int], list[tuple[int, int]]] = {}
@@ -508,13 +587,16 @@ def _refine(model: ModelSpec, pipelines: list[Chain], rounds: int = 2) -> list[C
             if any(chain is None or len(chain) != len(trial[p]) for p, chain in rebuilt.items()):
                 continue
             new_seconds = {p: _chain_seconds(model, chain) for p, chain in rebuilt.items()}  # type: ignore[arg-type]
-            before = sum(pipeline_rate(model, seconds[p]) for p in touched)
-            after = sum(pipeline_rate(model, new_seconds[p]) for p in touched)
-            if after > before * (1 + 1e-9):
+            new_values = {
+                p: _chain_value(model, chain, new_seconds[p])  # type: ignore[arg-type]
+                for p, chain in rebuilt.items()
+            }
+            if sum(new_values.values()) > sum(values[p] for p in touched) * (1 + 1e-9):
                 for p, chain in rebuilt.items():
                     pipelines[p] = chain  # type: ignore[assignment]
                     members[p] = trial[p]
                     seconds[p] = new_seconds[p]
+                    values[p] = new_values[p]
                 improved = True
         if not improved:
             break
@@ -525,17 +607,25 @@ SWAP_TRIES_PER_PIPELINE = 200
 MAX_SWAP_TRIES = 3000  # bounds plan time on large swarms (about 0.1 s)
 
 
-def _swap_search(model: ModelSpec, pipelines: list[Chain]) -> list[Chain]:
-    """Local search on the objective across shapes: two members of two pipelines (same
-    region) trade places when both pipelines still cover [0, L) and the sum of 1 / latency
-    rises. Pairs are drawn by a fixed pseudo-random sequence, so plans stay reproducible."""
+def _swap_search(
+    model: ModelSpec, pipelines: list[Chain], spares: list[_Cand]
+) -> tuple[list[Chain], list[_Cand]]:
+    """Local search on the objective across shapes, by pairs drawn from a fixed
+    pseudo-random sequence (plans stay reproducible):
+
+    - two members of two pipelines (same region) trade places when both pipelines still
+      cover [0, L) and the objective rises;
+    - a spare (a node in no pipeline, same region) takes a member's place when the
+      pipeline still covers [0, L) and its term rises: a faster or more reliable node that
+      bin covering left over replaces a slower or flakier one, which becomes the spare.
+    """
     count = len(pipelines)
-    if count < 2:
-        return pipelines
-    pipelines = list(pipelines)
-    seconds = [_chain_seconds(model, chain) for chain in pipelines]
+    if count == 0:
+        return pipelines, spares
+    pipelines, spares = list(pipelines), list(spares)
+    values = [_chain_value(model, chain) for chain in pipelines]
     state = 0x2545F491
-    tries = min(SWAP_TRIES_PER_PIPELINE * count, MAX_SWAP_TRIES)
+    tries = min(SWAP_TRIES_PER_PIPELINE * count, MAX_SWAP_TRIES) if count > 1 else 0
     for _ in range(tries):
         state = (state * 6364136223846793005 + 1442695040888963407) % 2**64
         p, q = (state >> 11) % count, (state >> 29) % count
@@ -553,12 +643,29 @@ def _swap_search(model: ModelSpec, pipelines: list[Chain]) -> list[Chain]:
         cp, cq = _chain(model, mp), _chain(model, mq)
         if cp is None or cq is None or len(cp) != len(mp) or len(cq) != len(mq):
             continue
-        sp, sq = _chain_seconds(model, cp), _chain_seconds(model, cq)
-        before = pipeline_rate(model, seconds[p]) + pipeline_rate(model, seconds[q])
-        if pipeline_rate(model, sp) + pipeline_rate(model, sq) > before * (1 + 1e-9):
+        vp, vq = _chain_value(model, cp), _chain_value(model, cq)
+        if vp + vq > (values[p] + values[q]) * (1 + 1e-9):
             pipelines[p], pipelines[q] = cp, cq
-            seconds[p], seconds[q] = sp, sq
-    return pipelines
+            values[p], values[q] = vp, vq
+    if not spares:
+        return pipelines, spares
+    for _ in range(min(SWAP_TRIES_PER_PIPELINE * len(spares), MAX_SWAP_TRIES)):
+        state = (state * 6364136223846793005 + 1442695040888963407) % 2**64
+        p, k = (state >> 11) % count, (state >> 29) % len(spares)
+        i = (state >> 40) % len(pipelines[p])
+        member, spare = pipelines[p][i][0], spares[k]
+        if member.node.region != spare.node.region:
+            continue
+        trial = [c for c, _, _ in pipelines[p]]
+        trial[i] = spare
+        chain = _chain(model, trial)
+        if chain is None or len(chain) != len(trial):
+            continue
+        value = _chain_value(model, chain)
+        if value > values[p] * (1 + 1e-9):
+            pipelines[p], values[p] = chain, value
+            spares[k] = member
+    return pipelines, spares
 
 
 def _form_pipelines(
@@ -577,23 +684,33 @@ def _form_pipelines(
     if len(by_region) > 1:
         made, rest = _bin_cover(model, rest)
         pipelines += made
-    return _within_bound(model, _swap_search(model, _refine(model, pipelines)), rest)
+    pipelines, rest = _swap_search(model, _refine(model, pipelines), rest)
+    return _within_bound(model, pipelines, rest)
 
 
 def _within_bound(
     model: ModelSpec, pipelines: list[Chain], rest: list[_Cand]
 ) -> tuple[list[Chain], list[_Cand]]:
-    """Dissolve the pipelines the local search could not bring under the latency bound:
-    their members become spares (replicas that routes may still mix in). When no pipeline
-    meets the bound the fastest one stays, so the model is served, if slowly."""
-    if model.max_token_latency_s <= 0 or not pipelines:
+    """Dissolve the pipelines the local search could not bring under the latency and price
+    bounds: their members become spares (replicas that routes may still mix in). When no
+    pipeline meets the bounds one stays, so the model is served: of those formed, the one
+    least over the price bound, the fastest of those."""
+    bounded = model.max_token_latency_s > 0 or model.max_token_price > 0
+    if not bounded or not pipelines:
         return pipelines, rest
-    inside = [c for c in pipelines if pipeline_rate(model, _chain_seconds(model, c)) > 0]
+    inside = [c for c in pipelines if _chain_value(model, c) > 0]
     if not inside:
-        inside = [min(pipelines, key=lambda c: _chain_seconds(model, c))]
+        inside = [min(pipelines, key=lambda c: _fallback_key(model, c))]
     kept = {id(c) for c in inside}
     rest = rest + [m for c in pipelines if id(c) not in kept for m, _, _ in c]
     return inside, rest
+
+
+def _fallback_key(model: ModelSpec, chain: Chain) -> tuple[float, float]:
+    """How far a chain is over the price bound (0 within it, or with none), then its time."""
+    price = token_price((c.node, a, b) for c, a, b in chain)
+    over = max(0.0, price - model.max_token_price) if model.max_token_price > 0 else 0.0
+    return over, _chain_seconds(model, chain)
 
 
 def _place_chain(

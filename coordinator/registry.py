@@ -39,7 +39,7 @@ import grpc
 from coordinator.challenges import ChallengeRejected, ChallengeStore
 from coordinator.db import NodeRecord, NodeRepository, StateChange
 from coordinator.events import EventBus
-from coordinator.node_state import CONNECTED, NodeState
+from coordinator.node_state import CONNECTED, RESTART_REASON, NodeState
 from coordinator.settings import Settings
 from coordinator.validation import MAX_STRING_CHARS, InvalidField, validate_registration
 from protos import identity
@@ -287,7 +287,7 @@ class Registry:
             self._nodes[record.node_id] = _LiveNode(record, caps)
         for node in self._nodes.values():
             if node.state in CONNECTED:
-                self._set_state(node, NodeState.OFFLINE, "coordinator restarted")
+                self._set_state(node, NodeState.OFFLINE, RESTART_REASON)
         self.flush()
         log.info("registry loaded %d known nodes", len(self._nodes))
         self._tasks = [

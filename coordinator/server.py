@@ -32,6 +32,7 @@ from coordinator import secrets_store
 from coordinator.addresses import split_host_port
 from coordinator.context import CoordinatorContext
 from coordinator.events import EventBus, InProcessBus, MqttBus
+from coordinator.node_state import SHUTDOWN_REASON
 from coordinator.presence import PresenceWatcher
 from coordinator.registry import Registry
 from coordinator.services import (
@@ -236,9 +237,7 @@ async def _shutdown(
     if server is not None:
         # Attach streams never end on their own: end them so the grace period is not spent
         # waiting for them, and nodes reconnect as soon as we are back.
-        ctx.registry.end_all_streams(
-            grpc.StatusCode.UNAVAILABLE, "the coordinator is shutting down"
-        )
+        ctx.registry.end_all_streams(grpc.StatusCode.UNAVAILABLE, SHUTDOWN_REASON)
         await server.stop(ctx.settings.shutdown_grace_s)
     for component in reversed(started):
         try:

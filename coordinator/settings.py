@@ -41,6 +41,9 @@ class Settings:
     # Planner objective: served tokens/s of pipelines whose estimated time per token is
     # within this bound (0: no bound). Slower pipelines are dissolved into replicas.
     max_token_latency_ms: float = 0.0
+    # ... and within this price per 1,000 tokens through the whole model, in credit units
+    # (0: no bound). Dearer pipelines are dissolved into replicas too.
+    max_token_price_units: float = 0.0
     # KV cache tokens each assigned shard reserves across its sessions.
     kv_tokens_per_shard: int = 4096
     # Ledger: the price of a node that asks 0 (credit units per 1,000 token-layers; 0 =

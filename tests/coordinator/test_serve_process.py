@@ -226,6 +226,8 @@ def test_help_works_as_a_program() -> None:
         (["serve", "--db", "x.db", "--max-token-latency", "-5"], "expected a number >= 0"),
         (["serve", "--db", "x.db", "--max-token-latency", "nan"], "expected a number >= 0"),
         (["serve", "--db", "x.db", "--max-token-latency", "inf"], "expected a number >= 0"),
+        (["serve", "--db", "x.db", "--max-token-price", "-1"], "expected a number >= 0"),
+        (["serve", "--db", "x.db", "--max-token-price", "nan"], "expected a number >= 0"),
     ],
 )  # fmt: skip
 def test_serve_rejects_bad_flags(args: list[str], fragment: str, capsys) -> None:

@@ -8,7 +8,7 @@ import grpc
 import pytest
 
 from coordinator.placement import Placement, PlacementNode, model_spec, node_spec
-from coordinator.planner import pipeline_seconds
+from coordinator.planner import ModelPlan, pipeline_seconds
 from coordinator.sessions import SessionError, Sessions
 from protos import identity
 from protos.tessera.v1 import client_api_pb2, common_pb2, node_pb2
@@ -215,6 +215,31 @@ async def test_the_latency_bound_reaches_the_planner_and_dissolves_slow_pipeline
     p = await planned(fast + (slow - fast) / 4)
     assert [sorted(pipe) for pipe in p.pipelines] == [["f0", "f1"]]
     assert set(p.holders) == set(cards) and not p.missing_layers()
+
+
+async def test_prices_reach_the_planner_and_the_price_bound_dissolves_dear_pipelines():
+    """Four equal nodes that each hold half the model, two of them asking 10x the others'
+    price: without a price bound both pairs are pipelines; with a bound between the cheap
+    pair's price per 1,000 tokens and any pair with a dear node, only the cheap pair is a
+    pipeline, and the dear nodes replicate layers."""
+    spec = model_spec("m", CONFIG)
+    prices = {"c0": 1.0, "c1": 1.0, "d0": 10.0, "d1": 10.0}
+    bound = spec.num_layers * 2.0  # the cheap pair costs L x 1; a dear member, > L x 5
+
+    async def planned(max_token_price: float) -> ModelPlan:
+        swarm = Swarm()
+        placement = Placement(swarm.send, replicas=1, debounce_s=0, max_token_price=max_token_price)
+        placement.price_of = prices.__getitem__
+        placement.set_models([spec])
+        for node_id in prices:
+            placement.node_up(PlacementNode(node_id, "127.0.0.1:1", caps(0.0025)))
+        await placement.replan()
+        return placement.plan_of("m")
+
+    assert len((await planned(0.0)).pipelines) == 2
+    p = await planned(bound)
+    assert [sorted(pipe) for pipe in p.pipelines] == [["c0", "c1"]]
+    assert set(p.holders) == set(prices) and not p.missing_layers()
 
 
 async def test_a_node_joining_while_a_replan_sends_assignments_is_planned_too():
