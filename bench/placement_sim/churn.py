@@ -38,17 +38,41 @@ def mean_session_s(median_s: float = MEDIAN_SESSION_S, shape: float = WEIBULL_SH
     return weibull_scale_for_median(median_s, shape) * math.gamma(1.0 + 1.0 / shape)
 
 
-def residual_lifetime(
+def session_in_progress(
     rng: random.Random, median_s: float = MEDIAN_SESSION_S, shape: float = WEIBULL_SHAPE
-) -> float:
-    """Remaining time of a session seen in progress at a random moment.
+) -> tuple[float, float]:
+    """(time online so far, remaining time) of a session seen in progress at a random
+    moment.
 
     A length-biased Weibull(shape, scale) session is scale * G^(1/shape) with
     G ~ Gamma(1 + 1/shape, 1); the moment we look at is uniform within it.
     """
     scale = weibull_scale_for_median(median_s, shape)
     biased = scale * rng.gammavariate(1.0 + 1.0 / shape, 1.0) ** (1.0 / shape)
-    return rng.random() * biased
+    remaining = rng.random() * biased
+    return biased - remaining, remaining
+
+
+def residual_lifetime(
+    rng: random.Random, median_s: float = MEDIAN_SESSION_S, shape: float = WEIBULL_SHAPE
+) -> float:
+    """Remaining time of a session seen in progress at a random moment."""
+    return session_in_progress(rng, median_s, shape)[1]
+
+
+def initial_ages(
+    initial_ids: list[str],
+    seed: int,
+    median_s: float = MEDIAN_SESSION_S,
+    shape: float = WEIBULL_SHAPE,
+) -> dict[str, float]:
+    """How long each node present at the start has been online: the other half of the
+    draw that gives `churn_trace` its remaining time (same seed, same order), so a node's
+    age and its remaining time are those of one session. With shape < 1 they are
+    correlated: a node that has stayed long tends to stay longer (what the coordinator's
+    reliability estimate assumes)."""
+    rng = random.Random(seed)
+    return {node_id: session_in_progress(rng, median_s, shape)[0] for node_id in initial_ids}
 
 
 def session_lengths(

@@ -5,7 +5,7 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass, replace
 
-from .churn import ChurnEvent, churn_trace
+from .churn import ChurnEvent, churn_trace, initial_ages
 from .gpus import GPUS, MIXES
 from .models import LLAMA2_7B, LLAMA2_13B, LLAMA2_70B, ModelShape
 from .regions import REGIONS, Site, draw_access
@@ -40,17 +40,25 @@ class Scenario:
         return SimNode(node_id, gpu, self._site(rng))
 
     def build_nodes(self) -> list[SimNode]:
+        """The swarm at the start, each node online for as long as the churn trace says."""
         rng = random.Random(self.seed)
-        return [self._node(f"n{i:05d}", rng) for i in range(self.nodes)]
+        nodes = [self._node(f"n{i:05d}", rng) for i in range(self.nodes)]
+        ages = initial_ages([n.node_id for n in nodes], self.seed)
+        return [replace(n, joined_s=-ages[n.node_id]) for n in nodes]
 
     def clients(self, count: int) -> list[Site]:
         rng = random.Random(self.seed + 1)
         return [self._site(rng) for _ in range(count)]
 
     def churn(self) -> list[ChurnEvent[SimNode]]:
+        """Leaves and joins; a joining node's `joined_s` is its event's time."""
         rng = random.Random(self.seed + 2)
         ids = [f"n{i:05d}" for i in range(self.nodes)]
-        return churn_trace(ids, lambda nid: self._node(nid, rng), self.churn_events, self.seed)
+        trace = churn_trace(ids, lambda nid: self._node(nid, rng), self.churn_events, self.seed)
+        return [
+            replace(e, node=replace(e.node, joined_s=e.time_s)) if e.node is not None else e
+            for e in trace
+        ]
 
 
 FULL = [

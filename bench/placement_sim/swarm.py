@@ -63,6 +63,7 @@ class SimNode:
     node_id: str
     gpu: GpuSpec
     site: Site
+    joined_s: float = 0.0  # when its session began, on the churn trace's clock
 
     @property
     def usable_bytes(self) -> int:

@@ -1,9 +1,11 @@
 """Tessera as the coordinator runs it: coordinator.planner.plan + coordinator.router.route.
 
 Planner inputs: speed = the card's FP16 TFLOPS, memory bandwidth, region, fp16 weights,
-the coordinator's KV budget. Router inputs, as the coordinator measures them once traffic
-flows: per-layer time of the node at its would-be batch (load-adjusted), RTT between nodes
-(plus the hand-off of the hidden states) and between the client and each node.
+the coordinator's KV budget, and each node's leave rate as coordinator/reliability.py
+estimates it from the node's time online so far (no node has left before in the trace).
+Router inputs, as the coordinator measures them once traffic flows: per-layer time of the
+node at its would-be batch (load-adjusted), RTT between nodes (plus the hand-off of the
+hidden states) and between the client and each node.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from collections.abc import Mapping
 import numpy as np
 
 from coordinator.planner import ModelPlan, ModelSpec, NodeSpec, plan
+from coordinator.reliability import leave_rate_per_h
 from coordinator.router import Holder, NoRouteError, route
 
 from .regions import Site, backbone_rtt_ms
@@ -53,6 +56,7 @@ class TesseraSystem:
             hidden_size=model.hidden,
         )
         self.plan: ModelPlan | None = None
+        self.now_s = 0.0  # the churn trace's clock at the latest event
 
     def _node_specs(self) -> list[NodeSpec]:
         peers = typical_peer_rtt_ms(list(self.swarm.nodes.values()))
@@ -78,6 +82,7 @@ class TesseraSystem:
                 # What coordinator/measurements.py converges to once traffic flows: the
                 # node's per-layer time with its KV slots in use.
                 ms_per_gparam=measured[n.gpu.name],
+                leave_rate_per_h=leave_rate_per_h(0, self.now_s - n.joined_s),
             )
             for n in self.swarm.nodes.values()
         ]
@@ -98,9 +103,11 @@ class TesseraSystem:
         self._replan()
 
     def join(self, node: SimNode, now_s: float) -> int:
+        self.now_s = now_s
         return self._replan()
 
     def leave(self, node_id: str, now_s: float) -> int:
+        self.now_s = now_s
         return self._replan()
 
     def ranges(self) -> dict[str, tuple[int, int]]:
