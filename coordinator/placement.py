@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import time
 from collections.abc import Awaitable, Callable, Iterable, Mapping
 from dataclasses import dataclass, replace
 
@@ -24,6 +25,11 @@ log = logging.getLogger("tessera.placement")
 MAX_CACHED_SHARDS = 8  # shards remembered per node as being in its disk cache
 MAX_PROBE_PEERS = 16  # peers a node is asked to ping: its likely hand-off partners
 MAX_RTT_MS = 60_000.0  # a reported round trip above this is not a measurement
+# A model's demand is the sessions asked for it, each counting less as it ages: half as
+# much after this long. Re-plans then share the swarm's memory by recent demand, and a
+# model whose share of demand has moved by this factor since the last plan causes one.
+DEMAND_HALF_LIFE_S = 600.0
+DEMAND_SHIFT = 2.0
 # CPU nodes compute in fp32; GPU nodes in fp16/bf16.
 _DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
 
@@ -170,6 +176,9 @@ class Placement:
         # the node's price per 1,000 token-layers (the ledger's; 0 = free).
         self.leave_rate_of: Callable[[str], float] = lambda node_id: 0.0
         self.price_of: Callable[[str], float] = lambda node_id: 0.0
+        # Sessions asked per model, decayed (DEMAND_HALF_LIFE_S): (count, as of monotonic s).
+        self._demand: dict[str, tuple[float, float]] = {}
+        self._planned_shares: dict[str, float] = {}  # demand shares the last plan used
 
     # ---- inputs -------------------------------------------------------------------------
 
@@ -206,6 +215,36 @@ class Placement:
             self._nodes[node_id] = PlacementNode(
                 node.node_id, node.address, node.capabilities, load
             )
+
+    def note_session(self, model: str, now_s: float | None = None) -> None:
+        """A client asked for a session of `model` (served or not: demand is what is asked)."""
+        if model not in self._models:
+            return
+        now_s = time.monotonic() if now_s is None else now_s
+        self._demand[model] = (self.demand(model, now_s) + 1.0, now_s)
+        if len(self._models) > 1 and self._planned_shares:
+            shares = self.demand_shares(now_s)
+            planned = self._planned_shares
+            if any(
+                not 1 / DEMAND_SHIFT < share / planned.get(m, share) < DEMAND_SHIFT
+                for m, share in shares.items()
+            ):
+                self._planned_shares = shares  # one re-plan per shift
+                self.schedule_replan()
+
+    def demand_shares(self, now_s: float | None = None) -> dict[str, float]:
+        """Each model's share of demand + 1 (what the planner shares memory by)."""
+        weights = {m: self.demand(m, now_s) + 1.0 for m in self._models}
+        total = sum(weights.values())
+        return {m: w / total for m, w in weights.items()}
+
+    def demand(self, model: str, now_s: float | None = None) -> float:
+        """Sessions asked for `model`, each halved every DEMAND_HALF_LIFE_S since."""
+        count, since = self._demand.get(model, (0.0, 0.0))
+        if not count:
+            return 0.0
+        now_s = time.monotonic() if now_s is None else now_s
+        return count * 0.5 ** (max(0.0, now_s - since) / DEMAND_HALF_LIFE_S)
 
     def observe_step(
         self, node_id: str, model: str, layers: int, tokens: int, wall_ms: float
@@ -453,8 +492,9 @@ class Placement:
                 )
                 training = self.training_bytes(node.node_id)
                 nodes.append(replace(spec, usable_bytes=max(0, spec.usable_bytes - training)))
+            self._planned_shares = self.demand_shares()
             self._plans = plan(
-                list(self._models.values()),
+                [replace(m, demand=self.demand(m.name)) for m in self._models.values()],
                 nodes,
                 previous=self._plans,
                 replicas=self.replicas,

@@ -64,6 +64,9 @@ class ModelSpec:
     # The price bound, in credit units per 1,000 tokens through every layer: a pipeline
     # dearer than this serves nobody the operator means to sell to (0 = no bound).
     max_token_price: float = 0.0
+    # How much it is asked for, e.g. sessions opened lately (placement counts them); when
+    # several models share the swarm their pipelines' memory follows demand + 1 each.
+    demand: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -214,17 +217,21 @@ def plan(
     min_stages: int = 1,
     hysteresis: float = HYSTERESIS,
 ) -> dict[str, ModelPlan]:
-    """Place every model on the nodes. Models are placed in the order given (priority).
+    """Place every model on the nodes. Models are given in priority order.
 
     `replicas` is a floor on holders per layer that spare nodes fill when the pipelines
     alone do not reach it. `hysteresis`: a re-plan moves surviving shards only when a fresh
-    plan's estimated throughput exceeds the kept plan's by this fraction.
+    plan's estimated throughput exceeds the kept plan's by this fraction. Several models
+    share the nodes by demand (`shares`); with `min_stages > 1` they are placed one after
+    the other, each in the memory the ones before it left.
     """
     previous = previous or {}
+    models = list(models)
     node_list = sorted(nodes, key=lambda n: (-n.speed, -n.usable_bytes, n.node_id))
     by_id = {n.node_id: n for n in node_list}
     used: dict[str, int] = {n.node_id: 0 for n in node_list}
     plans: dict[str, ModelPlan] = {}
+    parts = shares(models, node_list, previous, hysteresis) if min_stages == 1 else {}
     for model in models:
         old = previous.get(model.name)
         if min_stages > 1:
@@ -232,10 +239,94 @@ def plan(
                 model, node_list, by_id, used, old, replicas, min_stages
             )
         else:
+            part = parts[model.name]
             plans[model.name] = _plan_pipelines(
-                model, node_list, by_id, used, old, replicas, hysteresis
+                model, part, {n.node_id: n for n in part}, used, old, replicas, hysteresis
             )
     return plans
+
+
+# ---- several models (min_stages == 1) -------------------------------------------------------
+
+# A model gets at least this many copies' worth of memory, when there is room: one full
+# pipeline, plus slack for bin covering's waste and the headroom.
+FLOOR_COPIES = 1.5
+
+
+def copy_bytes(model: ModelSpec, nodes: Sequence[NodeSpec]) -> float:
+    """Memory one full pipeline of the model takes: every layer with its KV budget, the
+    embedding and the head, at the nodes' typical dtype and KV budget."""
+    if not nodes:
+        return 0.0
+    dtype = sorted(n.dtype_bytes for n in nodes)[len(nodes) // 2]
+    kv_tokens = sorted(n.kv_tokens for n in nodes)[len(nodes) // 2]
+    per_layer = model.params_per_layer + kv_tokens * model.kv_values_per_token_per_layer
+    return float(model.num_layers * per_layer + model.embed_params + model.head_params) * dtype
+
+
+def shares(
+    models: Sequence[ModelSpec],
+    nodes: Sequence[NodeSpec],
+    previous: Mapping[str, ModelPlan],
+    hysteresis: float = HYSTERESIS,
+) -> dict[str, list[NodeSpec]]:
+    """Which nodes form each model's pipelines when several models share the swarm.
+
+    Pipelines of one model serve its sessions only, so placing models one after the other
+    lets the first take every node and leaves the others unavailable. Instead each model
+    gets a share of the swarm's memory: first a floor (FLOOR_COPIES copies, in priority
+    order while there is room), so every model that can be served is; then the rest in
+    proportion to (demand + 1) x its copy's bytes, so pipelines follow demand. Nodes keep
+    the model they served (whole pipelines first) while its share stays within
+    `hysteresis` of its target; the others go, largest first, to the model furthest below
+    its target. Each node serves one model: its KV slots and compute are not shared.
+    Node lists keep the order they came in.
+    """
+    if len(models) == 1:
+        return {models[0].name: list(nodes)}
+    total = float(sum(n.usable_bytes for n in nodes)) * (1 - HEADROOM)
+    need = {m.name: copy_bytes(m, nodes) for m in models}
+    target: dict[str, float] = {}
+    left = total
+    for m in models:
+        floor = min(left, FLOOR_COPIES * need[m.name])
+        target[m.name] = floor
+        left -= floor
+    weight = {m.name: (max(0.0, m.demand) + 1.0) * need[m.name] for m in models}
+    weights = sum(weight.values()) or 1.0
+    for name in target:
+        target[name] += left * weight[name] / weights
+    by_id = {n.node_id: n for n in nodes}
+    owner: dict[str, str] = {}
+    held = dict.fromkeys(target, 0.0)
+
+    def give(name: str, node_ids: Iterable[str]) -> None:
+        for nid in node_ids:
+            owner[nid] = name
+            held[name] += by_id[nid].usable_bytes * (1 - HEADROOM)
+
+    for m in models:
+        old = previous.get(m.name)
+        if old is None:
+            continue
+        piped = {nid for pipe in old.pipelines for nid in pipe}
+        groups = [*old.pipelines, *((nid,) for nid in old.holders if nid not in piped)]
+        cap = target[m.name] * (1 + hysteresis)
+        for group in groups:
+            ids = [nid for nid in group if nid in by_id and nid not in owner]
+            size = sum(by_id[nid].usable_bytes for nid in ids) * (1 - HEADROOM)
+            if ids and held[m.name] + size <= cap:
+                give(m.name, ids)
+    rank = {m.name: i for i, m in enumerate(models)}
+    for n in sorted(nodes, key=lambda n: (-n.usable_bytes, n.node_id)):
+        if n.node_id in owner:
+            continue
+        name = max(
+            target,
+            key=lambda t: ((target[t] - held[t]) / max(target[t], 1.0), -rank[t]),
+        )
+        give(name, [n.node_id])
+    return {m.name: [n for n in nodes if owner.get(n.node_id) == m.name] for m in models}
 
 
 def estimated_tokens_per_s(

@@ -86,6 +86,7 @@ class Sessions:
             )
         if len(request.account) > _MAX_NAME:
             raise SessionError(grpc.StatusCode.INVALID_ARGUMENT, "account name is too long")
+        self._placement.note_session(info.name)
         boundaries = self._placement.boundaries(info.name)
         holders = self._placement.ready_holders(info.name)
         if not boundaries or not holders:

@@ -1,0 +1,100 @@
+"""Several models share one swarm: every model that fits is served, memory follows demand,
+and re-plans keep nodes with the model they serve unless demand has moved.
+
+Placing models one after the other let the first model's pipelines take every node, and
+the second was unavailable on a swarm that could serve both (the first test).
+"""
+
+from dataclasses import replace
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from planner.test_placement_and_sessions import CONFIG, Swarm, caps
+from planner.test_planner_v2 import MODEL, node
+
+from coordinator.placement import DEMAND_HALF_LIFE_S, Placement, PlacementNode, model_spec
+from coordinator.planner import plan, shares
+
+OTHER = replace(MODEL, name="other")
+
+
+def pipelines(plans) -> dict[str, int]:
+    return {name: len(p.pipelines) for name, p in plans.items()}
+
+
+def test_a_second_model_is_served_too():
+    nodes = [node(i, 0.1) for i in range(8)]  # each holds a bit over half a model
+    plans = plan([MODEL, OTHER], nodes, replicas=1)
+    assert pipelines(plans) == {"m": 2, "other": 2}
+    assert not plans["m"].missing_layers() and not plans["other"].missing_layers()
+    assert not set(plans["m"].holders) & set(plans["other"].holders)  # one model a node
+
+
+def test_memory_follows_demand_and_every_model_keeps_a_floor():
+    nodes = [node(i, 0.1) for i in range(16)]
+    plans = plan([MODEL, replace(OTHER, demand=30.0)], nodes, replicas=1)
+    assert pipelines(plans) == {"m": 2, "other": 6}
+    plans = plan([replace(MODEL, demand=1000.0), OTHER], nodes, replicas=1)
+    assert plans["other"].pipelines and not plans["other"].missing_layers()
+    assert len(plans["m"].pipelines) > 4 * len(plans["other"].pipelines) / 2
+
+
+def test_one_model_gets_every_node():
+    nodes = [node(i, 0.1) for i in range(5)]
+    assert shares([MODEL], nodes, {}) == {"m": nodes}
+
+
+def test_a_model_added_later_takes_whole_pipelines_and_the_rest_stay_put():
+    nodes = [node(i, 0.1) for i in range(8)]
+    alone = plan([MODEL], nodes, replicas=1)["m"]
+    assert len(alone.pipelines) == 4
+    plans = plan([MODEL, OTHER], nodes, {"m": alone}, replicas=1)
+    assert pipelines(plans) == {"m": 2, "other": 2}
+    assert set(plans["m"].pipelines) <= set(alone.pipelines)  # kept whole, not reshuffled
+    for nid in plans["m"].holders:
+        assert plans["m"].holders[nid] == alone.holders[nid]
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    st.lists(st.floats(0.06, 0.3), min_size=2, max_size=14),
+    st.floats(0.0, 50.0),
+    st.floats(0.0, 50.0),
+)
+def test_nothing_moves_when_nothing_changed_and_a_small_shift_in_demand_moves_no_node(
+    sizes, demand_a, demand_b
+):
+    nodes = [node(i, gb) for i, gb in enumerate(sizes)]
+    models = [replace(MODEL, demand=demand_a), replace(OTHER, demand=demand_b)]
+    first = plan(models, nodes, replicas=1)
+    again = plan(models, nodes, first, replicas=1)
+    assert {m: p.holders for m, p in again.items()} == {m: p.holders for m, p in first.items()}
+    # A tenth more demand for one model is within the hysteresis: no node changes model.
+    nudged = [replace(models[0], demand=demand_a * 1.1), models[1]]
+    moved = plan(nudged, nodes, first, replicas=1)
+    for name in ("m", "other"):
+        assert set(moved[name].holders) == set(first[name].holders)
+
+
+async def test_placement_counts_sessions_and_replans_when_demand_shifts():
+    swarm = Swarm()
+    placement = Placement(swarm.send, replicas=1, debounce_s=0)
+    placement.set_models([model_spec("a", CONFIG), model_spec("b", CONFIG)])
+    for i in range(12):  # each node holds half a model: three pipelines a model
+        placement.node_up(PlacementNode(f"n{i:02d}", "127.0.0.1:1", caps(0.0025)))
+    await placement.settled()  # the re-plan the joins asked for
+    assert len(placement.plan_of("a").pipelines) == len(placement.plan_of("b").pipelines) == 3
+    assert placement.demand_shares() == {"a": 0.5, "b": 0.5}
+    for _ in range(20):  # clients ask for "a" only
+        placement.note_session("a")
+    placement.note_session("ghost")  # not a model here: nothing counted
+    await placement.settled()  # the shift caused a re-plan on its own
+    assert len(placement.plan_of("a").pipelines) > len(placement.plan_of("b").pipelines) >= 1
+    # Demand fades: each session counts half after a half-life.
+    now = 1_000.0
+    fading = Placement(swarm.send, replicas=1, debounce_s=0)
+    fading.set_models([model_spec("a", CONFIG)])
+    fading.note_session("a", now_s=now)
+    fading.note_session("a", now_s=now)
+    assert fading.demand("a", now_s=now + DEMAND_HALF_LIFE_S) == 1.0
+    assert fading.demand("ghost", now_s=now) == 0.0
