@@ -30,6 +30,10 @@ MAX_RTT_MS = 60_000.0  # a reported round trip above this is not a measurement
 # model whose share of demand has moved by this factor since the last plan causes one.
 DEMAND_HALF_LIFE_S = 600.0
 DEMAND_SHIFT = 2.0
+# A node whose measured speed has moved this far from what the last plan assumed (an
+# owner's game took the GPU, a driver fix made it faster) causes a re-plan; the planner's
+# hysteresis then decides whether anything moves.
+SPEED_SHIFT = 2.0
 # CPU nodes compute in fp32; GPU nodes in fp16/bf16.
 _DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
 
@@ -179,6 +183,7 @@ class Placement:
         # Sessions asked per model, decayed (DEMAND_HALF_LIFE_S): (count, as of monotonic s).
         self._demand: dict[str, tuple[float, float]] = {}
         self._planned_shares: dict[str, float] = {}  # demand shares the last plan used
+        self._planned_speed: dict[str, float] = {}  # ms per gparam the last plan used
 
     # ---- inputs -------------------------------------------------------------------------
 
@@ -262,7 +267,25 @@ class Placement:
             tokens=tokens,
             compute_ms=wall_ms,
         )
+        self._replan_if_speed_moved(node_id)
         return True
+
+    def _replan_if_speed_moved(self, node_id: str) -> None:
+        """Overload (or the end of it): re-plan when a node's measured speed has moved by
+        SPEED_SHIFT from what the last plan assumed."""
+        planned, node = self._planned_speed.get(node_id), self._nodes.get(node_id)
+        if not planned or node is None:
+            return
+        now = self.measurements.ms_per_gparam(node_id, claimed_ms_per_gparam(node.capabilities))
+        if not 1 / SPEED_SHIFT < now / planned < SPEED_SHIFT:
+            log.info(
+                "node %s now runs at %.3g ms per billion parameters, planned at %.3g: re-planning",
+                node_id,
+                now,
+                planned,
+            )
+            self._planned_speed[node_id] = now  # one re-plan per shift
+            self.schedule_replan()
 
     def observe_rtts(self, node_id: str, rtts: Mapping[str, float]) -> int:
         """Round trips a node reported in telemetry; only to peers it was asked to probe."""
@@ -493,6 +516,7 @@ class Placement:
                 training = self.training_bytes(node.node_id)
                 nodes.append(replace(spec, usable_bytes=max(0, spec.usable_bytes - training)))
             self._planned_shares = self.demand_shares()
+            self._planned_speed = {n.node_id: n.ms_per_gparam for n in nodes}
             self._plans = plan(
                 [replace(m, demand=self.demand(m.name)) for m in self._models.values()],
                 nodes,

@@ -116,6 +116,8 @@ class ModelPlan:
     holders: dict[str, Shard] = field(default_factory=dict)  # node_id -> shard
     # Node ids of each full pipeline, in layer order; holders outside them are replicas.
     pipelines: list[tuple[str, ...]] = field(default_factory=list)
+    # The memory the model's share of the swarm was sized at (`shares`; 0 = not shared).
+    share_bytes: float = 0.0
 
     def stages(self) -> list[tuple[int, int]]:
         return list(zip(self.boundaries, self.boundaries[1:], strict=False))
@@ -231,7 +233,9 @@ def plan(
     by_id = {n.node_id: n for n in node_list}
     used: dict[str, int] = {n.node_id: 0 for n in node_list}
     plans: dict[str, ModelPlan] = {}
-    parts = shares(models, node_list, previous, hysteresis) if min_stages == 1 else {}
+    parts, targets = (
+        shares(models, node_list, previous, hysteresis) if min_stages == 1 else ({}, {})
+    )
     for model in models:
         old = previous.get(model.name)
         if min_stages > 1:
@@ -243,6 +247,7 @@ def plan(
             plans[model.name] = _plan_pipelines(
                 model, part, {n.node_id: n for n in part}, used, old, replicas, hysteresis
             )
+            plans[model.name].share_bytes = targets.get(model.name, 0.0)
     return plans
 
 
@@ -269,21 +274,23 @@ def shares(
     nodes: Sequence[NodeSpec],
     previous: Mapping[str, ModelPlan],
     hysteresis: float = HYSTERESIS,
-) -> dict[str, list[NodeSpec]]:
-    """Which nodes form each model's pipelines when several models share the swarm.
+) -> tuple[dict[str, list[NodeSpec]], dict[str, float]]:
+    """Which nodes form each model's pipelines when several models share the swarm, and
+    the memory each model's share is sized at.
 
     Pipelines of one model serve its sessions only, so placing models one after the other
     lets the first take every node and leaves the others unavailable. Instead each model
     gets a share of the swarm's memory: first a floor (FLOOR_COPIES copies, in priority
     order while there is room), so every model that can be served is; then the rest in
     proportion to (demand + 1) x its copy's bytes, so pipelines follow demand. Nodes keep
-    the model they served (whole pipelines first) while its share stays within
-    `hysteresis` of its target; the others go, largest first, to the model furthest below
+    the model they served while its target is within `hysteresis` of the one it was sized
+    at before; when the target moved more, whole pipelines while they fit under the new
+    target plus `hysteresis`. The others go, largest first, to the model furthest below
     its target. Each node serves one model: its KV slots and compute are not shared.
     Node lists keep the order they came in.
     """
     if len(models) == 1:
-        return {models[0].name: list(nodes)}
+        return {models[0].name: list(nodes)}, {}
     total = float(sum(n.usable_bytes for n in nodes)) * (1 - HEADROOM)
     need = {m.name: copy_bytes(m, nodes) for m in models}
     target: dict[str, float] = {}
@@ -311,11 +318,14 @@ def shares(
             continue
         piped = {nid for pipe in old.pipelines for nid in pipe}
         groups = [*old.pipelines, *((nid,) for nid in old.holders if nid not in piped)]
+        # Nodes come in whole, so a share overshoots its target by up to a node: a target
+        # that has not really moved keeps what it has, or a re-plan would shuffle nodes.
         cap = target[m.name] * (1 + hysteresis)
+        steady = old.share_bytes > 0 and abs(target[m.name] / old.share_bytes - 1) <= hysteresis
         for group in groups:
             ids = [nid for nid in group if nid in by_id and nid not in owner]
             size = sum(by_id[nid].usable_bytes for nid in ids) * (1 - HEADROOM)
-            if ids and held[m.name] + size <= cap:
+            if ids and (steady or held[m.name] + size <= cap):
                 give(m.name, ids)
     rank = {m.name: i for i, m in enumerate(models)}
     for n in sorted(nodes, key=lambda n: (-n.usable_bytes, n.node_id)):
@@ -326,7 +336,8 @@ def shares(
             key=lambda t: ((target[t] - held[t]) / max(target[t], 1.0), -rank[t]),
         )
         give(name, [n.node_id])
-    return {m.name: [n for n in nodes if owner.get(n.node_id) == m.name] for m in models}
+    parts = {m.name: [n for n in nodes if owner.get(n.node_id) == m.name] for m in models}
+    return parts, target
 
 
 def estimated_tokens_per_s(
