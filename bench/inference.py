@@ -273,11 +273,18 @@ def generate_swarm(
     tokens: int,
     label: str = "swarm",
     on_token: Callable[[int], None] | None = None,
+    run_ahead: bool = True,
 ) -> Run:
     """One swarm generation alone, timed from the call (the warm-up and the kill run)."""
     run = Run(label)
     began = time.monotonic()
-    stream = client.generate(MODEL, token_ids=prompt_ids, max_new_tokens=tokens, stop_at_eos=False)
+    stream = client.generate(
+        MODEL,
+        token_ids=prompt_ids,
+        max_new_tokens=tokens,
+        stop_at_eos=False,
+        run_ahead=run_ahead,
+    )
     for token in stream:
         run.arrivals.append(time.monotonic() - began)
         run.token_ids.append(token.id)
@@ -619,7 +626,9 @@ def run_with_kill(
     """Generate while kill -9'ing the middle stage's primary a third of the way in.
 
     Returns the run, the victim, after how many tokens it died, and the seconds from the
-    kill to the next token.
+    kill to the next token. The kill lands between two steps (run_ahead=False): with the
+    client running ahead, the next token could already be computed when the node dies,
+    and the stall would read 0 and hide in the token after.
     """
     kill_after = max(2, args.tokens // 3)
     killed: list[tuple[str, float]] = []
@@ -635,7 +644,7 @@ def run_with_kill(
         killed.append((victim_id, time.monotonic()))
 
     began = time.monotonic()
-    run = generate_swarm(client, prompt_ids, args.tokens, "swarm + kill -9", kill)
+    run = generate_swarm(client, prompt_ids, args.tokens, "swarm + kill -9", kill, run_ahead=False)
     victim_id, killed_at = killed[0]
     return run, victim_id, kill_after, began + run.arrivals[kill_after] - killed_at
 
