@@ -255,13 +255,25 @@ def _nodes(args: argparse.Namespace) -> int:
             f"{n.capabilities.matmul_tflops:.2f}",
             _gbps(n.capabilities.memory_bandwidth_gbps),
             _ago(now_ms - n.last_seen_unix_ms) if n.last_seen_unix_ms else "never",
+            _leaves(n),
             _trust(n),
         ]
         for n in nodes
     ]
-    header = ["ID", "NAME", "STATE", "DEVICE", "MEMORY", "TFLOPS", "GB/S", "LAST SEEN", "TRUST"]
+    header = [
+        "ID", "NAME", "STATE", "DEVICE", "MEMORY", "TFLOPS", "GB/S", "LAST SEEN", "LEAVES", "TRUST"
+    ]  # fmt: skip
     print(_table(header, rows))
     return 0
+
+
+def _leaves(node: node_pb2.NodeInfo) -> str:
+    """How often it leaves, as the planner weighs it: estimated departures per hour online,
+    then the departures and hours behind the estimate."""
+    if not node.HasField("reliability"):
+        return "-"
+    r = node.reliability
+    return f"{r.leave_rate_per_h:.2f}/h ({r.departures} in {r.hours_online:.1f} h)"
 
 
 def _trust(node: node_pb2.NodeInfo) -> str:

@@ -17,13 +17,8 @@ from coordinator.context import CoordinatorContext
 from coordinator.ledger.amounts import LedgerError
 from coordinator.node_state import NodeState
 from coordinator.placement import Placement, PlacementNode, model_spec
-from coordinator.registry import (
-    NodeStateChanged,
-    ShardStatusReported,
-    TelemetryReported,
-    now_ms,
-)
-from coordinator.reliability import HISTORY_EVENTS, NodeHistory
+from coordinator.registry import NodeStateChanged, ShardStatusReported, TelemetryReported
+from coordinator.reliability import HISTORY_EVENTS
 from coordinator.sessions import SessionError, Sessions
 from protos.tessera.v1 import client_api_pb2
 
@@ -51,9 +46,7 @@ class SessionRpc:
         )
         # The planner's reliability input: every node's departures and time online, from
         # the state changes in the database, then as they happen.
-        self.history = NodeHistory()
-        self.history.replay(ctx.registry.repo.events(limit=HISTORY_EVENTS))
-        placement.leave_rate_of = lambda node_id: self.history.leave_rate_per_h(node_id, now_ms())
+        placement.history.replay(ctx.registry.repo.events(limit=HISTORY_EVENTS))
         ledger = ctx.ledger
         if ledger is not None:
             placement.price_of = lambda node_id: float(ledger.price_of(node_id).price)
@@ -102,7 +95,9 @@ class SessionRpc:
 
     def _on_registry_event(self, event: object) -> None:
         if isinstance(event, NodeStateChanged):
-            self.history.observe(event.node_id, event.new.value, event.ts_ms, event.reason)
+            self._placement.history.observe(
+                event.node_id, event.new.value, event.ts_ms, event.reason
+            )
             if event.new is NodeState.ONLINE:
                 view = self._ctx.registry.node(event.node_id)
                 if view is not None:

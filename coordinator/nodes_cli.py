@@ -83,7 +83,7 @@ def run_list(args: argparse.Namespace) -> int:
         print(json.dumps(rows, indent=2))
         return 0
     header = ("NODE_ID", "NAME", "STATE", "DEVICE", "USABLE_GB", "TFLOPS", "GB/S", "LAST_SEEN",
-              "TRUST")  # fmt: skip
+              "LEAVES/H", "TRUST")  # fmt: skip
     rows = [header]
     for n in reply.nodes:
         caps = n.capabilities
@@ -92,6 +92,7 @@ def run_list(args: argparse.Namespace) -> int:
             f"{caps.memory_usable_bytes / 1e9:.1f}", f"{caps.matmul_tflops:.2f}",
             f"{caps.memory_bandwidth_gbps:.0f}" if caps.memory_bandwidth_gbps else "-",
             _age(n.last_seen_unix_ms),
+            f"{n.reliability.leave_rate_per_h:.2f}" if n.HasField("reliability") else "-",
             f"{n.trust.trust:.2f} {n.trust.verified}/{n.trust.failures}"
             if n.HasField("trust") else "-",
         ))  # fmt: skip

@@ -17,6 +17,7 @@ from dataclasses import dataclass, replace
 from coordinator.measurements import Measurements
 from coordinator.model_store.layout import ModelLayout
 from coordinator.planner import HEADROOM, ModelPlan, ModelSpec, NodeSpec, Shard, plan, shard_bytes
+from coordinator.reliability import NodeHistory
 from coordinator.router import Holder
 from protos.tessera.v1 import common_pb2, coordinator_pb2, node_pb2
 
@@ -175,10 +176,11 @@ class Placement:
         self._probing: dict[str, tuple[str, ...]] = {}
         # Cost multiplier per node for the router; the verifier makes failing nodes dearer.
         self.trust_cost: Callable[[str], float] = lambda node_id: 1.0
-        # The planner's reliability and price inputs, wired by coordinator/inference.py:
-        # departures per hour online (coordinator/reliability.py; 0 = no history) and
-        # the node's price per 1,000 token-layers (the ledger's; 0 = free).
-        self.leave_rate_of: Callable[[str], float] = lambda node_id: 0.0
+        # The planner's reliability and price inputs: departures per hour online, from
+        # every node's state changes (coordinator/inference.py feeds `history`), and the
+        # node's price per 1,000 token-layers (the ledger's, wired there too; 0 = free).
+        self.history = NodeHistory()
+        self.leave_rate_of: Callable[[str], float] = self._leave_rate
         self.price_of: Callable[[str], float] = lambda node_id: 0.0
         # Sessions asked per model, decayed (DEMAND_HALF_LIFE_S): (count, as of monotonic s).
         self._demand: dict[str, tuple[float, float]] = {}
@@ -293,6 +295,13 @@ class Placement:
         kept = {p: float(ms) for p, ms in rtts.items() if p in asked and 0.0 <= ms <= MAX_RTT_MS}
         self.measurements.observe_rtts(node_id, kept)
         return len(kept)
+
+    def _leave_rate(self, node_id: str) -> float:
+        return self.history.leave_rate_per_h(node_id, _now_ms())
+
+    def reliability(self, node_id: str) -> node_pb2.NodeReliability:
+        """How often the node leaves, as the planner weighs it (ListNodes shows it)."""
+        return self.history.describe(node_id, _now_ms())
 
     def speed(self, node_id: str) -> node_pb2.NodeSpeed | None:
         """The node's claimed and measured speed, as ListNodes shows it."""
@@ -630,3 +639,7 @@ def _spans(layers: list[int]) -> str:
         if layer is not None:
             start = prev = layer
     return ", ".join(out)
+
+
+def _now_ms() -> int:
+    return int(time.time() * 1000)

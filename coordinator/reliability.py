@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from coordinator.db import StateChange
 from coordinator.node_state import CONNECTED, RESTART_REASON, SHUTDOWN_REASON, NodeState
 from coordinator.planner import PRIOR_LEAVE_RATE_PER_H
+from protos.tessera.v1 import node_pb2
 
 # State changes read back from the database at start-up: enough for every node's recent
 # history on a large swarm, bounded so that a coordinator that ran for years starts fast.
@@ -74,12 +75,23 @@ class NodeHistory:
         h.last_ms = max(h.last_ms, ts_ms)
 
     def leave_rate_per_h(self, node_id: str, now_ms: int) -> float:
-        h = self._nodes.get(node_id)
-        if h is None:
-            return PRIOR_LEAVE_RATE_PER_H
-        online = h.online_ms + (max(0, now_ms - h.since_ms) if h.since_ms is not None else 0)
-        return leave_rate_per_h(h.departures, online / 1000.0)
+        return leave_rate_per_h(self.departures(node_id), self._online_s(node_id, now_ms))
 
     def departures(self, node_id: str) -> int:
         h = self._nodes.get(node_id)
         return h.departures if h is not None else 0
+
+    def describe(self, node_id: str, now_ms: int) -> node_pb2.NodeReliability:
+        """What `tessera nodes` shows of it."""
+        return node_pb2.NodeReliability(
+            leave_rate_per_h=self.leave_rate_per_h(node_id, now_ms),
+            departures=self.departures(node_id),
+            hours_online=self._online_s(node_id, now_ms) / 3600.0,
+        )
+
+    def _online_s(self, node_id: str, now_ms: int) -> float:
+        h = self._nodes.get(node_id)
+        if h is None:
+            return 0.0
+        current = max(0, now_ms - h.since_ms) if h.since_ms is not None else 0
+        return (h.online_ms + current) / 1000.0

@@ -177,6 +177,10 @@ class ClientApiService(client_api_pb2_grpc.ClientApiServicer):
                 speed = speed_of(info.node_id)
                 if speed is not None:
                     info.speed.CopyFrom(speed)
+        reliability_of = getattr(self.ctx.planner, "reliability", None)
+        if reliability_of is not None:  # how often it leaves (coordinator/reliability.py)
+            for info in nodes:
+                info.reliability.CopyFrom(reliability_of(info.node_id))
         return client_api_pb2.ListNodesResponse(nodes=nodes)
 
     async def ListModels(self, request: Any, context: Any) -> Any:

@@ -21,6 +21,7 @@ from coordinator.node_state import RESTART_REASON, SHUTDOWN_REASON, NodeState
 from coordinator.planner import PRIOR_LEAVE_RATE_PER_H
 from coordinator.reliability import NodeHistory, leave_rate_per_h
 from coordinator.server import running_coordinator
+from protos.tessera.v1 import client_api_pb2, client_api_pb2_grpc
 
 HOUR_MS = 3_600_000
 
@@ -102,6 +103,14 @@ async def test_a_coordinator_gives_the_planner_history_and_price_and_keeps_them_
         assert placement.leave_rate_of(steady.node_id) < PRIOR_LEAVE_RATE_PER_H
         assert placement.price_of(flapper.node_id) == 7.0
         assert placement.price_of(steady.node_id) == settings.default_price_units
+        # Operators see it too (tessera nodes, tessera-coordinator nodes list).
+        listing = await client_api_pb2_grpc.ClientApiStub(channel).ListNodes(
+            client_api_pb2.ListNodesRequest()
+        )
+        shown = {n.node_id: n.reliability for n in listing.nodes}
+        assert shown[flapper.node_id].departures == 3
+        assert shown[flapper.node_id].leave_rate_per_h == pytest.approx(flapping, rel=1e-3)
+        assert shown[steady.node_id].departures == 0 and shown[steady.node_id].hours_online > 0
     # A new coordinator on the same database (the stop above ended every stream: not the
     # nodes' departures) reads the history back.
     async with running_coordinator(settings) as coordinator:

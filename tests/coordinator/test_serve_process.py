@@ -127,6 +127,9 @@ async def test_admin_cli_lists_and_drains(tmp_path) -> None:
             listed = cli("nodes", "list", "--data-dir", data_dir)
             assert listed.returncode == 0, listed.stderr
             assert node.node_id in listed.stdout and "online" in listed.stdout
+            header, row = listed.stdout.splitlines()[:2]
+            at = header.index("LEAVES/H")  # columns are padded to line up
+            assert row[at:].split()[0] == "0.69"  # no history yet: the planner's prior
 
             as_json = cli("nodes", "list", "--all", "--json", "--coordinator", coordinator.address)
             assert json.loads(as_json.stdout)[0]["name"] == "cli-node"

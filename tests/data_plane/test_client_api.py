@@ -25,6 +25,7 @@ from data_plane.stage_harness import (
 from client import Client, CoordinatorError, ModelNotFound
 from client import cli as tessera_cli
 from client.tokenizer import TextTokenizer
+from protos.tessera.v1 import node_pb2
 
 PROMPT_TEXT = "hello world the quick brown fox"
 
@@ -231,9 +232,15 @@ def test_cli_generate_streams_text_and_lists(swarm: Swarm, capsys) -> None:
     assert tessera_cli.main(["nodes", "--coordinator", swarm.address]) == 0
     table = capsys.readouterr().out.splitlines()
     assert table[0].split() == [
-        "ID", "NAME", "STATE", "DEVICE", "MEMORY", "TFLOPS", "GB/S", "LAST", "SEEN", "TRUST"
+        "ID", "NAME", "STATE", "DEVICE", "MEMORY", "TFLOPS", "GB/S", "LAST", "SEEN", "LEAVES",
+        "TRUST"
     ]  # fmt: skip
     assert len(table) == 4 and "online" in table[1] and "3s ago" in table[1]
+    node = node_pb2.NodeInfo(
+        reliability=node_pb2.NodeReliability(leave_rate_per_h=2.5, departures=5, hours_online=1.0)
+    )
+    assert tessera_cli._leaves(node) == "2.50/h (5 in 1.0 h)"
+    assert tessera_cli._leaves(node_pb2.NodeInfo()) == "-"  # a coordinator without a planner
     assert tessera_cli.main(["nodes", "--coordinator", swarm.address, "--json"]) == 0
     assert len(json.loads(capsys.readouterr().out)) == 3
     assert tessera_cli.main(["models", "--coordinator", swarm.address]) == 0
