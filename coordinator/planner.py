@@ -384,9 +384,13 @@ def _members_seconds(model: ModelSpec, members: Sequence[Member]) -> float:
     return compute + network_seconds(model, [n for n, _, _ in members])
 
 
-def pipeline_value(model: ModelSpec, members: Sequence[Member]) -> float:
-    """A pipeline's term of the objective: its expected tokens/s per session slot."""
-    seconds = _members_seconds(model, members)
+def pipeline_value(
+    model: ModelSpec, members: Sequence[Member], seconds: float | None = None
+) -> float:
+    """A pipeline's term of the objective: its expected tokens/s per session slot
+    (`seconds`: its time per token, when the caller has it)."""
+    if seconds is None:
+        seconds = _members_seconds(model, members)
     return pipeline_rate(model, seconds, token_price(members)) * availability(model, members)
 
 
@@ -632,12 +636,10 @@ def _chain_seconds(model: ModelSpec, chain: Chain) -> float:
 
 
 def _chain_value(model: ModelSpec, chain: Chain, seconds: float | None = None) -> float:
-    """The chain's term of the objective (`pipeline_value`, from the candidates' cached
-    layer times)."""
-    members = [(c.node, a, b) for c, a, b in chain]
+    """The chain's term of the objective, from the candidates' cached layer times."""
     if seconds is None:
         seconds = _chain_seconds(model, chain)
-    return pipeline_rate(model, seconds, token_price(members)) * availability(model, members)
+    return pipeline_value(model, [(c.node, a, b) for c, a, b in chain], seconds)
 
 
 def _own_seconds(c: _Cand) -> float:
