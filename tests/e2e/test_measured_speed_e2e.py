@@ -1,7 +1,7 @@
 """Measured speed and RTT end to end, with real coordinator and node-agent processes.
 
-A node agent that lies in its benchmark (TESSERA_FAILPOINTS=inflate_benchmark=10: it
-registers 10x its measured TFLOPS) looks 10x faster than its twin until drivers report
+A node agent that lies in its benchmark (TESSERA_FAILPOINTS=inflate_benchmark=100: it
+registers 100x its measured speed) looks far faster than its twin until drivers report
 their timings of real traffic (ReportStepTimes); one short generation corrects it. Nodes
 probe the peers the coordinator names (ProbePeers) and their RTTs come back in telemetry.
 """
@@ -25,6 +25,9 @@ pytestmark = pytest.mark.slow
 MODEL = "tiny-llama"
 PROMPT = [1, 5, 9, 23, 42, 7, 11]
 NEW_TOKENS = 8  # the bound: decode calls per node that may be reported
+# The lie. Three agents benchmark at once on a small shared machine, and their honest
+# figures can differ by 2x or more: a 10x lie then did not always show.
+LIE = 100
 
 
 @pytest.fixture(scope="module")
@@ -39,7 +42,7 @@ def swarm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalSwarm]:
     ) as s:
         s.start_coordinator()
         with pytest.MonkeyPatch.context() as env:
-            env.setenv("TESSERA_FAILPOINTS", "inflate_benchmark=10")
+            env.setenv("TESSERA_FAILPOINTS", f"inflate_benchmark={LIE}")
             liar = s.start_node("liar")
         honest = [s.start_node(name) for name in ("honest-a", "honest-b")]
         s.wait_registered([liar, *honest])
@@ -53,7 +56,7 @@ def nodes_by_name(client: Client) -> dict[str, object]:
 
 def test_a_node_lying_in_its_benchmark_is_corrected_by_measured_traffic(swarm: LocalSwarm):
     liar_process = next(p for p in swarm.processes if p.name == "liar")
-    assert "REPORTS 10 x ITS MEASURED SPEED" in liar_process.log_text()
+    assert f"REPORTS {LIE} x ITS MEASURED SPEED" in liar_process.log_text()
     config = DriverConfig(report_every=4)
     with Client(swarm.address, driver_config=config) as client:
         wait_for(
@@ -78,8 +81,8 @@ def test_a_node_lying_in_its_benchmark_is_corrected_by_measured_traffic(swarm: L
         liar, twin = after["liar"].speed, after["honest-a"].speed
         # Bounded: at most one report per decode token; the first already corrects it.
         assert 1 <= liar.samples <= NEW_TOKENS
-        # Never faster than measured: the estimate undoes at least the 10x lie...
-        assert liar.ms_per_gparam >= 10 * liar.claimed_ms_per_gparam
+        # Never faster than measured: the estimate undoes at least the lie...
+        assert liar.ms_per_gparam >= LIE * liar.claimed_ms_per_gparam
         # ...and the liar no longer looks faster than its honest twins.
         honest_seen = [n.speed.ms_per_gparam for name, n in after.items() if name != "liar"]
         assert liar.ms_per_gparam >= 0.3 * min(honest_seen), (liar, honest_seen)
