@@ -29,6 +29,18 @@ network impose, and bound what is left. The argument, step by step (README.md re
           session must make (below).
       (c) No shares, no credits: only hops, each out of a distinct node, so a session on k
           nodes pays at least the k - 1 smallest d_n(1).
+      (d) As (c), but hops are items too, priced at the margin of the node's batch: a node
+          whose b sessions include m that leave it pushes b hidden states per step, so
+          those m hops cost m x (b x u_n) >= m^2 x u_n (u_n: one session's hand-off) plus
+          m x RTT to its nearest peer / 2. Node n offers `slots` hop items, the j-th at
+          nearest_n / 2 + (2j - 1) u_n, and any m of its hops cost at least its m cheapest
+          items (they add up to m^2 u_n + m nearest_n / 2). A session on k distinct nodes
+          leaves k - 1 of them at least once (one item each, so a node spends at most one
+          per session), and the sessions, fewest hops first, take the cheapest items in
+          turn: any k real sessions make at least the k smallest hop counts and pay at
+          least that many of the cheapest items. Without it a busy slow uploader's hand-off
+          was charged as if it carried one session: at 70B a batch of 8 on a cable line is
+          50 ms a hop, not 7.
     Hops per session: a session on k nodes hops k - 1 times, and one of its k nodes holds
     >= L / k of its layers, so at most slots x #(cap_n >= ceil(L / k)) sessions visit k
     nodes or fewer: the i-th session (fewest hops first) hops at least as often as the
@@ -151,9 +163,15 @@ def upper_bound_tokens_per_s(swarm: Swarm, clients: Sequence[Site]) -> float:
     # least the k - 1 smallest d_n at batch 1; nothing to take back.
     hops = _hop_floors(caps, np.sort(leave[:, 0]), slots, n_layers, sessions)
     zero_share = np.zeros((len(nodes), slots))
-    variants.append(
-        _rate_of_sorted(floor_2 + _groups(nodes, caps, params, model, zero_share, sessions) + hops)
-    )
+    unshared = floor_2 + _groups(nodes, caps, params, model, zero_share, sessions)
+    variants.append(_rate_of_sorted(unshared + hops))
+    # (d) As (c), with each node's hops priced at the margin of its batch.
+    if len(nodes) > 1:
+        unit = np.array([handoff_s(n, model, 1) for n in nodes])
+        margins = 2 * np.arange(1, slots + 1) - 1
+        hop_items = nearest[:, None] / 2 + margins[None, :] * unit[:, None]
+        counts = _hop_counts(caps, slots, n_layers, sessions)
+        variants.append(_rate_of_sorted(unshared + _batched_hop_floors(hop_items, counts)))
     kv_bound = min(shared, *variants)
 
     ts = np.array([layer_time_s(n, model, params, slots) for n in nodes])
@@ -182,27 +200,42 @@ def _groups(
     return items[: sessions * n_layers].reshape(sessions, n_layers).sum(axis=1)
 
 
-def _hop_floors(
-    caps: np.ndarray, smallest_hops: np.ndarray, slots: int, n_layers: int, sessions: int
-) -> np.ndarray:
-    """A lower bound on each session's hop time, ascending (steps (b) and (c) above);
-    `smallest_hops`: lower bounds of single hops out of distinct nodes, ascending.
+def _hop_counts(caps: np.ndarray, slots: int, n_layers: int, sessions: int) -> np.ndarray:
+    """The fewest hops each session makes, ascending (step 3, hops per session).
 
     Sessions that visit at most k nodes number at most slots x #(cap >= ceil(L / k)); the
     i-th fewest-hops session therefore visits at least the least k that allows i + 1 of
-    them, and pays at least the k - 1 smallest hops in the swarm."""
-    prefix = np.concatenate([[0.0], np.cumsum(smallest_hops)])
-    floors = np.zeros(sessions)
+    them, and hops k - 1 times (0 where no k allows it: nothing is claimed)."""
+    counts = np.zeros(sessions, dtype=np.int64)
     i = 0
     for k in range(1, len(caps) + 1):
         allowed = slots * int((caps >= -(-n_layers // k)).sum())
         if allowed > i:
             end = min(sessions, allowed)
-            floors[i:end] = prefix[k - 1]
+            counts[i:end] = k - 1
             i = end
         if i >= sessions:
             break
-    return floors
+    return counts
+
+
+def _hop_floors(
+    caps: np.ndarray, smallest_hops: np.ndarray, slots: int, n_layers: int, sessions: int
+) -> np.ndarray:
+    """A lower bound on each session's hop time, ascending (steps (b) and (c) above);
+    `smallest_hops`: lower bounds of single hops out of distinct nodes, ascending. The
+    i-th fewest-hops session pays at least its hop count's smallest hops in the swarm."""
+    prefix = np.concatenate([[0.0], np.cumsum(smallest_hops)])
+    return prefix[np.minimum(_hop_counts(caps, slots, n_layers, sessions), len(prefix) - 1)]
+
+
+def _batched_hop_floors(hop_items: np.ndarray, counts: np.ndarray) -> np.ndarray:
+    """Way (d): sessions, fewest hops first, take the cheapest hop items in turn, one per
+    hop; each session's floor is the sum of its items (ascending, as `counts` is)."""
+    prefix = np.concatenate([[0.0], np.cumsum(np.sort(hop_items.ravel()))])
+    ends = np.minimum(np.cumsum(counts), len(prefix) - 1)
+    starts = np.concatenate([[0], ends[:-1]])
+    return prefix[ends] - prefix[starts]
 
 
 def _largest(credits: np.ndarray, count: int) -> np.ndarray:

@@ -142,7 +142,15 @@ def test_the_bound_charges_every_hop_out_of_a_node():
         1 / (0.020 + HEAD + 4 * layer(j) + 0.020 + 4 * u - (0.010 + 2 * u)) for j in range(2, 5)
     )
     assert per_slot < shared
-    assert bound == pytest.approx(per_slot)
+    # (d) hops priced at the margin of each node's batch: each node's j-th hop item is
+    # 10 ms + (2j - 1) u; the 4 sessions hop once each, fewest first taking the cheapest:
+    # u, u, 3u, 3u (8u in all; what they really pay at batch 4: 16u). Tighter than (b).
+    batched = sum(
+        1 / (0.020 + HEAD + 4 * layer(j) + 0.010 + extra * u)
+        for j, extra in zip(range(1, 5), (1, 1, 3, 3), strict=True)
+    )
+    assert batched < per_slot
+    assert bound == pytest.approx(batched)
     served = saturate(FixedRoute(s), [HOME] * 10)
     assert served.tokens_per_s < bound
 
