@@ -502,7 +502,10 @@ class Placement:
         while self._replan_wanted:
             await asyncio.sleep(self._debounce_s)
             self._replan_wanted = False
-            await self.replan()
+            try:
+                await self.replan()
+            except Exception:  # a planner bug must not end re-planning for good, unseen
+                log.exception("re-plan failed; the previous plan stays until the next change")
 
     async def settled(self) -> None:
         """Wait until no re-plan is scheduled or running."""

@@ -289,8 +289,8 @@ def shares(
     its target. Each node serves one model: its KV slots and compute are not shared.
     Node lists keep the order they came in.
     """
-    if len(models) == 1:
-        return {models[0].name: list(nodes)}, {}
+    if len(models) <= 1:  # nothing to share (no model yet, or one)
+        return {m.name: list(nodes) for m in models}, {}
     total = float(sum(n.usable_bytes for n in nodes)) * (1 - HEADROOM)
     need = {m.name: copy_bytes(m, nodes) for m in models}
     target: dict[str, float] = {}

@@ -39,9 +39,11 @@ def test_memory_follows_demand_and_every_model_keeps_a_floor():
     assert len(plans["m"].pipelines) > 4 * len(plans["other"].pipelines) / 2
 
 
-def test_one_model_gets_every_node():
+def test_one_model_gets_every_node_and_none_is_no_error():
     nodes = [node(i, 0.1) for i in range(5)]
     assert shares([MODEL], nodes, {}) == ({"m": nodes}, {})
+    # Nodes join before any model is imported: the re-plan they cause has nothing to place.
+    assert plan([], nodes) == {}
 
 
 def test_a_model_added_later_takes_whole_pipelines_and_the_rest_stay_put():
@@ -122,3 +124,15 @@ async def test_a_node_that_slows_down_causes_a_replan_and_a_spare_takes_its_plac
     after = placement.plan_of("m")
     assert len(after.pipelines) == 2
     assert slow not in {nid for pipe in after.pipelines for nid in pipe}, after.pipelines
+
+
+async def test_nodes_joining_before_any_model_is_imported_replan_quietly(caplog):
+    swarm = Swarm()
+    placement = Placement(swarm.send, replicas=1, debounce_s=0)
+    for i in range(3):
+        placement.node_up(PlacementNode(f"n{i}", "127.0.0.1:1", caps(0.0025)))
+    await placement.settled()
+    assert "re-plan failed" not in caplog.text
+    placement.set_models([model_spec("a", CONFIG)])
+    await placement.settled()
+    assert placement.plan_of("a").pipelines
