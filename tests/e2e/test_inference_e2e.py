@@ -11,8 +11,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-import torch
-from support.checkpoints import make_checkpoint
+from support.checkpoints import make_checkpoint, transformers_greedy
 from support.waiting import wait_for
 
 from client.api import Client
@@ -48,18 +47,7 @@ def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def reference(checkpoint: Path) -> list[int]:
-    transformers = pytest.importorskip("transformers")
-    model = transformers.AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32)
-    model.eval()
-    with torch.no_grad():
-        out = model.generate(
-            torch.tensor([PROMPT]),
-            max_new_tokens=NEW_TOKENS,
-            do_sample=False,
-            eos_token_id=None,
-            pad_token_id=0,
-        )
-    ids = out[0, len(PROMPT) :].tolist()
+    (ids,) = transformers_greedy(checkpoint, [PROMPT], NEW_TOKENS)
     assert len(set(ids)) > 3, "a degenerate reference would hide routing bugs"
     return ids
 

@@ -9,8 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-import torch
-from support.checkpoints import make_checkpoint
+from support.checkpoints import make_checkpoint, transformers_greedy
 from support.waiting import wait_for
 
 from client.api import Client
@@ -21,21 +20,6 @@ pytestmark = pytest.mark.slow
 PROMPT = [1, 5, 9, 23, 42, 7, 11]
 NEW_TOKENS = 12
 MODELS = {"tiny-llama": ("llama", 7), "tiny-qwen": ("qwen2", 8)}
-
-
-def reference(checkpoint: Path) -> list[int]:
-    transformers = pytest.importorskip("transformers")
-    model = transformers.AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32)
-    model.eval()
-    with torch.no_grad():
-        out = model.generate(
-            torch.tensor([PROMPT]),
-            max_new_tokens=NEW_TOKENS,
-            do_sample=False,
-            eos_token_id=None,
-            pad_token_id=0,
-        )
-    return out[0, len(PROMPT) :].tolist()
 
 
 def served(client: Client, name: str) -> bool:
@@ -58,7 +42,10 @@ def test_two_models_are_both_served_by_their_own_nodes(tmp_path: Path) -> None:
         )
         for name, (arch, seed) in MODELS.items()
     }
-    expected = {name: reference(path) for name, path in checkpoints.items()}
+    expected = {
+        name: transformers_greedy(path, [PROMPT], NEW_TOKENS)[0]
+        for name, path in checkpoints.items()
+    }
     assert expected["tiny-llama"] != expected["tiny-qwen"]
     with LocalSwarm(tmp_path / "swarm", coordinator_args=["--heartbeat-interval", "1"]) as swarm:
         swarm.start_coordinator()

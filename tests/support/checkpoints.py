@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import json
 import struct
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -225,3 +225,29 @@ def make_tokenizer_json(vocab_size: int) -> str:
     tok.pre_tokenizer = Whitespace()
     tok.add_special_tokens(["<unk>", "<s>", "</s>"])
     return tok.to_str()
+
+
+def transformers_greedy(
+    checkpoint: Path, prompts: Sequence[Sequence[int]], new_tokens: int
+) -> list[list[int]]:
+    """transformers' greedy `generate` on the checkpoint in fp32, never stopping at EOS: the
+    reference a swarm must equal token for token, one list of new ids per prompt. Skips the
+    test when transformers (a test-only dependency) is missing."""
+    import pytest
+    import torch
+
+    transformers = pytest.importorskip("transformers")
+    model = transformers.AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32)
+    model.eval()
+    generated = []
+    with torch.no_grad():
+        for prompt in prompts:
+            ids = model.generate(
+                torch.tensor([list(prompt)]),
+                max_new_tokens=new_tokens,
+                do_sample=False,
+                eos_token_id=None,
+                pad_token_id=0,
+            )
+            generated.append(ids[0, len(prompt) :].tolist())
+    return generated

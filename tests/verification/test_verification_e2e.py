@@ -22,8 +22,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-import torch
-from support.checkpoints import make_checkpoint
+from support.checkpoints import make_checkpoint, transformers_greedy
 from support.waiting import wait_for
 
 from client.api import Client
@@ -65,21 +64,8 @@ def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def references(checkpoint: Path) -> dict[tuple[int, ...], list[int]]:
-    transformers = pytest.importorskip("transformers")
-    model = transformers.AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32)
-    model.eval()
-    out: dict[tuple[int, ...], list[int]] = {}
-    with torch.no_grad():
-        for prompt in PROMPTS:
-            ids = model.generate(
-                torch.tensor([prompt]),
-                max_new_tokens=NEW_TOKENS,
-                do_sample=False,
-                eos_token_id=None,
-                pad_token_id=0,
-            )
-            out[tuple(prompt)] = ids[0, len(prompt) :].tolist()
-    return out
+    generated = transformers_greedy(checkpoint, PROMPTS, NEW_TOKENS)
+    return {tuple(prompt): ids for prompt, ids in zip(PROMPTS, generated, strict=True)}
 
 
 def start_node(swarm: LocalSwarm, name: str, account: str, failpoints: str = "") -> LocalProcess:
