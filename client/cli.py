@@ -98,9 +98,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--top-p", type=float, default=1.0, help="nucleus sampling mass in (0, 1] (default 1)"
     )
     gen.add_argument("--seed", type=int, help="seed for sampling, for reproducible runs")
-    gen.add_argument(
-        "--account", default="", help="account billed (default: the account of --key)"
-    )
+    gen.add_argument("--account", default="", help="account billed (default: the account of --key)")
     _add_key(gen)
     gen.add_argument(
         "--max-price",

@@ -34,9 +34,7 @@ Answer = tuple[stage_pb2.ForwardResponse, float]
 class DeliveryLost(Exception):
     """A relayed call's answer will not come on this subscription."""
 
-    def __init__(
-        self, reason: str, code: grpc.StatusCode | None = None, node_id: str = ""
-    ) -> None:
+    def __init__(self, reason: str, code: grpc.StatusCode | None = None, node_id: str = "") -> None:
         super().__init__(reason)
         self.code = code
         self.node_id = node_id
@@ -79,8 +77,7 @@ class Subscription:
                 await asyncio.shield(self._ready)
         except TimeoutError:
             reason = (
-                f"node {self.node_id} did not acknowledge the subscription within "
-                f"{timeout_s:.1f} s"
+                f"node {self.node_id} did not acknowledge the subscription within {timeout_s:.1f} s"
             )
             raise DeliveryLost(reason, node_id=self.node_id) from None
 
@@ -125,8 +122,11 @@ class Subscription:
             raise
         except grpc.aio.AioRpcError as err:
             self._end(
-                DeliveryLost(f"subscription at node {self.node_id}: {err.code().name}: "
-                             f"{err.details()}", err.code(), self.node_id)  # fmt: skip
+                DeliveryLost(
+                    f"subscription at node {self.node_id}: {err.code().name}: {err.details()}",
+                    err.code(),
+                    self.node_id,
+                )  # fmt: skip
             )
         except Exception as err:  # a broken stream surfaces in several shapes
             self._end(DeliveryLost(f"subscription at node {self.node_id} broke: {err}",
@@ -143,8 +143,11 @@ class Subscription:
             return
         code = _status(delivery.error_code)
         future.set_exception(
-            DeliveryLost(f"{code.name if code else delivery.error_code}: "
-                         f"{delivery.error_message}", code, self.node_id)  # fmt: skip
+            DeliveryLost(
+                f"{code.name if code else delivery.error_code}: {delivery.error_message}",
+                code,
+                self.node_id,
+            )  # fmt: skip
         )
 
     def _end(self, reason: DeliveryLost) -> None:

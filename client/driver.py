@@ -617,7 +617,9 @@ class PipelineDriver:
         try:
             return [
                 await self._subscriptions.at(
-                    s.hop.node_id, s.hop.address, self._capability,
+                    s.hop.node_id,
+                    s.hop.address,
+                    self._capability,
                     self.config.subscribe_timeout_s,
                 )  # fmt: skip
                 for s in slots
@@ -896,9 +898,7 @@ class PipelineDriver:
                 self._capability, slot.hop, self._checkers(slot), call.request, self._history,
                 replay=call.replay,
             )  # fmt: skip
-        self.usage.sent(
-            slot.hop.node_id, slot.span.start, slot.span.end, call.batch * call.tokens
-        )
+        self.usage.sent(slot.hop.node_id, slot.span.start, slot.span.end, call.batch * call.tokens)
 
     def _checkers(self, slot: _Slot) -> list[HopRecord]:
         # The stage's verification-only replicas count too, so that trimming alternates

@@ -349,9 +349,7 @@ class JobRunner:
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, 5.0)
 
-    async def _dispute(
-        self, dispute: verification_pb2.TrainingDispute
-    ) -> verification_pb2.Verdict:
+    async def _dispute(self, dispute: verification_pb2.TrainingDispute) -> verification_pb2.Verdict:
         """A lockstep check disagreed: the coordinator arbitrates (docs/verification.md)."""
         try:
             return await self.api.verification.ReportTrainingDispute(

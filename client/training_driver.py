@@ -64,9 +64,7 @@ T = TypeVar("T")
 IGNORE_INDEX = -100
 Outcome = verification_pb2.Verdict.Outcome
 # Reports a dispute to the coordinator's verifier and returns its verdict.
-DisputeReporter = Callable[
-    [verification_pb2.TrainingDispute], Awaitable[verification_pb2.Verdict]
-]
+DisputeReporter = Callable[[verification_pb2.TrainingDispute], Awaitable[verification_pb2.Verdict]]
 
 
 @dataclass(frozen=True)
@@ -552,9 +550,12 @@ class TrainingDriver:
             # One agreement per checked step and stage earns both nodes trust.
             self.agreements.append(
                 verification_pb2.TrainingAgreement(
-                    kind=call.kind, step=call.step, micro_batch=call.micro_batch,
+                    kind=call.kind,
+                    step=call.step,
+                    micro_batch=call.micro_batch,
                     layers=common_pb2.LayerRange(start=primary.start, end=primary.end),
-                    primary=call.primary, checker=call.checker,
+                    primary=call.primary,
+                    checker=call.checker,
                 )  # fmt: skip
             )
 

@@ -150,8 +150,13 @@ def _add(args: argparse.Namespace) -> int:
     with open_channel(address) as channel:
         stub = admin_pb2_grpc.AdminStub(channel)
         with tqdm(
-            total=checkpoint.total_bytes, desc="uploading", unit="B", unit_scale=True,
-            unit_divisor=1024, file=sys.stderr, mininterval=0.5,
+            total=checkpoint.total_bytes,
+            desc="uploading",
+            unit="B",
+            unit_scale=True,
+            unit_divisor=1024,
+            file=sys.stderr,
+            mininterval=0.5,
         ) as bar:
             try:
                 info = stub.AddModel(
@@ -187,7 +192,10 @@ def _list(args: argparse.Namespace) -> int:
     header = ("NAME", "ARCHITECTURE", "LAYERS", "SIZE", "TOKENIZER", "SERVED", "ADDED")
     rows = [
         (
-            m.name, m.architecture, str(m.num_layers), _size(m.total_bytes),
+            m.name,
+            m.architecture,
+            str(m.num_layers),
+            _size(m.total_bytes),
             "yes" if m.has_tokenizer else "no",
             "yes" if m.available else f"no: {m.unavailable_reason}",
             time.strftime("%Y-%m-%d %H:%M", time.localtime(m.added_unix_ms / 1000)),
@@ -206,7 +214,8 @@ def _remove(args: argparse.Namespace) -> int:
     with open_channel(address) as channel:
         try:
             admin_pb2_grpc.AdminStub(channel).RemoveModel(
-                common_pb2.ModelRef(name=args.name), metadata=bearer_metadata(token),
+                common_pb2.ModelRef(name=args.name),
+                metadata=bearer_metadata(token),
                 timeout=RPC_TIMEOUT_S,
             )
         except grpc.RpcError as err:
@@ -235,8 +244,13 @@ def _hash_all(checkpoint: Checkpoint) -> dict[str, str]:
     # The header carries every digest, so hashing is a full read before the upload starts.
     digests: dict[str, str] = {}
     with tqdm(
-        total=checkpoint.total_bytes, desc="hashing", unit="B", unit_scale=True,
-        unit_divisor=1024, file=sys.stderr, mininterval=0.5,
+        total=checkpoint.total_bytes,
+        desc="hashing",
+        unit="B",
+        unit_scale=True,
+        unit_divisor=1024,
+        file=sys.stderr,
+        mininterval=0.5,
     ) as bar:
         for tensor in checkpoint.tensors:
             try:
@@ -270,7 +284,10 @@ def _upload(
 
 def _tensor_header(tensor: CheckpointTensor, digest: str) -> admin_pb2.TensorHeader:
     return admin_pb2.TensorHeader(
-        name=tensor.name, dtype=tensor.dtype, shape=list(tensor.shape), nbytes=tensor.nbytes,
+        name=tensor.name,
+        dtype=tensor.dtype,
+        shape=list(tensor.shape),
+        nbytes=tensor.nbytes,
         sha256=digest,
     )
 

@@ -169,7 +169,10 @@ class ShardFetcher:
     ) -> ShardFetcher:
         """The standard layout: DATA_DIR/cache/blobs and DATA_DIR/shards."""
         return cls(
-            coordinator, node_id, ticket, data_dir / "cache" / "blobs",
+            coordinator,
+            node_id,
+            ticket,
+            data_dir / "cache" / "blobs",
             shards_dir=data_dir / "shards",
         )
 
@@ -221,12 +224,23 @@ class ShardFetcher:
         if missing:
             log.info(
                 "model %s: fetching %d of %d blob(s), %d bytes (%d bytes already cached)",
-                model, len(missing), len(sizes), sum(missing.values()), done,
+                model,
+                len(missing),
+                len(sizes),
+                sum(missing.values()),
+                done,
             )
         show = sys.stderr.isatty() if progress is None else progress
         with tqdm(
-            total=total, initial=done, desc=f"fetching {model}", unit="B", unit_scale=True,
-            unit_divisor=1024, file=sys.stderr, disable=not show, mininterval=0.5,
+            total=total,
+            initial=done,
+            desc=f"fetching {model}",
+            unit="B",
+            unit_scale=True,
+            unit_divisor=1024,
+            file=sys.stderr,
+            disable=not show,
+            mininterval=0.5,
         ) as bar:
             counter = _Progress(done, total, bar, on_progress)
             counter.report()
@@ -313,7 +327,12 @@ class ShardFetcher:
             pause = self.retry_pause.next_delay()
             log.warning(
                 "model %s: fetch attempt %d/%d failed (%s); retrying %d blob(s) in %.1f s",
-                model, attempt, self.attempts, problem, len(pending), pause,
+                model,
+                attempt,
+                self.attempts,
+                problem,
+                len(pending),
+                pause,
             )
             await asyncio.sleep(pause)
 
@@ -368,9 +387,7 @@ class _BadBlob(Exception):
 
 
 class _Progress:
-    def __init__(
-        self, done: int, total: int, bar: tqdm, callback: ProgressCallback | None
-    ) -> None:
+    def __init__(self, done: int, total: int, bar: tqdm, callback: ProgressCallback | None) -> None:
         self.done = done
         self.total = total
         self._bar = bar

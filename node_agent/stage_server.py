@@ -143,8 +143,7 @@ def check_grant(
         granted = ", ".join(f"[{g.start}, {g.end})" for g in mine)
         raise StageError(
             grpc.StatusCode.PERMISSION_DENIED,
-            f"layers [{start}, {end}) are outside what the capability grants this node: "
-            f"{granted}",
+            f"layers [{start}, {end}) are outside what the capability grants this node: {granted}",
         )
 
 
@@ -271,8 +270,7 @@ class StageServicer(stage_pb2_grpc.StageServicer):
         if claims.session_id != request.session_id:
             raise StageError(
                 grpc.StatusCode.PERMISSION_DENIED,
-                f"the capability is for session {claims.session_id!r}, not "
-                f"{request.session_id!r}",
+                f"the capability is for session {claims.session_id!r}, not {request.session_id!r}",
             )
         if not any(g.node_id == self._ctx.node_id for g in claims.grants):
             raise StageError(

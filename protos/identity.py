@@ -234,9 +234,7 @@ def ledger_query_payload(purpose: str, public_key: bytes, unix_ms: int) -> bytes
     return _LEDGER_QUERY_DOMAIN + f"{purpose}\n{unix_ms}\n".encode() + public_key
 
 
-def sign_ledger_query(
-    key: Ed25519PrivateKey, purpose: str, unix_ms: int
-) -> ledger_pb2.SignedQuery:
+def sign_ledger_query(key: Ed25519PrivateKey, purpose: str, unix_ms: int) -> ledger_pb2.SignedQuery:
     public = public_key_bytes(key)
     return ledger_pb2.SignedQuery(
         public_key=public,

@@ -139,8 +139,11 @@ class JobBilling:
     def settled(self, job_id: str) -> list[ledger_pb2.UsageReceipt]:
         return [
             ledger_pb2.UsageReceipt(
-                session_id=job_id, node_id=u.node_id, layer_start=u.layer_start,
-                layer_end=u.layer_end, tokens=u.tokens,
+                session_id=job_id,
+                node_id=u.node_id,
+                layer_start=u.layer_start,
+                layer_end=u.layer_end,
+                tokens=u.tokens,
             )  # fmt: skip
             for u in self.ledger.usage_settled(hold_id(job_id))
         ]

@@ -117,9 +117,16 @@ class ModelCatalog:
                 f"INSERT INTO models ({_MODEL_COLUMNS}, tokenizer_json) "
                 "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
                 (
-                    model.name, model.architecture, model.num_layers, model.hidden_size,
-                    model.vocab_size, model.total_bytes, model.config_json,
-                    model.manifest_sha256, model.added_ms, tokenizer_json,
+                    model.name,
+                    model.architecture,
+                    model.num_layers,
+                    model.hidden_size,
+                    model.vocab_size,
+                    model.total_bytes,
+                    model.config_json,
+                    model.manifest_sha256,
+                    model.added_ms,
+                    tokenizer_json,
                 ),
             )
             self._conn.executemany(
@@ -127,8 +134,16 @@ class ModelCatalog:
                 "(model, position, name, sha256, dtype, shape_json, nbytes, layer) "
                 "VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
                 [
-                    (model.name, i, t.name, t.sha256, t.dtype, json.dumps(list(t.shape)),
-                     t.nbytes, t.layer)
+                    (
+                        model.name,
+                        i,
+                        t.name,
+                        t.sha256,
+                        t.dtype,
+                        json.dumps(list(t.shape)),
+                        t.nbytes,
+                        t.layer,
+                    )
                     for i, t in enumerate(tensors)
                 ],
             )

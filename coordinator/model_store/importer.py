@@ -246,9 +246,7 @@ def _checked_entry(item: admin_pb2.TensorHeader, shape: tuple[int, ...]) -> Tens
         raise invalid(
             f"tensor {item.name}: sha256 must be 64 lowercase hex digits, got {item.sha256!r}"
         )
-    return TensorRecord(
-        item.name, item.sha256, item.dtype, shape, item.nbytes, layer_of(item.name)
-    )
+    return TensorRecord(item.name, item.sha256, item.dtype, shape, item.nbytes, layer_of(item.name))
 
 
 def _names(names: list[str]) -> str:

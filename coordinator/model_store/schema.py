@@ -41,8 +41,7 @@ _STATEMENTS = (
     )
     """,
     "CREATE INDEX IF NOT EXISTS model_tensors_by_sha256 ON model_tensors(sha256)",
-    "CREATE UNIQUE INDEX IF NOT EXISTS model_tensors_by_position "
-    "ON model_tensors(model, position)",
+    "CREATE UNIQUE INDEX IF NOT EXISTS model_tensors_by_position ON model_tensors(model, position)",
 )
 
 

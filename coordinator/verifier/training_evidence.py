@@ -216,8 +216,14 @@ def _verify(
         )
     micro_batch = call.micro_batch if call.kind in (KIND.FORWARD, KIND.BACKWARD) else 0
     payload = identity.training_payload(
-        training_answers.PASS_NAMES[call.kind], job_id, call.step, micro_batch, start, end,
-        signed.output_sha256, sent,
+        training_answers.PASS_NAMES[call.kind],
+        job_id,
+        call.step,
+        micro_batch,
+        start,
+        end,
+        signed.output_sha256,
+        sent,
     )
     if not identity.verify(grant.public_key, signed.signature, payload):
         raise ReportError(

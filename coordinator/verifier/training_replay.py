@@ -64,8 +64,12 @@ class TrainingReplayer:
             stub = training_pb2_grpc.TrainingStageStub(channel)
             opened = await stub.OpenTraining(
                 training_pb2.OpenTrainingRequest(
-                    capability=capability, job_id=job_id, model=model, layers=layers,
-                    hyper=hyper, restore_step=dispute.restore_step,
+                    capability=capability,
+                    job_id=job_id,
+                    model=model,
+                    layers=layers,
+                    hyper=hyper,
+                    restore_step=dispute.restore_step,
                     restore_sha256=dispute.restore_sha256,
                 ),  # fmt: skip
                 timeout=self._timeout_s,

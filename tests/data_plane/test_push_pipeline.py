@@ -115,9 +115,7 @@ async def test_a_node_killed_mid_push_fails_over(start_node, keys, checkpoint) -
     await driver.close()
 
 
-async def test_a_node_without_deliveries_is_driven_hop_by_hop(
-    start_node, keys, checkpoint
-) -> None:
+async def test_a_node_without_deliveries_is_driven_hop_by_hop(start_node, keys, checkpoint) -> None:
     a = await start_node([(0, 2)])
     b = await start_node([(2, 4)], servicer_class=NoDeliveries)
     driver = PipelineDriver(session_grant(keys, [(0, 2, a, []), (2, 4, b, [])]), MODEL)

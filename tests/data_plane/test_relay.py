@@ -150,8 +150,9 @@ def request(
     return message
 
 
-def verify_signed(node: StageNode, session_id: str, response: stage_pb2.ForwardResponse,
-                  start: int, end: int) -> None:
+def verify_signed(
+    node: StageNode, session_id: str, response: stage_pb2.ForwardResponse, start: int, end: int
+) -> None:
     digest = hashlib.sha256(response.output.data).digest()
     payload = identity.output_payload(
         session_id, response.step, start, end, digest, input_digest=response.input_digest
@@ -197,7 +198,11 @@ async def direct_hops(
     for stream, (start, end) in zip(streams, spans, strict=True):
         answer = await stream.send(
             request(
-                p.session_id, step, start, end, tensor,
+                p.session_id,
+                step,
+                start,
+                end,
+                tensor,
                 start_pos=start_pos,
                 last_position_only=end == NUM_LAYERS,
                 signed=p.signed if first else None,
@@ -232,7 +237,11 @@ async def test_relayed_steps_match_hop_by_hop_and_the_full_model(
     for step in range(1, 7):
         own = await head.send(
             request(
-                relayed.session_id, step, 0, 2, ids(tokens),
+                relayed.session_id,
+                step,
+                0,
+                2,
+                ids(tokens),
                 start_pos=position,
                 relay_to=relayed.route,
                 last_position_only=True,
@@ -291,7 +300,11 @@ async def test_a_hop_to_the_same_node_is_handed_over_in_process(
     for step in range(1, 6):
         own = await head.send(
             request(
-                session_id, step, 0, 2, ids(tokens),
+                session_id,
+                step,
+                0,
+                2,
+                ids(tokens),
                 start_pos=position,
                 relay_to=route,
                 last_position_only=True,
@@ -331,8 +344,14 @@ async def test_in_process_hand_offs_are_bounded(start_node, keys) -> None:
     head = Stream(a)
     own = await head.send(
         request(
-            session_id, 1, 0, 2, ids(PROMPT), relay_to=[relay_hop(a, 2, NUM_LAYERS)],
-            last_position_only=True, signed=signed,
+            session_id,
+            1,
+            0,
+            2,
+            ids(PROMPT),
+            relay_to=[relay_hop(a, 2, NUM_LAYERS)],
+            last_position_only=True,
+            signed=signed,
         )  # fmt: skip
     )
     assert own.cache_length == len(PROMPT)
@@ -368,9 +387,7 @@ async def test_the_own_answer_does_not_wait_for_the_next_hop(start_node, keys) -
         await sub1.close()
 
 
-async def test_a_next_node_that_takes_nothing_does_not_hold_up_the_answer(
-    start_node, keys
-) -> None:
+async def test_a_next_node_that_takes_nothing_does_not_hold_up_the_answer(start_node, keys) -> None:
     # A peer that accepts the TCP connection and then neither reads nor answers: the HTTP/2
     # handshake never completes, so a write to it never does either.
     silent = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
@@ -477,7 +494,11 @@ async def test_a_route_the_capability_does_not_grant_is_refused_before_computing
     with pytest.raises(grpc.aio.AioRpcError) as err:
         await bad.send(
             request(
-                p.session_id, 1, 0, 2, ids(PROMPT),
+                p.session_id,
+                1,
+                0,
+                2,
+                ids(PROMPT),
                 relay_to=case.route(n1, n2),
                 last_position_only=case.last_position_only,
                 signed=p.signed,
@@ -524,29 +545,45 @@ def _deliveries_cases(keys: CoordinatorKeys, n1: StageNode, n2: StageNode):
     session = "s-subs"
     mine = [(n1, 2, 3)]
     return [
-        ("no capability", stage_pb2.DeliveriesRequest(session_id=session),
-         grpc.StatusCode.UNAUTHENTICATED, "must carry the session's capability"),
-        ("forged capability",
-         stage_pb2.DeliveriesRequest(
-             session_id=session,
-             capability=capability(keys, session, mine, key=identity.generate_private_key()),
-         ),
-         grpc.StatusCode.UNAUTHENTICATED, "does not verify"),
-        ("expired capability",
-         stage_pb2.DeliveriesRequest(
-             session_id=session, capability=capability(keys, session, mine, ttl_s=-5)
-         ),
-         grpc.StatusCode.UNAUTHENTICATED, "token expired at"),
-        ("another session's capability",
-         stage_pb2.DeliveriesRequest(
-             session_id=session, capability=capability(keys, "s-other", mine)
-         ),
-         grpc.StatusCode.PERMISSION_DENIED, "is for session 's-other'"),
-        ("a capability that does not grant this node",
-         stage_pb2.DeliveriesRequest(
-             session_id=session, capability=capability(keys, session, [(n2, 3, 4)])
-         ),
-         grpc.StatusCode.PERMISSION_DENIED, "is not among the nodes the capability grants"),
+        (
+            "no capability",
+            stage_pb2.DeliveriesRequest(session_id=session),
+            grpc.StatusCode.UNAUTHENTICATED,
+            "must carry the session's capability",
+        ),
+        (
+            "forged capability",
+            stage_pb2.DeliveriesRequest(
+                session_id=session,
+                capability=capability(keys, session, mine, key=identity.generate_private_key()),
+            ),
+            grpc.StatusCode.UNAUTHENTICATED,
+            "does not verify",
+        ),
+        (
+            "expired capability",
+            stage_pb2.DeliveriesRequest(
+                session_id=session, capability=capability(keys, session, mine, ttl_s=-5)
+            ),
+            grpc.StatusCode.UNAUTHENTICATED,
+            "token expired at",
+        ),
+        (
+            "another session's capability",
+            stage_pb2.DeliveriesRequest(
+                session_id=session, capability=capability(keys, "s-other", mine)
+            ),
+            grpc.StatusCode.PERMISSION_DENIED,
+            "is for session 's-other'",
+        ),
+        (
+            "a capability that does not grant this node",
+            stage_pb2.DeliveriesRequest(
+                session_id=session, capability=capability(keys, session, [(n2, 3, 4)])
+            ),
+            grpc.StatusCode.PERMISSION_DENIED,
+            "is not among the nodes the capability grants",
+        ),
     ]
 
 
@@ -583,8 +620,9 @@ async def test_subscriptions_are_capped_per_node(start_node, keys) -> None:
         for p in (pipeline(keys, nodes, f"s-cap-{i}") for i in range(2))
     ]
     third = pipeline(keys, nodes, "s-cap-2")
-    refused = Subscription(n1, stage_pb2.DeliveriesRequest(
-        session_id=third.session_id, capability=third.signed))
+    refused = Subscription(
+        n1, stage_pb2.DeliveriesRequest(session_id=third.session_id, capability=third.signed)
+    )
     with pytest.raises(grpc.aio.AioRpcError) as err:
         await asyncio.wait_for(refused.call.read(), TIMEOUT)
     assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
@@ -623,8 +661,16 @@ async def test_a_relayed_call_that_fails_downstream_is_delivered_as_an_error(
     assert (await sub1.next()).response.cache_length == len(PROMPT)
 
     own = await head.send(
-        request(p.session_id, 2, 0, 2, ids([3]), start_pos=len(PROMPT), relay_to=p.route,
-                last_position_only=True)
+        request(
+            p.session_id,
+            2,
+            0,
+            2,
+            ids([3]),
+            start_pos=len(PROMPT),
+            relay_to=p.route,
+            last_position_only=True,
+        )
     )
     assert own.cache_length == len(PROMPT) + 1
     d1, d2 = await sub1.next(), await sub2.next()
@@ -723,8 +769,16 @@ async def test_a_relayed_step_older_than_a_direct_one_is_dropped(
     sub2 = await Subscription.open(n2, p.session_id, p.signed)
     head = Stream(n0)
     await head.send(
-        request(p.session_id, 1, 0, 2, ids(PROMPT), relay_to=p.route, last_position_only=True,
-                signed=p.signed)
+        request(
+            p.session_id,
+            1,
+            0,
+            2,
+            ids(PROMPT),
+            relay_to=p.route,
+            last_position_only=True,
+            signed=p.signed,
+        )
     )
     first = await sub2.next()
     await sub1.next()
@@ -737,14 +791,30 @@ async def test_a_relayed_step_older_than_a_direct_one_is_dropped(
     # ...then node0 relays its (late) step 2: node1 has run step 2 already, so it drops the
     # call: no compute, nothing sent on to node2, no delivery.
     await head.send(
-        request(p.session_id, 2, 0, 2, ids([token]), start_pos=position, relay_to=p.route,
-                last_position_only=True)
+        request(
+            p.session_id,
+            2,
+            0,
+            2,
+            ids([token]),
+            start_pos=position,
+            relay_to=p.route,
+            last_position_only=True,
+        )
     )
     # Later steps still flow; the next deliveries are theirs.
     token2 = int(np.argmax(decoded(answers[2].output)[0, -1]))
     await head.send(
-        request(p.session_id, 3, 0, 2, ids([token2]), start_pos=position + 1,
-                relay_to=p.route, last_position_only=True)
+        request(
+            p.session_id,
+            3,
+            0,
+            2,
+            ids([token2]),
+            start_pos=position + 1,
+            relay_to=p.route,
+            last_position_only=True,
+        )
     )
     d1, d2 = await sub1.next(), await sub2.next()
     assert (d1.step, d2.step) == (3, 3), "the stale step 2 was delivered"
@@ -836,8 +906,15 @@ async def test_a_subscriber_that_does_not_read_loses_its_subscription(start_node
     batch, length = 8, 120  # each delivery carries 8 x 120 x 32 float32: 123 KB
     for step in range(1, 21):
         await head.send(
-            request(p.session_id, step, 0, 2, ids([1] * length, batch), relay_to=p.route[:1],
-                    signed=p.signed if step == 1 else None)
+            request(
+                p.session_id,
+                step,
+                0,
+                2,
+                ids([1] * length, batch),
+                relay_to=p.route[:1],
+                signed=p.signed if step == 1 else None,
+            )
         )
     # Node1 may still be working through the relayed calls: wait until it gives up.
     deadline = time.monotonic() + TIMEOUT
@@ -855,9 +932,7 @@ async def test_a_subscriber_that_does_not_read_loses_its_subscription(start_node
     await sub1.close()
     # A new subscription of the session gets the next calls.
     sub1 = await Subscription.open(n1, p.session_id, p.signed)
-    await head.send(
-        request(p.session_id, 21, 0, 2, ids([1] * length, batch), relay_to=p.route[:1])
-    )
+    await head.send(request(p.session_id, 21, 0, 2, ids([1] * length, batch), relay_to=p.route[:1]))
     # (Steps node1 had still to compute when the old one ended may come first.)
     steps = [(await sub1.next()).step]
     while steps[-1] != 21:

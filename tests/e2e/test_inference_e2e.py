@@ -134,6 +134,4 @@ def test_a_killed_node_is_replaced_and_coverage_returns(swarm, client):
         "the killed node to leave the online list",
         10,
     )
-    wait_for(
-        lambda: fully_replicated(client), "coverage to come back without the node", 90
-    )
+    wait_for(lambda: fully_replicated(client), "coverage to come back without the node", 90)

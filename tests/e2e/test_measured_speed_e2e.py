@@ -60,8 +60,9 @@ def test_a_node_lying_in_its_benchmark_is_corrected_by_measured_traffic(swarm: L
     config = DriverConfig(report_every=4)
     with Client(swarm.address, driver_config=config) as client:
         wait_for(
-            lambda: (m := {m.name: m for m in client.models()}.get(MODEL)) is not None
-            and m.available,
+            lambda: (
+                (m := {m.name: m for m in client.models()}.get(MODEL)) is not None and m.available
+            ),
             "the model to be served",
             90,
         )

@@ -145,7 +145,8 @@ class JobsCoordinator:
         """Every node's shard is READY (coverage counts shards still being confirmed)."""
         placement = self.coordinator.ctx.planner
         await wait_until(
-            lambda: len(placement.ready_holders(MODEL)) >= len(self.nodes), 10.0,
+            lambda: len(placement.ready_holders(MODEL)) >= len(self.nodes),
+            10.0,
             "every node's shard to be ready",
         )
 

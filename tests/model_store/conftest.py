@@ -118,7 +118,10 @@ async def server_factory(tmp_path: Path):
         assert isinstance(ctx.model_store, ModelStore), "the server did not build the store"
         if limits is not None or coverage is not None:
             ctx.model_store = ModelStore(
-                ctx.db, ctx.data_dir, limits=limits, coverage=coverage,
+                ctx.db,
+                ctx.data_dir,
+                limits=limits,
+                coverage=coverage,
                 check_ticket=ctx.registry.check_ticket,
             )
         channel = grpc.aio.insecure_channel(coordinator.address, options=OPTIONS)
@@ -156,8 +159,11 @@ def _upload_chunks(
     data = []
     for tensor in checkpoint.tensors:
         header.tensors.add(
-            name=tensor.name, dtype=tensor.dtype, shape=list(tensor.shape),
-            nbytes=tensor.nbytes, sha256=tensor.sha256(),
+            name=tensor.name,
+            dtype=tensor.dtype,
+            shape=list(tensor.shape),
+            nbytes=tensor.nbytes,
+            sha256=tensor.sha256(),
         )
         offset = 0
         for chunk in tensor.iter_bytes(chunk_bytes):

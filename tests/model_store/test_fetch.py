@@ -77,16 +77,27 @@ async def test_bad_fetch_requests_get_clear_errors(served_model):
     manifest = await stub.GetManifest(common_pb2.ModelRef(name="tiny"), metadata=meta)
     own = manifest.tensors[0].sha256
     cases = [
-        (coordinator_pb2.FetchRequest(model="nope", sha256=[own]), grpc.StatusCode.NOT_FOUND,
-         "'nope'"),
-        (coordinator_pb2.FetchRequest(model="tiny"), grpc.StatusCode.INVALID_ARGUMENT,
-         "no sha256"),
-        (coordinator_pb2.FetchRequest(model="tiny", sha256=["ab" * 32]),
-         grpc.StatusCode.INVALID_ARGUMENT, "no tensor with sha256 " + "ab" * 32),
-        (coordinator_pb2.FetchRequest(model="tiny", sha256=["../../etc/passwd"]),
-         grpc.StatusCode.INVALID_ARGUMENT, "not sha256"),
-        (coordinator_pb2.FetchRequest(model="tiny", sha256=[f"{i:064x}" for i in range(5000)]),
-         grpc.StatusCode.INVALID_ARGUMENT, "at most 4096"),
+        (
+            coordinator_pb2.FetchRequest(model="nope", sha256=[own]),
+            grpc.StatusCode.NOT_FOUND,
+            "'nope'",
+        ),
+        (coordinator_pb2.FetchRequest(model="tiny"), grpc.StatusCode.INVALID_ARGUMENT, "no sha256"),
+        (
+            coordinator_pb2.FetchRequest(model="tiny", sha256=["ab" * 32]),
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "no tensor with sha256 " + "ab" * 32,
+        ),
+        (
+            coordinator_pb2.FetchRequest(model="tiny", sha256=["../../etc/passwd"]),
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "not sha256",
+        ),
+        (
+            coordinator_pb2.FetchRequest(model="tiny", sha256=[f"{i:064x}" for i in range(5000)]),
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "at most 4096",
+        ),
     ]
     for request, status, words in cases:
         error = await _code(lambda r=request: stub.FetchTensors(r, metadata=meta))
@@ -95,9 +106,12 @@ async def test_bad_fetch_requests_get_clear_errors(served_model):
     error = await _code(lambda: stub.GetManifest(common_pb2.ModelRef(name="x"), metadata=meta))
     assert error.code() == grpc.StatusCode.NOT_FOUND
     # ...and the store still serves.
-    chunks = [c async for c in stub.FetchTensors(
-        coordinator_pb2.FetchRequest(model="tiny", sha256=[own]), metadata=meta
-    )]
+    chunks = [
+        c
+        async for c in stub.FetchTensors(
+            coordinator_pb2.FetchRequest(model="tiny", sha256=[own]), metadata=meta
+        )
+    ]
     assert b"".join(c.data for c in chunks).__len__() == manifest.tensors[0].nbytes
 
 
@@ -317,9 +331,7 @@ async def test_blob_names_are_digests_only(tmp_path: Path) -> None:
     await fetcher.close()
 
 
-async def test_the_node_runtime_loads_materialized_shards(
-    server_factory, tmp_path, upload_chunks
-):
+async def test_the_node_runtime_loads_materialized_shards(server_factory, tmp_path, upload_chunks):
     import torch
 
     from node_agent.runtime import (

@@ -54,9 +54,7 @@ async def test_add_list_get_and_re_add(store_server, tiny_checkpoint, upload_chu
     assert "--replace" in info_again.value.details()
 
 
-async def test_admin_calls_need_the_admin_token(
-    store_server, tiny_checkpoint, upload_chunks
-):
+async def test_admin_calls_need_the_admin_token(store_server, tiny_checkpoint, upload_chunks):
     messages = upload_chunks(tiny_checkpoint, "bad")
     for metadata in [None, (("authorization", "Bearer wrong"),)]:
         with pytest.raises(grpc.RpcError) as info:
@@ -66,9 +64,7 @@ async def test_admin_calls_need_the_admin_token(
     assert list(listed.models) == [] and store_server.blob_files() == []
 
 
-async def test_replace_swaps_weights_and_frees_old_blobs(
-    store_server, tmp_path, upload_chunks
-):
+async def test_replace_swaps_weights_and_frees_old_blobs(store_server, tmp_path, upload_chunks):
     first = make_checkpoint(tmp_path / "v1", "llama", seed=1)
     second = make_checkpoint(tmp_path / "v2", "llama", seed=2)
     old = await _add(store_server, upload_chunks(first, "m"))
@@ -80,9 +76,7 @@ async def test_replace_swaps_weights_and_frees_old_blobs(
     assert [(m.name, m.sha256) for m in listed.models] == [("m", new.sha256)]
 
 
-async def test_identical_weights_are_stored_once(
-    store_server, tiny_checkpoint, upload_chunks
-):
+async def test_identical_weights_are_stored_once(store_server, tiny_checkpoint, upload_chunks):
     await _add(store_server, upload_chunks(tiny_checkpoint, "a"))
     blobs = store_server.blob_files()
     disk = sum(p.stat().st_size for p in blobs)
@@ -113,9 +107,7 @@ async def test_hash_mismatch_is_refused_and_names_the_tensor(
     assert store_server.blob_files() == []
 
 
-async def test_stream_ending_early_commits_nothing(
-    store_server, tiny_checkpoint, upload_chunks
-):
+async def test_stream_ending_early_commits_nothing(store_server, tiny_checkpoint, upload_chunks):
     messages = upload_chunks(tiny_checkpoint, "bad")
     last = messages[-1].data.name
     error = await _refused(store_server, messages[:-1])
@@ -124,9 +116,7 @@ async def test_stream_ending_early_commits_nothing(
     assert store_server.blob_files() == []
 
 
-async def test_tensor_sent_twice_is_refused(
-    store_server, tiny_checkpoint, upload_chunks
-):
+async def test_tensor_sent_twice_is_refused(store_server, tiny_checkpoint, upload_chunks):
     messages = upload_chunks(tiny_checkpoint, "bad", chunk_bytes=1 << 20)
     error = await _refused(store_server, [*messages[:3], messages[2], *messages[3:]])
     assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
@@ -150,28 +140,59 @@ async def test_interleaved_and_out_of_order_chunks_are_refused(
 @pytest.mark.parametrize(
     ("tamper", "status", "words"),
     [
-        (lambda h: h.tensors[3].__setattr__("nbytes", h.tensors[3].nbytes * 1000),
-         grpc.StatusCode.INVALID_ARGUMENT, "declares"),
-        (lambda h: h.tensors.append(h.tensors[1]), grpc.StatusCode.INVALID_ARGUMENT,
-         "appears twice"),
+        (
+            lambda h: h.tensors[3].__setattr__("nbytes", h.tensors[3].nbytes * 1000),
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "declares",
+        ),
+        (
+            lambda h: h.tensors.append(h.tensors[1]),
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "appears twice",
+        ),
         (lambda h: h.tensors.pop(4), grpc.StatusCode.INVALID_ARGUMENT, "lacks 1 tensor"),
-        (lambda h: h.tensors.add(name="model.extra", dtype="F32", shape=[1], nbytes=4,
-                                 sha256="0" * 64),
-         grpc.StatusCode.INVALID_ARGUMENT, "model.extra"),
-        (lambda h: h.tensors[0].__setattr__("dtype", "I64"), grpc.StatusCode.INVALID_ARGUMENT,
-         "I64"),
-        (lambda h: h.tensors[0].shape.__setitem__(slice(None), [7, 7]),
-         grpc.StatusCode.INVALID_ARGUMENT, "[7, 7]"),
-        (lambda h: h.tensors[0].__setattr__("sha256", "XYZ"), grpc.StatusCode.INVALID_ARGUMENT,
-         "hex"),
-        (lambda h: h.__setattr__("name", "../etc"), grpc.StatusCode.INVALID_ARGUMENT,
-         "not allowed"),
-        (lambda h: h.__setattr__("config_json", "{"), grpc.StatusCode.INVALID_ARGUMENT,
-         "not valid JSON"),
-        (lambda h: h.__setattr__("config_json", json.dumps({"architectures": ["BertModel"]})),
-         grpc.StatusCode.INVALID_ARGUMENT, "BertModel"),
-        (lambda h: h.__setattr__("tokenizer_json", b"\xff\xfe"),
-         grpc.StatusCode.INVALID_ARGUMENT, "tokenizer_json"),
+        (
+            lambda h: h.tensors.add(
+                name="model.extra", dtype="F32", shape=[1], nbytes=4, sha256="0" * 64
+            ),
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "model.extra",
+        ),
+        (
+            lambda h: h.tensors[0].__setattr__("dtype", "I64"),
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "I64",
+        ),
+        (
+            lambda h: h.tensors[0].shape.__setitem__(slice(None), [7, 7]),
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "[7, 7]",
+        ),
+        (
+            lambda h: h.tensors[0].__setattr__("sha256", "XYZ"),
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "hex",
+        ),
+        (
+            lambda h: h.__setattr__("name", "../etc"),
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "not allowed",
+        ),
+        (
+            lambda h: h.__setattr__("config_json", "{"),
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "not valid JSON",
+        ),
+        (
+            lambda h: h.__setattr__("config_json", json.dumps({"architectures": ["BertModel"]})),
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "BertModel",
+        ),
+        (
+            lambda h: h.__setattr__("tokenizer_json", b"\xff\xfe"),
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "tokenizer_json",
+        ),
     ],
 )
 async def test_bad_headers_are_refused_before_any_data(
@@ -184,9 +205,7 @@ async def test_bad_headers_are_refused_before_any_data(
     assert words in error.details()
 
 
-async def test_header_must_come_first_and_only_once(
-    store_server, tiny_checkpoint, upload_chunks
-):
+async def test_header_must_come_first_and_only_once(store_server, tiny_checkpoint, upload_chunks):
     messages = upload_chunks(tiny_checkpoint, "bad")
     error = await _refused(store_server, messages[1:])
     assert "first AddModel message must be the header" in error.details()
@@ -208,9 +227,7 @@ async def test_model_above_the_size_limit_is_refused(
     assert "limit of 1000 bytes" in error.details()
 
 
-async def test_cancelled_upload_leaves_nothing(
-    store_server, tiny_checkpoint, upload_chunks
-):
+async def test_cancelled_upload_leaves_nothing(store_server, tiny_checkpoint, upload_chunks):
     messages = upload_chunks(tiny_checkpoint, "bad", chunk_bytes=200)
     half_sent = asyncio.Event()
 
@@ -252,9 +269,7 @@ async def test_a_restart_cleans_up_after_a_crash(
     assert [m.name for m in listed.models] == ["kept"]
 
 
-async def test_availability_comes_from_the_planner(
-    server_factory, tiny_checkpoint, upload_chunks
-):
+async def test_availability_comes_from_the_planner(server_factory, tiny_checkpoint, upload_chunks):
     coverage = {"m": [2, 0, 0]}
     server = await server_factory(coverage=lambda name: coverage[name])
     info = await _add(server, upload_chunks(tiny_checkpoint, "m"))
@@ -265,9 +280,7 @@ async def test_availability_comes_from_the_planner(
     assert detail.info.unavailable_reason == ""
 
 
-async def test_unknown_model_lists_the_known_ones(
-    store_server, tiny_checkpoint, upload_chunks
-):
+async def test_unknown_model_lists_the_known_ones(store_server, tiny_checkpoint, upload_chunks):
     await _add(store_server, upload_chunks(tiny_checkpoint, "tiny"))
     with pytest.raises(grpc.aio.AioRpcError) as info:
         await store_server.client_api.GetModel(common_pb2.ModelRef(name="huge"))
@@ -287,9 +300,7 @@ async def test_concurrent_import_of_the_same_name_is_refused(
         for message in messages[1:]:
             yield message
 
-    first = asyncio.ensure_future(
-        store_server.admin.AddModel(slow(), metadata=store_server.auth)
-    )
+    first = asyncio.ensure_future(store_server.admin.AddModel(slow(), metadata=store_server.auth))
     await _until(lambda: "m" in store_server.store._importing)
     with pytest.raises(grpc.RpcError) as info:
         await _add(store_server, messages)

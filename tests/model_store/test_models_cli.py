@@ -83,9 +83,7 @@ async def test_add_list_fetch_restart_remove(tmp_path: Path) -> None:
         channel = grpc.aio.insecure_channel(restarted.address, options=OPTIONS)
         node = FakeNode(channel, "after-restart")
         await node.register()
-        fetcher = ShardFetcher.for_data_dir(
-            channel, node.node_id, node.ticket, tmp_path / "node"
-        )
+        fetcher = ShardFetcher.for_data_dir(channel, node.node_id, node.ticket, tmp_path / "node")
         manifest = await fetcher.fetch_manifest("tiny")
         await fetcher.ensure_tensors("tiny", list(manifest.tensors))
         # Only what this node never fetched travels: the cache survived both restarts.

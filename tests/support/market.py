@@ -127,8 +127,7 @@ def idle(client: Client) -> bool:
     load to a node's cost, and a heartbeat may still count a session that just ended: a
     test that asserts which node a new session's route starts with waits for this."""
     return all(
-        n.telemetry.active_sessions == 0 and n.telemetry.queue_length == 0
-        for n in client.nodes()
+        n.telemetry.active_sessions == 0 and n.telemetry.queue_length == 0 for n in client.nodes()
     )
 
 
@@ -178,9 +177,7 @@ def audit_cli(market: LocalSwarm, *where: str) -> subprocess.CompletedProcess[st
     return run_cli("coordinator.cli", "ledger", "audit", *where, check=False)
 
 
-def generate(
-    market: LocalSwarm, key, settle_every: int = 0, prefer: str = ""
-) -> GenerationResult:
+def generate(market: LocalSwarm, key, settle_every: int = 0, prefer: str = "") -> GenerationResult:
     with Client(market.address, key=key, settle_every=settle_every, prefer=prefer) as client:
         wait_for(lambda: available(client), "the model to be served")
         return client.generate_all(

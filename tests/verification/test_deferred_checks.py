@@ -128,9 +128,7 @@ def start_swarm(
 
 
 @pytest.fixture
-def swarm(
-    checkpoint: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> Iterator[Swarm]:
+def swarm(checkpoint: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Swarm]:
     yield from start_swarm(checkpoint, tmp_path, monkeypatch)
 
 
@@ -173,9 +171,7 @@ def test_tokens_stream_only_once_their_checks_settled(swarm: Swarm) -> None:
     # yielded before the first check answered: the stream lags the pipeline, never
     # runs ahead of its checks.
     with Client(swarm.address, timeout_s=60) as client:
-        tokens = list(
-            client.generate(MODEL, token_ids=PROMPT, max_new_tokens=4, stop_at_eos=False)
-        )
+        tokens = list(client.generate(MODEL, token_ids=PROMPT, max_new_tokens=4, stop_at_eos=False))
         result = client.last_run
     assert result is not None
     assert result.first_token_s >= CHECK_DELAY_S

@@ -37,8 +37,15 @@ def test_parse_reads_every_failpoint() -> None:
 @pytest.mark.parametrize(
     "text",
     [
-        "corrupt", "corrupt=x", "corrupt=1.5", "delay_ms=-1", "explode", "zeros=1",
-        "corrupt_backward=2", "skip_step=-0.1", "skip_step",
+        "corrupt",
+        "corrupt=x",
+        "corrupt=1.5",
+        "delay_ms=-1",
+        "explode",
+        "zeros=1",
+        "corrupt_backward=2",
+        "skip_step=-0.1",
+        "skip_step",
     ],  # fmt: skip
 )
 def test_bad_failpoints_are_refused_with_the_accepted_form(text: str) -> None:
