@@ -4,7 +4,10 @@
 the reason. A new shard is loaded next to the old ones; nothing is dropped until the
 coordinator says so, which lets the planner load before it drops. Shards are keyed by
 (model, start, end) and serve any sub-span of their layers. ``drop`` hides a shard from new
-requests at once and frees it after its in-flight calls finish.
+requests at once and frees it after its in-flight calls finish. Its sessions' KV caches pass
+to the shard that holds their layers now, when there is one: a re-plan that widens or moves
+a node's range (it loads the new shard, then drops the old) does not cost the sessions
+running through that node a replay of their history.
 
 The manager is also a telemetry source (sessions, KV cache tokens, queue length) and owns
 the compute threads: one for the calls pipelines wait on, and one at a lower OS priority for
@@ -42,6 +45,7 @@ from node_agent.runtime import (
     resolve_dtype,
     tensor_names_for_stage,
 )
+from node_agent.runtime.cuda_graphs import forget_graphs_over
 from node_agent.shard_fetcher import ShardFetcher
 from node_agent.shard_handler import ReportFn
 from protos.tessera.v1 import common_pb2, coordinator_pb2, node_pb2
@@ -138,6 +142,43 @@ class LoadedShard:
 
     def release(self, session_key: str) -> bool:
         return any([view.caches.release(session_key) for view in list(self._views.values())])
+
+    def open_caches(self) -> list[tuple[int, int, str]]:
+        """(start, end, session key) of every open cache, in every view."""
+        return [
+            (start, end, key)
+            for (start, end), view in list(self._views.items())
+            for key in view.caches.session_ids()
+        ]
+
+    def take_cache(self, session_key: str, start: int, end: int) -> StageKVCache | None:
+        view = self._views.get((start, end))
+        return None if view is None else view.caches.take(session_key)
+
+    def adopt_cache(self, session_key: str, start: int, end: int, cache: StageKVCache) -> bool:
+        """Serve a live cache of layers [start, end) that a dropped shard hands over; False
+        when this shard cannot: another dtype or device, a cache of its own for the
+        session, or no room left in its KV budget."""
+        if not self.covers(start, end) or (cache.dtype, cache.device) != (
+            self.dtype,
+            self.device,
+        ):
+            return False
+        view = self._view(start, end)
+        if cache.num_layers != view.stage.num_layers:
+            return False
+        with self._lock:
+            used = sum(v.caches.used_tokens for v in self._views.values())
+            if cache.max_len * cache.batch > self.kv_tokens_budget - used:
+                return False
+            if session_key in view.caches:
+                return False
+            view.caches.adopt(session_key, cache)
+        return True
+
+    def stages(self) -> list[StageModel]:
+        """The shard's views' stages (what its sessions' CUDA graphs were captured over)."""
+        return [view.stage for view in list(self._views.values())]
 
     def release_all(self) -> None:
         for view in list(self._views.values()):
@@ -292,12 +333,42 @@ class ShardManager:
         if shard is None:
             return
         shard.dropped = True
+        # Right away, so that the sessions' next calls find their caches: a call still
+        # running here writes into the same cache object, and the stage server's lock per
+        # cache keeps the session's next call behind it.
+        handed = self._hand_over_caches(shard)
         await shard.wait_idle()  # calls already running finish; new ones no longer find it
+        for cache in handed:
+            forget_graphs_over(cache, shard.stages())
         shard.release_all()
         del shard
         if self.device.startswith("cuda"):
             torch.cuda.empty_cache()
         log.info("shard %s dropped", key)
+
+    def _hand_over_caches(self, old: LoadedShard) -> list[StageKVCache]:
+        """Pass ``old``'s open caches to the shards that serve their layers now."""
+        handed: list[StageKVCache] = []
+        kept = 0
+        for start, end, session_key in old.open_caches():
+            heir = self.find(old.key.model, start, end)
+            cache = old.cache(session_key, start, end)
+            if cache is None:
+                continue
+            if heir is None or not heir.adopt_cache(session_key, start, end, cache):
+                kept += 1
+                continue
+            old.take_cache(session_key, start, end)
+            handed.append(cache)
+        if handed or kept:
+            log.info(
+                "%s: %d live session cache(s) passed to the shard(s) now holding their "
+                "layers, %d freed with it (those sessions replay their history elsewhere)",
+                old.key,
+                len(handed),
+                kept,
+            )
+        return handed
 
     # ---- for the stage server -------------------------------------------------------
 

@@ -31,6 +31,7 @@ import math
 import os
 import threading
 import weakref
+from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
 import torch
@@ -175,6 +176,15 @@ class DecodeGraph:
                 self.out = self._step()
             self.pool_bytes = max(0, torch.cuda.memory_reserved(device) - before)
         self.graph = graph
+
+
+def forget_graphs_over(cache: StageKVCache, stages: Iterable[StageModel]) -> None:
+    """Drop the cache's graphs captured over ``stages`` (a dropped shard's views, once the
+    cache has passed to another shard): they hold that shard's weights, and once those are
+    freed a new stage could reuse an old one's id and match its graph."""
+    ids = {id(stage) for stage in stages}
+    for key in [k for k in cache.decode_graphs if k[0] in ids]:
+        del cache.decode_graphs[key]
 
 
 def graphed_step(

@@ -195,6 +195,21 @@ class KVCacheManager:
     def open(self, session_id: str, max_len: int, batch: int = 1) -> StageKVCache:
         if max_len <= 0 or batch <= 0:
             raise ValueError(f"max_len and batch must be positive, got {max_len}, {batch}")
+        return self._admit(
+            session_id,
+            max_len,
+            batch,
+            lambda: self._cache_factory(max_len, batch),
+        )
+
+    def adopt(self, session_id: str, cache: StageKVCache) -> None:
+        """Take over a live cache opened elsewhere (a shard being dropped hands its
+        sessions to the shard that now holds their layers), within this budget."""
+        self._admit(session_id, cache.max_len, cache.batch, lambda: cache)
+
+    def _admit(
+        self, session_id: str, max_len: int, batch: int, cache: Callable[[], StageKVCache]
+    ) -> StageKVCache:
         tokens = max_len * batch
         # Allocation happens under the lock so two sessions cannot both pass the budget
         # check; it is a single tensor allocation per layer, so the lock is held briefly.
@@ -208,10 +223,20 @@ class KVCacheManager:
                     f"(max_len {max_len} x batch {batch}) but only {free} of "
                     f"{self.budget_tokens} are free; retry later or with a shorter max_len"
                 )
-            cache = self._cache_factory(max_len, batch)
-            self._sessions[session_id] = _Session(cache, tokens, self._clock())
+            admitted = cache()
+            self._sessions[session_id] = _Session(admitted, tokens, self._clock())
             self._used_tokens += tokens
-            return cache
+            return admitted
+
+    def take(self, session_id: str) -> StageKVCache | None:
+        """Remove the session's cache without discarding it (see ``adopt``); None if it
+        was not open."""
+        with self._lock:
+            session = self._sessions.pop(session_id, None)
+            if session is None:
+                return None
+            self._used_tokens -= session.reserved_tokens
+            return session.cache
 
     def get(self, session_id: str) -> StageKVCache:
         """Return the session's cache and mark it as recently used."""
@@ -227,12 +252,7 @@ class KVCacheManager:
 
     def release(self, session_id: str) -> bool:
         """Free the session's reservation; returns False if it was not open."""
-        with self._lock:
-            session = self._sessions.pop(session_id, None)
-            if session is None:
-                return False
-            self._used_tokens -= session.reserved_tokens
-            return True
+        return self.take(session_id) is not None
 
     def expire_idle(self, now: float | None = None) -> list[str]:
         """Release sessions idle for longer than ``idle_ttl_s``; returns their ids."""

@@ -1,4 +1,5 @@
-"""ShardManager: status reports, failures with reasons, load-before-drop, drop after in-flight."""
+"""ShardManager: status reports, failures with reasons, load-before-drop, drop after in-flight,
+and a dropped shard's live sessions passing to the shard that holds their layers now."""
 
 from __future__ import annotations
 
@@ -7,9 +8,11 @@ import json
 from pathlib import Path
 
 import pytest
-from data_plane.stage_harness import MODEL, NUM_LAYERS
+from data_plane.stage_harness import MODEL, NUM_LAYERS, reference_greedy, session_grant
+from data_plane.test_driver import NEW_TOKENS, PROMPT, greedy
 
-from node_agent.shard_manager import DirectorySource, ShardManager
+from client.driver import PipelineDriver
+from node_agent.shard_manager import DirectorySource, ShardManager, cache_key
 from protos.tessera.v1 import common_pb2, coordinator_pb2, node_pb2
 
 S = node_pb2
@@ -171,4 +174,55 @@ async def test_drop_while_loading_discards_the_shard(checkpoint) -> None:
     assert manager.find(MODEL, 0, 2) is None
     # Nothing after the drop: the agent reports DROPPED, and READY/FAILED would contradict it.
     assert [s.state for s in statuses][-1] == S.SHARD_STATE_FETCHING
+    manager.close()
+
+
+@pytest.mark.parametrize(
+    "budget, replays",
+    [(4096, []), (32, ["replay"])],
+    ids=["cache-handed-over", "no-room-so-replayed"],
+)
+async def test_a_replan_that_widens_a_nodes_range_mid_generation(
+    start_node, keys, checkpoint, budget, replays
+) -> None:
+    a = await start_node([(0, 2)])
+    b = await start_node([(2, NUM_LAYERS)])
+    driver = PipelineDriver(session_grant(keys, [(0, 2, a, []), (2, NUM_LAYERS, b, [])]), MODEL)
+
+    async def replan() -> None:
+        # What the agent does when a re-plan moves it to [0, 3): load it beside [0, 2),
+        # then drop [0, 2) while the session is mid-generation. The session reserved 128
+        # tokens on [0, 2): a budget of 32 has no room for its cache.
+        await a.assign(0, 3, kv_tokens_budget=budget)
+        await a.manager.drop(drop_cmd(0, 2))
+        heir = a.manager.find(MODEL, 0, 2)
+        assert (heir.key.start, heir.key.end) == (0, 3)
+        assert (heir.kv_tokens_used() > 0) == (not replays)  # the cache came along
+
+    tokens = await greedy(driver, PROMPT, NEW_TOKENS, after_step={3: replan})
+    assert tokens == reference_greedy(checkpoint, PROMPT, NEW_TOKENS)
+    # Handed over, the next call finds the session's cache on the new shard: no replay.
+    assert [(e.failed_node_id, e.via) for e in driver.failovers] == [
+        (a.node_id, via) for via in replays
+    ]
+    await driver.close()
+
+
+async def test_a_handed_over_cache_forgets_the_graphs_of_the_dropped_shard(checkpoint) -> None:
+    manager = ShardManager(DirectorySource(checkpoint))
+    await manager.assign(assign_cmd(0, 2), lambda s: None)
+    await manager.assign(assign_cmd(0, 3), lambda s: None)
+    old = manager.find(MODEL, 0, 2)
+    heir = next(s for s in manager.shards() if s.key.end == 3)
+    key = cache_key("s", 0, 2)
+    cache = old.open_cache(key, 0, 2, 16, 1)
+    # Graph entries as runtime/cuda_graphs.py keys them: (id of the stage view, last only).
+    cache.decode_graphs[(id(old.stage_for(0, 2)), True)] = "holds the old shard's weights"
+    new_graph = (id(heir.stage_for(0, 2)), True)
+    cache.decode_graphs[new_graph] = "captured over the new shard"
+    await manager.drop(drop_cmd(0, 2))
+    assert manager.find(MODEL, 0, 2) is heir
+    assert heir.cache(key, 0, 2) is cache
+    assert list(cache.decode_graphs) == [new_graph]
+    assert old.kv_tokens_used() == 0
     manager.close()
