@@ -3,8 +3,9 @@
 1. write a small Llama-style checkpoint;
 2. start a coordinator and three node agents on loopback and import the model;
 3. generate through the three-stage pipeline and print the route;
-4. generate again and `kill -9` the node serving the middle stage after a few tokens:
-   the driver fails over to a replica, replays the history, and the output is identical;
+4. generate again and `kill -9`, after a few tokens, the node that served the middle
+   stage in step 3 (the new session's route may give it another stage): the driver fails
+   over to a replica, replays the history, and the output is identical;
 5. print tokens/s, the stall, and which node served what;
 6. train a small model from random weights on a counting task through a three-stage
    pipeline, kill -9 a stage node mid-training (the job re-plans the stage and rolls back
@@ -48,7 +49,7 @@ def add_parser(subparsers: Any) -> None:
         "--kill-after",
         type=int,
         default=12,
-        help="kill the middle stage's node after this many tokens (default 12)",
+        help="kill the node of step 3's middle stage after this many tokens (default 12)",
     )
     parser.add_argument(
         "--workdir", type=Path, help="keep logs and state here (default: a temporary folder)"
@@ -123,13 +124,15 @@ def _demo(workdir: Path, tokens: int, kill_after: int, args: argparse.Namespace)
             _say("   (the weights are random, so the text is noise; what matters is that it")
             _say("   comes out the same, token for token, through any route)")
 
-            _say(
-                f"\n4. generating again; the middle stage's node is killed after "
-                f"{kill_after} tokens"
-            )
             stages = reference.granted_stages  # a hop may run two stages of one node
             victim_id = stages[len(stages) // 2].node_id
             victim = swarm.node(victim_id)
+            # A new session gets its own route, so the victim may serve another stage now:
+            # the fail-over lines below say which layers moved.
+            _say(
+                f"\n4. generating again; {victim.name}, the middle stage's node above, is "
+                f"killed after {kill_after} tokens"
+            )
             killed_at = 0.0
 
             def on_token(index: int) -> None:
@@ -224,7 +227,7 @@ def _summary(reference: GenerationResult, faulty: GenerationResult, names: dict[
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="tessera demo")
+    parser = argparse.ArgumentParser(prog="tessera")  # the subcommand adds "demo"
     sub = parser.add_subparsers()
     add_parser(sub)
     args = parser.parse_args(["demo", *(argv or [])])
