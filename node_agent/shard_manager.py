@@ -360,12 +360,17 @@ class ShardManager:
                 continue
             old.take_cache(session_key, start, end)
             handed.append(cache)
-        if handed or kept:
+        if handed:
             log.info(
-                "%s: %d live session cache(s) passed to the shard(s) now holding their "
-                "layers, %d freed with it (those sessions replay their history elsewhere)",
+                "%s: passed %d live session cache(s) to the shard(s) now holding their layers",
                 old.key,
                 len(handed),
+            )
+        if kept:
+            log.info(
+                "%s: frees %d live session cache(s) that no other shard here can take; those "
+                "sessions replay their history on their next call",
+                old.key,
                 kept,
             )
         return handed
