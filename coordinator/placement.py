@@ -35,6 +35,12 @@ DEMAND_SHIFT = 2.0
 # owner's game took the GPU, a driver fix made it faster) causes a re-plan; the planner's
 # hysteresis then decides whether anything moves.
 SPEED_SHIFT = 2.0
+# ... and only a shift that lasts: this many step observations in a row outside that band,
+# on the same side. Drivers report 16 calls at a time and the average follows each report
+# (measurements.ALPHA), so one noisy report of a busy node would otherwise re-plan, and the
+# next one re-plan back (seen in the demo: 1.9 and 4.2 s per gparam half a second apart).
+# The router steers around a slow node call by call meanwhile; re-plans move weights.
+SPEED_SHIFT_HOLD = 24
 # CPU nodes compute in fp32; GPU nodes in fp16/bf16.
 _DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
 
@@ -186,6 +192,8 @@ class Placement:
         self._demand: dict[str, tuple[float, float]] = {}
         self._planned_shares: dict[str, float] = {}  # demand shares the last plan used
         self._planned_speed: dict[str, float] = {}  # ms per gparam the last plan used
+        # node -> (side of the band, observations in a row there): see SPEED_SHIFT_HOLD
+        self._speed_shift: dict[str, tuple[int, int]] = {}
 
     # ---- inputs -------------------------------------------------------------------------
 
@@ -273,21 +281,30 @@ class Placement:
         return True
 
     def _replan_if_speed_moved(self, node_id: str) -> None:
-        """Overload (or the end of it): re-plan when a node's measured speed has moved by
-        SPEED_SHIFT from what the last plan assumed."""
+        """Overload (or the end of it): re-plan when a node's measured speed has stayed
+        SPEED_SHIFT away from what the last plan assumed for SPEED_SHIFT_HOLD observations."""
         planned, node = self._planned_speed.get(node_id), self._nodes.get(node_id)
         if not planned or node is None:
             return
         now = self.measurements.ms_per_gparam(node_id, claimed_ms_per_gparam(node.capabilities))
-        if not 1 / SPEED_SHIFT < now / planned < SPEED_SHIFT:
-            log.info(
-                "node %s now runs at %.3g ms per billion parameters, planned at %.3g: re-planning",
-                node_id,
-                now,
-                planned,
-            )
-            self._planned_speed[node_id] = now  # one re-plan per shift
-            self.schedule_replan()
+        side = 1 if now / planned >= SPEED_SHIFT else -1 if now / planned <= 1 / SPEED_SHIFT else 0
+        held_side, held = self._speed_shift.get(node_id, (0, 0))
+        held = held + 1 if side != 0 and side == held_side else 1
+        if side == 0:
+            self._speed_shift.pop(node_id, None)
+            return
+        if held < SPEED_SHIFT_HOLD:
+            self._speed_shift[node_id] = (side, held)
+            return
+        log.info(
+            "node %s now runs at %.3g ms per billion parameters, planned at %.3g: re-planning",
+            node_id,
+            now,
+            planned,
+        )
+        self._speed_shift.pop(node_id, None)
+        self._planned_speed[node_id] = now  # one re-plan per shift
+        self.schedule_replan()
 
     def observe_rtts(self, node_id: str, rtts: Mapping[str, float]) -> int:
         """Round trips a node reported in telemetry; only to peers it was asked to probe."""
@@ -529,6 +546,7 @@ class Placement:
                 nodes.append(replace(spec, usable_bytes=max(0, spec.usable_bytes - training)))
             self._planned_shares = self.demand_shares()
             self._planned_speed = {n.node_id: n.ms_per_gparam for n in nodes}
+            self._speed_shift.clear()
             self._plans = plan(
                 [replace(m, demand=self.demand(m.name)) for m in self._models.values()],
                 nodes,

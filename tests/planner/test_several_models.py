@@ -12,7 +12,13 @@ from hypothesis import strategies as st
 from planner.test_placement_and_sessions import CONFIG, Swarm, caps
 from planner.test_planner_v2 import MODEL, node
 
-from coordinator.placement import DEMAND_HALF_LIFE_S, Placement, PlacementNode, model_spec
+from coordinator.placement import (
+    DEMAND_HALF_LIFE_S,
+    SPEED_SHIFT_HOLD,
+    Placement,
+    PlacementNode,
+    model_spec,
+)
 from coordinator.planner import plan, shares
 
 OTHER = replace(MODEL, name="other")
@@ -118,12 +124,54 @@ async def test_a_node_that_slows_down_causes_a_replan_and_a_spare_takes_its_plac
     assert len(before.pipelines) == 2 and len(members) == 4
     slow = sorted(members)[0]
     layers = before.holders[slow].layers
-    for _ in range(8):  # enough samples to replace the claim: half a second a call
+    for _ in range(SPEED_SHIFT_HOLD - 1):  # half a second a call, not for long enough yet
         placement.observe_step(slow, "m", layers, 1, 500.0)
+    await placement.settled()
+    assert placement.plan_of("m") is before
+    placement.observe_step(slow, "m", layers, 1, 500.0)
     await placement.settled()
     after = placement.plan_of("m")
     assert len(after.pipelines) == 2
     assert slow not in {nid for pipe in after.pipelines for nid in pipe}, after.pipelines
+
+
+async def test_a_node_whose_reports_swing_back_and_forth_causes_no_replan():
+    """A busy node's step times swing from one report of 16 calls to the next (the
+    average follows each report): a re-plan needs the shift to last, or every noisy report
+    would re-plan and the next one re-plan back."""
+    swarm = Swarm()
+    placement = Placement(swarm.send, replicas=1, debounce_s=0)
+    placement.set_models([model_spec("m", CONFIG)])
+    for i in range(5):
+        placement.node_up(PlacementNode(f"n{i}", "127.0.0.1:1", caps(0.0025)))
+    await placement.settled()
+    node = sorted(placement.plan_of("m").holders)[0]
+    layers = placement.plan_of("m").holders[node].layers
+    call_ms = 10.0
+    for _ in range(2 * SPEED_SHIFT_HOLD):  # steady: the plan now assumes what was measured
+        placement.observe_step(node, "m", layers, 1, call_ms)
+    await placement.settled()
+    steady = placement.plan_of("m")
+    replans = 0
+    replan = placement.replan
+
+    async def counted() -> None:
+        nonlocal replans
+        replans += 1
+        await replan()
+
+    placement.replan = counted  # type: ignore[method-assign]
+    for _ in range(10):
+        for ms in (4 * call_ms, call_ms / 4):  # a report's worth of each: 16 calls
+            for _ in range(16):
+                placement.observe_step(node, "m", layers, 1, ms)
+            await placement.settled()
+    assert replans == 0
+    assert placement.plan_of("m") is steady
+    for _ in range(2 * SPEED_SHIFT_HOLD):  # a shift that lasts still re-plans, once
+        placement.observe_step(node, "m", layers, 1, 4 * call_ms)
+    await placement.settled()
+    assert replans == 1
 
 
 async def test_nodes_joining_before_any_model_is_imported_replan_quietly(caplog):
