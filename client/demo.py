@@ -206,14 +206,27 @@ def _generate(client: Client, tokens: int, on_token: Any = None) -> GenerationRe
     return client.last_run
 
 
+def _checked(result: GenerationResult) -> str:
+    stats = result.verification
+    if stats is None:
+        return "no calls checked"
+    calls, checked = sum(stats.calls.values()), sum(stats.checked.values())
+    return f"{checked} of {calls} calls checked on a second node"
+
+
 def _summary(reference: GenerationResult, faulty: GenerationResult, names: dict[str, str]) -> None:
     _say(
         f"   without failure: {reference.tokens_per_s:6.1f} tokens/s, first token after "
-        f"{reference.first_token_s * 1000:.0f} ms"
+        f"{reference.first_token_s * 1000:.0f} ms; {_checked(reference)}"
     )
     _say(
         f"   with a kill -9:  {faulty.tokens_per_s:6.1f} tokens/s, first token after "
-        f"{faulty.first_token_s * 1000:.0f} ms"
+        f"{faulty.first_token_s * 1000:.0f} ms; {_checked(faulty)}"
+    )
+    _say(
+        "   (the coordinator checks every call of a node new to it on a second node, and\n"
+        "   fewer as the node earns trust: the second run is checked less, which can make\n"
+        "   it faster despite the failure)"
     )
     stall = sum(e.stalled_ms for e in faulty.failovers)
     _say(f"   stall caused by the failure: {stall:.0f} ms in {len(faulty.failovers)} fail-over(s)")
