@@ -1,0 +1,90 @@
+"""`tessera demo`, the README's main command, as a newcomer runs it: real processes.
+
+The whole demo (inference with a kill -9 and training with a kill -9) must finish with the
+same output as the run without a failure, and leave no process behind; Ctrl-C half-way must
+stop everything it started, too.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import signal
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from support.procs import ManagedProcess
+
+pytestmark = pytest.mark.slow
+
+
+def demo_command(workdir: Path, *args: str) -> list[str]:
+    return [sys.executable, "-m", "client.cli", "demo", "--workdir", str(workdir), *args]
+
+
+def processes_using(workdir: Path) -> list[int]:
+    """Live processes whose command line names the demo's folder (its coordinator and
+    nodes keep their data there); zombies only wait for their parent and do not count."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        with contextlib.suppress(OSError):
+            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+            state = (entry / "stat").read_text().split(") ")[-1][:1]
+            if str(workdir) in cmdline and state != "Z":
+                found.append(int(entry.name))
+    return found
+
+
+def stop_all(demo: ManagedProcess, workdir: Path) -> None:
+    """After a failure half-way: kill what the demo left, so later tests do not share it."""
+    demo.kill()
+    for pid in processes_using(workdir):
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+
+
+def assert_nothing_left(workdir: Path, log: str) -> None:
+    deadline = time.monotonic() + 10
+    while (left := processes_using(workdir)) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not left, f"processes left behind: {left}\n{log[-3000:]}"
+
+
+def test_the_demo_runs_end_to_end_and_stops_everything(tmp_path: Path) -> None:
+    workdir = tmp_path / "demo"
+    demo = ManagedProcess(demo_command(workdir), tmp_path / "demo.log", name="demo").start()
+    try:
+        code = demo.wait(timeout=420)
+        log = demo.log_text()
+        assert code == 0, log[-3000:]
+        assert "kill -9" in log
+        assert "fail-over at position" in log
+        assert "identical to the run without a failure: yes" in log
+        assert "every stage rolled back to the last consistent checkpoint" in log
+        assert "trained weights registered as model" in log
+        learned = re.search(r"accuracy (\d+)% -> (\d+)%", log)
+        assert learned and int(learned[2]) > int(learned[1]), log[-3000:]
+        assert_nothing_left(workdir, log)
+    finally:
+        stop_all(demo, workdir)
+
+
+def test_ctrl_c_half_way_stops_every_process_the_demo_started(tmp_path: Path) -> None:
+    workdir = tmp_path / "demo"
+    demo = ManagedProcess(demo_command(workdir), tmp_path / "demo.log", name="demo").start()
+    try:
+        demo.wait_for_line(r"3\. generating", timeout=300)
+        assert processes_using(workdir), "the swarm should be running by now"
+        # To the demo alone, not its process group: it must stop its children itself.
+        demo.send_signal(signal.SIGINT)
+        assert demo.wait(timeout=60) == 130
+        log = demo.log_text()
+        assert "interrupted: stopping every process the demo started" in log
+        assert_nothing_left(workdir, log)
+    finally:
+        stop_all(demo, workdir)
