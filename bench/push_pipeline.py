@@ -140,7 +140,7 @@ def bench(args: argparse.Namespace, workdir: Path) -> int:
                     if pushed.last_run.push_off:
                         say(f"  the pushed client stopped pushing: {pushed.last_run.push_off}")
                     measured.sort(key=lambda m: m[0])
-                    ratio, a, b = measured[len(measured) // 2]
+                    ratio, a, b = measured[(len(measured) - 1) // 2]  # lower middle if even
                     ratios[delay] = ratio
                     rows.append(
                         [f"{delay:g} ms", f"{a.tokens_per_s:.2f}", f"{b.tokens_per_s:.2f}",
