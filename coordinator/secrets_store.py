@@ -22,6 +22,9 @@ log = logging.getLogger(__name__)
 KEY_FILE = "coordinator.key"
 ADMIN_TOKEN_FILE = "admin.token"
 ADDRESS_FILE = "coordinator.addr"
+# Generated admin tokens start with this, never with "-": a bare urlsafe token does 1 time
+# in 64, and `--admin-token -x...` then reads as a missing value (a flaky test showed it).
+ADMIN_TOKEN_PREFIX = "tsa_"
 
 
 def write_private_file(path: Path, data: bytes) -> None:
@@ -61,10 +64,14 @@ def load_or_create_admin_token(data_dir: Path) -> str:
         token = path.read_text().strip()
         if token:
             return token
-    token = secrets.token_urlsafe(32)
+    token = new_admin_token()
     write_private_file(path, (token + "\n").encode())
     log.info("created the admin token %s", path)
     return token
+
+
+def new_admin_token() -> str:
+    return ADMIN_TOKEN_PREFIX + secrets.token_urlsafe(32)
 
 
 def write_address(data_dir: Path, address: str) -> None:

@@ -7,7 +7,9 @@ import pytest
 from support.coordinator_harness import Harness
 
 from coordinator.admin_auth import bearer_metadata
+from coordinator.cli import build_parser
 from coordinator.node_state import NodeState
+from coordinator.secrets_store import new_admin_token
 from protos.tessera.v1 import admin_pb2, client_api_pb2, common_pb2, coordinator_pb2, node_pb2
 
 
@@ -68,6 +70,17 @@ async def test_admin_token_is_private_and_stable(harness: Harness) -> None:
     assert path.stat().st_mode & 0o777 == 0o600
     key = harness.ctx.data_dir / "coordinator.key"
     assert key.stat().st_mode & 0o777 == 0o600
+
+
+def test_generated_admin_tokens_can_follow_the_flag_on_a_command_line() -> None:
+    """`--admin-token TOKEN` as printed in --help: a token starting with "-" would read as
+    a missing value (bare urlsafe tokens do 1 time in 64; a test failed on one)."""
+    parser = build_parser()
+    for _ in range(500):
+        token = new_admin_token()
+        assert not token.startswith("-")
+        args = parser.parse_args(["models", "add", "ckpt", "--admin-token", token])
+        assert args.admin_token == token
 
 
 async def test_list_nodes_hides_offline_unless_asked(harness: Harness) -> None:
