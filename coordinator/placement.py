@@ -287,12 +287,13 @@ class Placement:
         if not planned or node is None:
             return
         now = self.measurements.ms_per_gparam(node_id, claimed_ms_per_gparam(node.capabilities))
-        side = 1 if now / planned >= SPEED_SHIFT else -1 if now / planned <= 1 / SPEED_SHIFT else 0
-        held_side, held = self._speed_shift.get(node_id, (0, 0))
-        held = held + 1 if side != 0 and side == held_side else 1
+        shift = now / planned
+        side = 1 if shift >= SPEED_SHIFT else -1 if shift <= 1 / SPEED_SHIFT else 0
         if side == 0:
             self._speed_shift.pop(node_id, None)
             return
+        held_side, held = self._speed_shift.get(node_id, (0, 0))
+        held = held + 1 if side == held_side else 1
         if held < SPEED_SHIFT_HOLD:
             self._speed_shift[node_id] = (side, held)
             return
