@@ -149,15 +149,7 @@ def _add(args: argparse.Namespace) -> int:
     started = time.monotonic()
     with open_channel(address) as channel:
         stub = admin_pb2_grpc.AdminStub(channel)
-        with tqdm(
-            total=checkpoint.total_bytes,
-            desc="uploading",
-            unit="B",
-            unit_scale=True,
-            unit_divisor=1024,
-            file=sys.stderr,
-            mininterval=0.5,
-        ) as bar:
+        with _byte_bar(checkpoint.total_bytes, "uploading") as bar:
             try:
                 info = stub.AddModel(
                     _upload(checkpoint, name, args.replace, digests, bar),
@@ -243,15 +235,7 @@ def _describe(checkpoint: Checkpoint, name: str) -> None:
 def _hash_all(checkpoint: Checkpoint) -> dict[str, str]:
     # The header carries every digest, so hashing is a full read before the upload starts.
     digests: dict[str, str] = {}
-    with tqdm(
-        total=checkpoint.total_bytes,
-        desc="hashing",
-        unit="B",
-        unit_scale=True,
-        unit_divisor=1024,
-        file=sys.stderr,
-        mininterval=0.5,
-    ) as bar:
+    with _byte_bar(checkpoint.total_bytes, "hashing") as bar:
         for tensor in checkpoint.tensors:
             try:
                 digests[tensor.name] = tensor.sha256(bar.update)
@@ -322,6 +306,19 @@ def _size(nbytes: int) -> str:
             return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
         value /= 1024
     return f"{nbytes} B"
+
+
+def _byte_bar(total: int, desc: str) -> tqdm:
+    """A progress bar in bytes on stderr (stdout stays for results)."""
+    return tqdm(
+        total=total,
+        desc=desc,
+        unit="B",
+        unit_scale=True,
+        unit_divisor=1024,
+        file=sys.stderr,
+        mininterval=0.5,
+    )
 
 
 def main(argv: Sequence[str] | None = None) -> int:
