@@ -107,6 +107,26 @@ def test_duplicate_and_unknown_sessions():
     assert "a" in manager and "zzz" not in manager and len(manager) == 1
 
 
+def test_a_cache_taken_from_one_manager_is_adopted_by_another_with_its_contents():
+    """A dropped shard hands a live cache to the shard that holds its layers now: the
+    same object, with what it holds, counted against the new budget and freed from the old."""
+    old, new = make_manager(budget=100), make_manager(budget=50)
+    cache = old.open("a", max_len=30)
+    cache.update(0, 0, torch.ones(1, 2, 3, 4), torch.ones(1, 2, 3, 4))
+    cache.commit(3)
+    assert old.take("a") is cache
+    assert old.used_tokens == 0 and "a" not in old
+    assert old.take("a") is None
+    new.adopt("a", cache)
+    assert new.get("a") is cache and cache.length == 3
+    assert new.used_tokens == 30
+    with pytest.raises(ValueError, match="already"):
+        new.adopt("a", cache)
+    with pytest.raises(CacheBudgetError, match="only 20 of 50"):
+        new.adopt("b", small_cache(30))
+    assert new.used_tokens == 30 and "b" not in new
+
+
 def test_idle_sessions_expire():
     clock = FakeClock()
     manager = make_manager(budget=100, ttl=5.0, clock=clock)
