@@ -11,7 +11,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from support.checkpoints import make_checkpoint, transformers_greedy
+from support.checkpoints import TINY_SHAPE, make_checkpoint, transformers_greedy
 from support.waiting import wait_for
 
 from client.api import Client
@@ -36,11 +36,7 @@ def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
         tmp_path_factory.mktemp("ckpt") / "tiny",
         "llama",
         num_layers=6,
-        hidden_size=64,
-        intermediate_size=128,
-        num_heads=4,
-        num_kv_heads=2,
-        vocab_size=96,
+        **TINY_SHAPE,
         seed=7,
     )
 

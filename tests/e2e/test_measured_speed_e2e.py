@@ -12,7 +12,7 @@ from collections.abc import Iterator
 
 import grpc
 import pytest
-from support.checkpoints import make_checkpoint
+from support.checkpoints import TINY_SHAPE, make_checkpoint
 from support.waiting import wait_for
 
 from client.api import Client
@@ -34,8 +34,7 @@ LIE = 100
 def swarm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalSwarm]:
     work = tmp_path_factory.mktemp("swarm")
     checkpoint = make_checkpoint(
-        work / "tiny", "llama", num_layers=6, hidden_size=64, intermediate_size=128,
-        num_heads=4, num_kv_heads=2, vocab_size=96, seed=7,
+        work / "tiny", "llama", num_layers=6, **TINY_SHAPE, seed=7,
     )  # fmt: skip
     with LocalSwarm(
         work, coordinator_args=["--min-stages", "3", "--replicas", "1", "--heartbeat-interval", "1"]

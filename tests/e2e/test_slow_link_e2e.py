@@ -19,7 +19,7 @@ from collections.abc import Iterator
 
 import numpy as np
 import pytest
-from support.checkpoints import make_checkpoint
+from support.checkpoints import TINY_SHAPE, make_checkpoint
 from support.link_emulator import LinkEmulator
 from support.ports import reserved_ports
 from support.waiting import wait_for
@@ -54,8 +54,7 @@ def links() -> Iterator[dict[str, LinkEmulator]]:
 def swarm(tmp_path_factory: pytest.TempPathFactory, links) -> Iterator[LocalSwarm]:
     work = tmp_path_factory.mktemp("swarm")
     checkpoint = make_checkpoint(
-        work / "tiny", "llama", num_layers=6, hidden_size=64, intermediate_size=128,
-        num_heads=4, num_kv_heads=2, vocab_size=96, seed=7,
+        work / "tiny", "llama", num_layers=6, **TINY_SHAPE, seed=7,
     )  # fmt: skip
     with LocalSwarm(
         work, coordinator_args=["--min-stages", "3", "--replicas", "2", "--heartbeat-interval", "1"]

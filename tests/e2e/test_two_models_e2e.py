@@ -9,7 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from support.checkpoints import make_checkpoint, transformers_greedy
+from support.checkpoints import TINY_SHAPE, make_checkpoint, transformers_greedy
 from support.waiting import wait_for
 
 from client.api import Client
@@ -33,11 +33,7 @@ def test_two_models_are_both_served_by_their_own_nodes(tmp_path: Path) -> None:
             tmp_path / name,
             arch,
             num_layers=4,
-            hidden_size=64,
-            intermediate_size=128,
-            num_heads=4,
-            num_kv_heads=2,
-            vocab_size=96,
+            **TINY_SHAPE,
             seed=seed,
         )
         for name, (arch, seed) in MODELS.items()

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from support.checkpoints import make_checkpoint, transformers_greedy, write_safetensors
+from support.checkpoints import TINY_SHAPE, make_checkpoint, transformers_greedy, write_safetensors
 from support.waiting import wait_for
 
 from client.api import AsyncClient, Client
@@ -51,8 +51,7 @@ def replicated(client: Client, model: str, replicas: int = 2) -> bool:
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_checkpoint(
-        tmp_path_factory.mktemp("ckpt") / "tiny", "llama", num_layers=6, hidden_size=64,
-        intermediate_size=128, num_heads=4, num_kv_heads=2, vocab_size=96, seed=3,
+        tmp_path_factory.mktemp("ckpt") / "tiny", "llama", num_layers=6, **TINY_SHAPE, seed=3,
     )  # fmt: skip
 
 

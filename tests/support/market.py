@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
-from support.checkpoints import make_checkpoint
+from support.checkpoints import TINY_SHAPE, make_checkpoint
 from support.waiting import wait_for
 
 from client import billing
@@ -43,8 +43,7 @@ def run_cli(*argv: str, check: bool = True) -> subprocess.CompletedProcess[str]:
 
 def make_market_checkpoint(directory: Path) -> Path:
     return make_checkpoint(
-        directory, "llama", num_layers=6, hidden_size=64, intermediate_size=128, num_heads=4,
-        num_kv_heads=2, vocab_size=96, seed=7,
+        directory, "llama", num_layers=6, **TINY_SHAPE, seed=7,
     )  # fmt: skip
 
 
