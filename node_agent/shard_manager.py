@@ -338,8 +338,9 @@ class ShardManager:
         # cache keeps the session's next call behind it.
         handed = self._hand_over_caches(shard)
         await shard.wait_idle()  # calls already running finish; new ones no longer find it
+        stale = shard.stages()
         for cache in handed:
-            forget_graphs_over(cache, shard.stages())
+            forget_graphs_over(cache, stale)
         shard.release_all()
         del shard
         if self.device.startswith("cuda"):
