@@ -174,13 +174,16 @@ class GenerationResult:
 class _Held:
     """A sampled token not yet yielded: the step it came from (its start position), the
     sampler's state before the draw (to draw again after a rollback), and where the
-    driver's timings and fail-overs stood before the step."""
+    driver's timings and fail-overs stood before and after the step (a held token comes
+    out after later steps ran: theirs are not its own)."""
 
     position: int
     token: int
     sampler_state: dict[str, Any]
     seen_timings: int
     seen_failovers: int
+    timings_end: int
+    failovers_end: int
 
 
 @dataclass(frozen=True)
@@ -337,7 +340,8 @@ class AsyncClient:
                     position, state = driver.length, sampler.state
                     logits = await driver.step(next_input, last_only=True, defer_checks=defer)
                     token = sampler(logits[0])
-                    held.append(_Held(position, token, state, seen_timings, seen_failovers))
+                    ends = len(driver.timings), len(driver.failovers)
+                    held.append(_Held(position, token, state, seen_timings, seen_failovers, *ends))
                     finished = last_one(token)
                 rollback = await driver.settle_deferred(wait=finished)
                 if rollback is not None:
@@ -349,7 +353,14 @@ class AsyncClient:
                     assert void.position == rollback.start_pos, "a settled token was rolled back"
                     sampler.state = void.sampler_state
                     token = sampler(rollback.logits[0])
-                    held.append(replace(void, token=token))
+                    held.append(
+                        replace(
+                            void,
+                            token=token,
+                            timings_end=len(driver.timings),
+                            failovers_end=len(driver.failovers),
+                        )
+                    )
                     finished = last_one(token)
                     next_input = [token]
                     continue
@@ -363,15 +374,16 @@ class AsyncClient:
                     piece = decoder.push(ready.token) if decoder else ""
                     if result.text is not None:
                         result.text += piece
-                    if ready.seen_failovers != len(driver.failovers):
+                    failovers = tuple(driver.failovers[ready.seen_failovers : ready.failovers_end])
+                    if failovers:
                         result.route = driver.route
                     result.wall_s = time.monotonic() - began
                     yield GeneratedToken(
                         index=index,
                         id=ready.token,
                         text=piece,
-                        stage_timings=tuple(driver.timings[ready.seen_timings :]),
-                        failovers=tuple(driver.failovers[ready.seen_failovers :]),
+                        stage_timings=tuple(driver.timings[ready.seen_timings : ready.timings_end]),
+                        failovers=failovers,
                     )
                     if (
                         self.key is not None

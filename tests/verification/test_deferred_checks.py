@@ -231,3 +231,24 @@ def test_the_cli_says_when_a_check_sent_the_generation_back(swarm: Swarm, capsys
     assert code == 0
     assert f"[{NEW_TOKENS} tokens," in captured.err
     assert f"a check proved node {swarm.cheater.node_id} wrong at position" in captured.err
+
+
+def test_a_held_token_reports_only_its_own_step(
+    checkpoint: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Every token waits for its step's slow checks while the next steps already run: what
+    # each token reports (its requests, its fail-overs) must still be its own step's, not
+    # the later steps' that ran while it was held.
+    for swarm in start_swarm(checkpoint, tmp_path, monkeypatch, corrupt="0"):
+        with Client(swarm.address, timeout_s=60) as client:
+            tokens = list(
+                client.generate(MODEL, token_ids=PROMPT, max_new_tokens=6, stop_at_eos=False)
+            )
+            result = client.last_run
+        assert result is not None and not result.rollbacks and not result.failovers
+        assert [t.id for t in tokens] == reference_greedy(swarm.checkpoint, PROMPT, 6)
+        steps = [{timing.step for timing in t.stage_timings} for t in tokens]
+        assert all(len(s) == 1 for s in steps), steps  # one step's requests each
+        assert len({s.pop() for s in steps}) == len(tokens)  # and each its own step
+        assert all(len(t.stage_timings) == 2 for t in tokens)  # both stages, once
+        assert sum(len(t.stage_timings) for t in tokens) == len(result.timings)
