@@ -714,8 +714,15 @@ class Registry:
             return False
         return True
 
-    async def drain(self, node_id: str, reason: str) -> None:
-        """Ask an attached node to finish its work and leave (admin request)."""
+    async def drain(self, node_id: str, reason: str) -> str:
+        """Ask an attached node to finish its work and leave (admin request); returns the
+        reason as the node was told it (at most 200 characters)."""
+        if not node_id:
+            raise RegistryError(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                "name the node to drain: node_id is empty (`tessera-coordinator nodes list` "
+                "shows the ids)",
+            )
         node = self._nodes.get(node_id)
         if node is None:
             raise RegistryError(grpc.StatusCode.NOT_FOUND, f"unknown node id {node_id[:64]!r}")
@@ -734,6 +741,7 @@ class Registry:
             )
         if node.state in (NodeState.ONLINE, NodeState.SUSPECT):
             self._set_state(node, NodeState.DRAINING, f"admin asked to drain: {reason}")
+        return reason
 
     def ban(self, node_id: str, reason: str) -> None:
         """Final: the node's stream is closed and its key may not register again."""

@@ -215,10 +215,11 @@ class AdminService(admin_pb2_grpc.AdminServicer):
     async def DrainNode(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
         await require_admin(context, self.ctx.admin_token)
         try:
-            await self.ctx.registry.drain(request.node_id, request.reason)
+            reason = await self.ctx.registry.drain(request.node_id, request.reason)
         except RegistryError as exc:
             await _abort_with(context, exc)
-        log.info("admin drained node %s (%s)", request.node_id, request.reason or "no reason")
+        # %r: an admin's free text must not forge log lines.
+        log.info("admin drained node %s (%r)", request.node_id, reason)
         return common_pb2.Empty()
 
     async def AddModel(self, request_iterator: Any, context: Any) -> Any:

@@ -10,6 +10,7 @@ from coordinator.admin_auth import bearer_metadata
 from coordinator.cli import build_parser
 from coordinator.node_state import NodeState
 from coordinator.secrets_store import new_admin_token
+from protos import codec
 from protos.tessera.v1 import admin_pb2, client_api_pb2, common_pb2, coordinator_pb2, node_pb2
 
 
@@ -62,6 +63,34 @@ async def test_drain_unknown_or_offline_node(harness: Harness) -> None:
         await harness.admin.DrainNode(drain_request(offline.node_id), metadata=auth)
     assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION
     assert "offline" in info.value.details()
+
+
+async def test_drain_refuses_hostile_input_and_keeps_serving(harness: Harness) -> None:
+    auth = bearer_metadata(harness.ctx.admin_token)
+    node = await harness.registered_node(attach=True)
+
+    async def refused(request: admin_pb2.DrainNodeRequest, code: grpc.StatusCode) -> str:
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await harness.admin.DrainNode(request, metadata=auth)
+        assert info.value.code() == code, info.value.details()
+        details = info.value.details() or ""
+        assert len(details) < 500  # never echoes a megabyte back
+        return details
+
+    assert "node_id is empty" in await refused(drain_request(""), grpc.StatusCode.INVALID_ARGUMENT)
+    await refused(drain_request("n" * 100_000 + "\n"), grpc.StatusCode.NOT_FOUND)
+    await refused(
+        drain_request(node.node_id, "x" * (codec.MAX_MESSAGE_BYTES + 10)),
+        grpc.StatusCode.RESOURCE_EXHAUSTED,
+    )
+    assert harness.state(node.node_id) is NodeState.ONLINE  # nothing of that reached it
+
+    # A long reason with line breaks still drains: the node is told at most 200 characters.
+    await harness.admin.DrainNode(drain_request(node.node_id, "disk\nswap " * 5_000), metadata=auth)
+    message = await node.call.read()
+    assert message.command.drain.reason.startswith("disk\nswap")
+    assert len(message.command.drain.reason) == 200
+    assert harness.state(node.node_id) is NodeState.DRAINING
 
 
 async def test_admin_token_is_private_and_stable(harness: Harness) -> None:
