@@ -22,6 +22,7 @@ from coordinator.operators import same_operator
 from coordinator.placement import Placement
 from coordinator.router import Holder, Hop, NoRouteError, Stage, cover_span, route
 from protos import identity
+from protos.quoting import shown
 from protos.tessera.v1 import client_api_pb2, common_pb2
 
 log = logging.getLogger("tessera.sessions")
@@ -164,8 +165,10 @@ class Sessions:
             claims.session_id,
             span.start,
             span.end,
-            ",".join(sorted(exclude)) or "-",
-            request.reason or "no reason",
+            # A client's own words and ids: quoted and cut, so they cannot flood or forge
+            # log lines.
+            shown(",".join(sorted(exclude)), 200) if exclude else "-",
+            shown(request.reason) if request.reason else "no reason",
             " -> ".join(f"{h.node_id}[{h.start},{h.end})" for h in hops),
         )
         grants = [g for g in claims.grants if g.node_id not in exclude]

@@ -51,6 +51,7 @@ from node_agent.shard_manager import (
     shard_manager_for,
 )
 from protos import codec, identity, output_check
+from protos.quoting import shown
 from protos.tessera.v1 import client_api_pb2, common_pb2, stage_pb2, stage_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -126,7 +127,7 @@ def check_grant(
     if model != claims.model:
         raise StageError(
             grpc.StatusCode.PERMISSION_DENIED,
-            f"the capability is for model {claims.model!r}, the request names {model!r}",
+            f"the capability is for model {claims.model!r}, the request names {shown(model)}",
         )
     if start >= end:
         raise StageError(
@@ -217,7 +218,7 @@ class StageServicer(stage_pb2_grpc.StageServicer):
                 raise StageError(
                     grpc.StatusCode.PERMISSION_DENIED,
                     f"the capability is for session {claims.session_id!r}, not "
-                    f"{request.session_id!r}",
+                    f"{shown(request.session_id)}",
                 )
             self._end_relay(request.session_id)
             # Waits for the session's running steps, so no cache is pulled from under a
@@ -270,7 +271,8 @@ class StageServicer(stage_pb2_grpc.StageServicer):
         if claims.session_id != request.session_id:
             raise StageError(
                 grpc.StatusCode.PERMISSION_DENIED,
-                f"the capability is for session {claims.session_id!r}, not {request.session_id!r}",
+                f"the capability is for session {claims.session_id!r}, not "
+                f"{shown(request.session_id)}",
             )
         if not any(g.node_id == self._ctx.node_id for g in claims.grants):
             raise StageError(
@@ -319,7 +321,7 @@ class StageServicer(stage_pb2_grpc.StageServicer):
             raise StageError(
                 grpc.StatusCode.PERMISSION_DENIED,
                 f"the capability is for session {claims.session_id!r}, the relayed request "
-                f"names {request.session_id!r}",
+                f"names {shown(request.session_id)}",
             )
         delivery = stage_pb2.Delivery(step=request.step, layers=request.layers)
         try:
@@ -439,7 +441,7 @@ class StageServicer(stage_pb2_grpc.StageServicer):
             raise StageError(
                 grpc.StatusCode.PERMISSION_DENIED,
                 f"the capability is for session {claims.session_id!r}, the request names "
-                f"{request.session_id!r}",
+                f"{shown(request.session_id)}",
             )
         check_grant(claims, self._ctx.node_id, request.model, start, end)
 

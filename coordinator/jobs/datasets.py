@@ -18,11 +18,12 @@ import grpc
 import numpy as np
 
 from coordinator.jobs.blob_io import read_blob
-from coordinator.jobs.limits import JobLimits, shown
+from coordinator.jobs.limits import JobLimits
 from coordinator.jobs.repository import DatasetRecord, ShardRecord
 from coordinator.model_store.blob_store import BlobStore, BlobWriter, DigestMismatch, is_sha256_hex
 from coordinator.model_store.errors import StoreError, invalid
 from protos.datasets import TOKEN_BYTES, TOKEN_DTYPE, dataset_id
+from protos.quoting import shown
 from protos.tessera.v1 import jobs_pb2
 
 

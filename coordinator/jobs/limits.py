@@ -24,8 +24,3 @@ class JobLimits:
     max_list: int = 1000
     # Refuse an upload that would leave less than this free on the store's disk.
     min_free_bytes: int = 256 << 20
-
-
-def shown(value: str, limit: int = 80) -> str:
-    """A caller's string, quoted and cut short: error details travel in bounded metadata."""
-    return repr(value if len(value) <= limit else value[:limit] + "...")

@@ -24,7 +24,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from coordinator.events import EventBus
 from coordinator.jobs.billing import JobBilling
-from coordinator.jobs.limits import JobLimits, shown
+from coordinator.jobs.limits import JobLimits
 from coordinator.jobs.memory import training_state_bytes
 from coordinator.jobs.repository import (
     CheckpointPartRecord,
@@ -39,6 +39,7 @@ from coordinator.model_store.layout import ModelLayout
 from coordinator.operators import same_operator
 from coordinator.router import Holder, NoRouteError, route
 from protos import identity
+from protos.quoting import shown
 from protos.tessera.v1 import client_api_pb2, common_pb2, jobs_pb2, training_pb2
 
 log = logging.getLogger("tessera.jobs")

@@ -23,7 +23,7 @@ from coordinator.context import CoordinatorContext
 from coordinator.jobs import datasets, export
 from coordinator.jobs.billing import JobBilling
 from coordinator.jobs.blob_io import read_blob
-from coordinator.jobs.limits import JobLimits, shown
+from coordinator.jobs.limits import JobLimits
 from coordinator.jobs.manager import (
     FINISHED,
     STATES,
@@ -37,6 +37,7 @@ from coordinator.model_store.errors import StoreError, invalid
 from coordinator.model_store.layout import ModelLayout
 from coordinator.model_store.service import authorize_node
 from protos.datasets import TOKEN_BYTES
+from protos.quoting import shown
 from protos.tessera.v1 import (
     client_api_pb2,
     common_pb2,

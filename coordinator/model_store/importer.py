@@ -23,6 +23,7 @@ from coordinator.model_store.blob_store import BlobStore, BlobWriter, DigestMism
 from coordinator.model_store.catalog import TensorRecord
 from coordinator.model_store.errors import CheckpointError, StoreError, invalid
 from coordinator.model_store.layout import ModelLayout, check_tensor, layer_of, tensor_nbytes
+from protos.quoting import shown
 from protos.tessera.v1 import admin_pb2
 
 MODEL_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
@@ -54,7 +55,7 @@ class ImportPlan:
 def validate_name(name: str) -> None:
     if not MODEL_NAME.match(name):
         raise invalid(
-            f"model name {name!r} is not allowed: use 1-128 letters, digits, '.', '_' or '-', "
+            f"model name {shown(name)} is not allowed: use 1-128 letters, digits, '.', '_' or '-', "
             "starting with a letter or digit (it appears in file paths and event topics)"
         )
 
@@ -136,7 +137,7 @@ class TensorReceiver:
     async def accept(self, data: admin_pb2.TensorData) -> None:
         entry = self._by_name.get(data.name)
         if entry is None:
-            raise invalid(f"data for tensor {data.name!r}, which the header does not list")
+            raise invalid(f"data for tensor {shown(data.name)}, which the header does not list")
         if data.name in self._done:
             raise invalid(f"tensor {data.name} was sent twice")
         if self._current is None:
@@ -244,7 +245,7 @@ def _checked_entry(item: admin_pb2.TensorHeader, shape: tuple[int, ...]) -> Tens
         )
     if not is_sha256_hex(item.sha256):
         raise invalid(
-            f"tensor {item.name}: sha256 must be 64 lowercase hex digits, got {item.sha256!r}"
+            f"tensor {item.name}: sha256 must be 64 lowercase hex digits, got {shown(item.sha256)}"
         )
     return TensorRecord(item.name, item.sha256, item.dtype, shape, item.nbytes, layer_of(item.name))
 

@@ -31,6 +31,7 @@ from coordinator.model_store.importer import (
     manifest_digest,
     plan_import,
 )
+from protos.quoting import shown
 from protos.tessera.v1 import (
     admin_pb2,
     client_api_pb2,
@@ -392,7 +393,7 @@ class ModelStore:
     def _unknown_model(self, name: str) -> str:
         known = [r.name for r in self.catalog.list()]
         listing = ", ".join(known[:10]) if known else "none yet"
-        return f"no model named {name!r} (known models: {listing})"
+        return f"no model named {shown(name)} (known models: {listing})"
 
     def _fetch_plan(self, request: coordinator_pb2.FetchRequest) -> dict[str, int]:
         self._require_model(request.model)
@@ -406,7 +407,7 @@ class ModelStore:
             )
         malformed = [d for d in digests if not is_sha256_hex(d)]
         if malformed:
-            raise invalid(f"not sha256 hex digests: {', '.join(repr(d) for d in malformed[:3])}")
+            raise invalid(f"not sha256 hex digests: {', '.join(shown(d) for d in malformed[:3])}")
         sizes = self.catalog.blob_sizes(request.model, digests)
         foreign = [d for d in digests if d not in sizes]
         if foreign:
@@ -520,7 +521,7 @@ async def authorize_node(context: Any, check_ticket: TicketCheck | None) -> str:
     if not valid:
         raise StoreError(
             grpc.StatusCode.UNAUTHENTICATED,
-            f"node {node_id} is unknown or its ticket is stale; register again",
+            f"node {shown(node_id)} is unknown or its ticket is stale; register again",
         )
     return node_id
 
