@@ -402,6 +402,22 @@ def check_split(run: Run) -> str:
     )
 
 
+def checker_work(run: Run) -> str:
+    """What the checkers computed beside the pipeline, against the pipeline's own work (both
+    in layer-positions, the prefill included), and how much of it was catch-ups: a span's
+    first check in a session replays the whole history so far on its checker."""
+    assert run.result is not None and run.result.verification is not None
+    stats = run.result.verification
+    pipeline = sum(t.tokens * (t.end - t.start) for t in run.result.timings if not t.replay)
+    if not stats.checker_layer_tokens or not pipeline:
+        return "checkers computed nothing beside the pipeline"
+    return (
+        f"checkers computed {stats.checker_layer_tokens / pipeline:.0%} of the pipeline's "
+        f"layer-positions beside it, {stats.catch_up_layer_tokens / stats.checker_layer_tokens:.0%}"
+        " of that catching their caches up to the checked calls"
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     logging.basicConfig(
@@ -551,6 +567,7 @@ def bench(args: argparse.Namespace, workdir: Path) -> int:
     )
     say(f"verification in that round: {checked_text(plain)}; every reply's signature checked")
     say(check_split(plain))
+    say(checker_work(plain))
     say(
         f"swarm/pipes tokens/s: {plain.tokens_per_s / floor.tokens_per_s:.2f} (what Tessera's "
         "data path costs over plain pipes between the same processes)"

@@ -106,6 +106,12 @@ class VerificationStats:
     # The driver's step of every call a check was sent for (compared or not): which steps
     # had a second node computing beside the primary.
     check_steps: list[int] = field(default_factory=list)
+    # The checkers' work, in layer-positions (positions x the span's layers): all of it, and
+    # the part that only brought a checker's cache up to the checked call. A span's first
+    # check in a session replays its whole history so far, so catch-ups, not the checked
+    # calls themselves, are most of what checking costs.
+    checker_layer_tokens: int = 0
+    catch_up_layer_tokens: int = 0
 
     def to_json(self) -> dict[str, object]:
         risk = self.risk
@@ -118,6 +124,8 @@ class VerificationStats:
             "detection_probability": risk.detection_probability if risk else None,
             "undetected_probability": risk.undetected_probability if risk else None,
             "assumed_corruption": risk.assumed_corruption if risk else None,
+            "checker_layer_tokens": self.checker_layer_tokens,
+            "catch_up_layer_tokens": self.catch_up_layer_tokens,
         }
 
 
@@ -407,7 +415,7 @@ class StageVerifier:
             try:
                 async with asyncio.timeout(self._timeout_s):
                     answer = await self._send(
-                        checker, self._catch_up(span, synced, request, history)
+                        checker, self._catch_up(span, synced, request, history), checks=1
                     )
             except grpc.aio.AioRpcError as err:
                 self._close_stream(checker.node_id)
@@ -448,10 +456,11 @@ class StageVerifier:
         self._synced[key] = request.start_pos + request.input.shape[1]
 
     async def _send(
-        self, checker: HopRecord, messages: list[stage_pb2.ForwardRequest]
+        self, checker: HopRecord, messages: list[stage_pb2.ForwardRequest], *, checks: int = 0
     ) -> stage_pb2.ForwardResponse:
         """Write each message on the checker's stream (kept for the session, like the
-        driver's own) and read its answer; the last answer comes back."""
+        driver's own) and read its answer; the last answer comes back. All but the last
+        ``checks`` messages are catch-ups."""
         stream = self._streams.get(checker.node_id)
         if stream is None:
             stub = stage_pb2_grpc.StageStub(self._channels.get(checker.address))
@@ -459,13 +468,17 @@ class StageVerifier:
                 checker.address, stub.Forward()
             )
         answer: stage_pb2.ForwardResponse | None = None
-        for message in messages:
+        for n, message in enumerate(messages):
+            shape, layers = message.input.shape, message.layers
+            work = int(shape[0]) * int(shape[1]) * (layers.end - layers.start)
+            self.stats.checker_layer_tokens += work
+            if n < len(messages) - checks:
+                self.stats.catch_up_layer_tokens += work
             if stream.capability_sent != self._capability.signature:
                 message.capability.CopyFrom(self._capability)
                 stream.capability_sent = self._capability.signature
             if self.on_check_sent is not None:
-                shape = message.input.shape
-                self.on_check_sent(checker.node_id, message.layers.start, message.layers.end,
+                self.on_check_sent(checker.node_id, layers.start, layers.end,
                                    int(shape[0]) * int(shape[1]))  # fmt: skip
             await stream.call.write(message)
             read = await stream.call.read()

@@ -173,6 +173,13 @@ async def test_checkers_catch_up_on_skipped_positions_without_false_alarms(
     checked = sum(stats.checked.values())
     calls = sum(stats.calls.values())
     assert 0 < checked < calls, (checked, calls)
+    # The checkers' work is counted: the checked calls themselves (both spans hold 2
+    # layers; a step's call has the prompt's positions at step 0, one later), and the
+    # catch-ups on top of them.
+    positions = {t.step: t.tokens for t in driver.timings}
+    checked_work = sum(positions[step] * 2 for step in stats.check_steps)
+    assert stats.catch_up_layer_tokens > 0
+    assert stats.checker_layer_tokens == checked_work + stats.catch_up_layer_tokens
     await driver.close()
 
 
