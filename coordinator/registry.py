@@ -44,6 +44,7 @@ from coordinator.settings import Settings
 from coordinator.validation import MAX_STRING_CHARS, InvalidField, validate_registration
 from protos import identity
 from protos.dialing import DIAL_OPTIONS
+from protos.quoting import shown
 from protos.tessera.v1 import (
     coordinator_pb2,
     node_pb2,
@@ -677,7 +678,9 @@ class Registry:
         node = session.node
         self._touch(node)
         if node.state in (NodeState.ONLINE, NodeState.SUSPECT):
-            reason = request.reason[:200] or "no reason given"
+            # The node's free text goes into the log, the database and the event bus: quoted
+            # and cut, so control characters and line breaks cannot forge log lines.
+            reason = shown(request.reason, 200) if request.reason else "no reason given"
             self._set_state(node, NodeState.DRAINING, f"node asked to drain: {reason}")
 
     def on_shard_status(self, session: AttachSession, status: node_pb2.ShardStatus) -> None:
@@ -740,7 +743,8 @@ class Registry:
                 grpc.StatusCode.UNAVAILABLE, f"node {node_id} disconnected before the drain"
             )
         if node.state in (NodeState.ONLINE, NodeState.SUSPECT):
-            self._set_state(node, NodeState.DRAINING, f"admin asked to drain: {reason}")
+            # Logged and stored: quoted, so line breaks cannot forge log lines.
+            self._set_state(node, NodeState.DRAINING, f"admin asked to drain: {shown(reason)}")
         return reason
 
     def ban(self, node_id: str, reason: str) -> None:

@@ -48,6 +48,7 @@ log = logging.getLogger("tessera.jobs")
 TRAINING_TOKEN_TTL_S = 7 * 24 * 3600.0
 MAX_ACCOUNT_CHARS = 256
 MAX_LORA_RANK = 4096
+SQLITE_MAX_INTEGER = 2**63 - 1
 # A node a driver reported as failed gets no stage of that job for this long, even if the
 # registry still sees it (its data plane may be dead while its control stream lives).
 FAILED_NODE_COOLDOWN_S = 300.0
@@ -445,9 +446,9 @@ class JobManager:
         if (request.layers.start, request.layers.end) not in checking:
             # A stage's checker re-opens its shadow from the stage's checkpoint too.
             self._require_stage_holder(job, request.layers, node_id)
-        for part in self.repo.checkpoint_parts(job.id, request.step):
-            if (part.start, part.end) == (request.layers.start, request.layers.end):
-                return part
+        part = self.checkpoint_part(job.id, request.step, request.layers.start, request.layers.end)
+        if part is not None:
+            return part
         raise not_found(
             f"job {job.id} has no checkpoint of layers [{request.layers.start}, "
             f"{request.layers.end}) at step {request.step} (the last consistent one is step "
@@ -488,6 +489,10 @@ class JobManager:
     def checkpoint_part(
         self, job_id: str, step: int, start: int, end: int
     ) -> CheckpointPartRecord | None:
+        # A caller's uint64 step past SQLite's signed 64-bit INTEGER: no part is stored
+        # there, and sqlite3 would raise OverflowError (answered as UNKNOWN) on the query.
+        if not 0 <= step <= SQLITE_MAX_INTEGER:
+            return None
         for part in self.repo.checkpoint_parts(job_id, step):
             if (part.start, part.end) == (start, end):
                 return part
