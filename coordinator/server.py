@@ -45,6 +45,7 @@ from coordinator.services import (
 from coordinator.settings import Settings
 from protos import identity
 from protos.dialing import MESSAGE_LIMITS
+from protos.request_parsing import ParseErrorsAreInvalidArgument
 from protos.tessera.v1 import (
     admin_pb2_grpc,
     client_api_pb2_grpc,
@@ -166,7 +167,9 @@ def build_context(settings: Settings, bus: EventBus | None = None) -> Coordinato
 
 
 def build_server(ctx: CoordinatorContext) -> grpc.aio.Server:
-    server = grpc.aio.server(options=server_options(ctx.settings))
+    server = grpc.aio.server(
+        options=server_options(ctx.settings), interceptors=[ParseErrorsAreInvalidArgument()]
+    )
     coordinator_pb2_grpc.add_CoordinatorServicer_to_server(CoordinatorService(ctx), server)
     client_api_pb2_grpc.add_ClientApiServicer_to_server(ClientApiService(ctx), server)
     admin_pb2_grpc.add_AdminServicer_to_server(AdminService(ctx), server)

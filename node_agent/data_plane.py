@@ -18,6 +18,7 @@ import grpc
 from node_agent.context import AgentContext
 from node_agent.plugins import load_plugin
 from protos.dialing import DATA_WINDOW, MESSAGE_LIMITS
+from protos.request_parsing import ParseErrorsAreInvalidArgument
 from protos.tessera.v1 import common_pb2, stage_pb2, stage_pb2_grpc, training_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -98,7 +99,7 @@ async def start_server(
     Without `servicer`, the one `build_stage_servicer(ctx)` finds; the TrainingStage
     service likewise (`training`, else `build_training_servicer(ctx)`; none: UNIMPLEMENTED).
     The stage servicer is built first: it creates the shard manager both share."""
-    server = grpc.aio.server(options=SERVER_OPTIONS)
+    server = grpc.aio.server(options=SERVER_OPTIONS, interceptors=[ParseErrorsAreInvalidArgument()])
     stage_pb2_grpc.add_StageServicer_to_server(servicer or build_stage_servicer(ctx), server)
     training = training or build_training_servicer(ctx)
     if training is not None:

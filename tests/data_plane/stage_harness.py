@@ -24,6 +24,7 @@ import torch
 from support.checkpoints import make_checkpoint
 
 from node_agent.context import AgentContext
+from node_agent.data_plane import start_server
 from node_agent.hardware_probe import HardwareInfo
 from node_agent.runtime import load_stage_model
 from node_agent.shard_manager import DirectorySource, ShardManager
@@ -35,7 +36,6 @@ from protos.tessera.v1 import (
     common_pb2,
     coordinator_pb2,
     node_pb2,
-    stage_pb2_grpc,
 )
 
 MODEL = "tiny-llama"
@@ -164,10 +164,8 @@ class StageNode:
         manager = ShardManager(DirectorySource(checkpoint), device="cpu", idle_ttl_s=idle_ttl_s)
         ctx.shard_handler = manager
         servicer = servicer_class(ctx, manager, limits)
-        server = grpc.aio.server(options=OPTIONS)
-        stage_pb2_grpc.add_StageServicer_to_server(servicer, server)
-        port = server.add_insecure_port("127.0.0.1:0")
-        await server.start()
+        # The node agent's own server (its options, interceptors, TrainingStage plug-in).
+        server, port = await start_server(ctx, "127.0.0.1:0", servicer)
         node = cls(ctx, manager, servicer, server, port)
         for start, end in shards:
             await node.assign(start, end, kv_tokens_budget=kv_tokens_budget)

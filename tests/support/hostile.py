@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import grpc
 import pytest
+from google.protobuf.descriptor import ServiceDescriptor
 
 
 def huge(prefix: str) -> str:
@@ -26,3 +27,29 @@ async def refused(call: object, code: grpc.StatusCode, words: str) -> str:
     assert len(details) < 500, f"{len(details)} characters of details: {details[:300]}"
     assert words in details, details
     return details
+
+
+GARBAGE = b"\xff\xff\xff"  # no protobuf message of any type parses from these bytes
+
+
+async def every_method_refuses_garbage(
+    channel: grpc.aio.Channel,
+    services: list[ServiceDescriptor],
+    metadata: tuple[tuple[str, str], ...] = (),
+) -> None:
+    """Send bytes no protobuf parses to every method of ``services``, in the call shape of
+    each: every one must answer INVALID_ARGUMENT saying what is wrong (not UNKNOWN)."""
+    for service in services:
+        for method in service.methods:
+            path = f"/{service.full_name}/{method.name}"
+            shape = ("stream" if method.client_streaming else "unary") + "_" + (
+                "stream" if method.server_streaming else "unary"
+            )
+            call = getattr(channel, shape)(path, request_serializer=None)
+            request = iter([GARBAGE]) if method.client_streaming else GARBAGE
+            details = await refused(
+                call(request, metadata=metadata, timeout=10),
+                grpc.StatusCode.INVALID_ARGUMENT,
+                "not a valid protobuf message",
+            )
+            assert "Unexpected" not in details, (path, details)

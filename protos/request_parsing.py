@@ -1,0 +1,133 @@
+"""Requests whose bytes do not parse get INVALID_ARGUMENT, on every server.
+
+grpc.aio parses a request with the method's deserializer before any servicer code runs,
+and answers a protobuf DecodeError there with UNKNOWN "Unexpected <class ...>". An
+interceptor swaps each method's deserializer for one that marks (single requests) or
+raises (streamed requests) instead, and aborts the call with INVALID_ARGUMENT and a
+message a person can act on.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+import grpc
+from google.protobuf.message import DecodeError
+
+Context = grpc.aio.ServicerContext
+ADVICE = (
+    "the request is not a valid protobuf message of this method's type ({error}); the "
+    "client and server may be built from different .proto files: update the client"
+)
+
+
+class _Unparsable:
+    """What a single request that did not parse becomes, for its handler to refuse."""
+
+    __slots__ = ("error",)
+
+    def __init__(self, error: str) -> None:
+        self.error = error
+
+
+class UnparsableRequest(Exception):
+    """A message of a request stream did not parse."""
+
+
+def _marking(deserializer: Callable[[bytes], Any]) -> Callable[[bytes], Any]:
+    def parse(data: bytes) -> Any:
+        try:
+            return deserializer(data)
+        except DecodeError as err:
+            return _Unparsable(str(err))
+
+    return parse
+
+
+def _raising(deserializer: Callable[[bytes], Any]) -> Callable[[bytes], Any]:
+    def parse(data: bytes) -> Any:
+        try:
+            return deserializer(data)
+        except DecodeError as err:
+            raise UnparsableRequest(str(err)) from None
+
+    return parse
+
+
+async def _refuse(context: Context, error: str) -> None:
+    await context.abort(grpc.StatusCode.INVALID_ARGUMENT, ADVICE.format(error=error[:200]))
+
+
+def _single(behavior: Callable[..., Any]) -> Callable[..., Any]:
+    if inspect.isasyncgenfunction(behavior):
+
+        async def stream_out(request: Any, context: Context) -> AsyncIterator[Any]:
+            if isinstance(request, _Unparsable):
+                await _refuse(context, request.error)
+            async for response in behavior(request, context):
+                yield response
+
+        return stream_out
+
+    async def unary(request: Any, context: Context) -> Any:
+        if isinstance(request, _Unparsable):
+            await _refuse(context, request.error)
+        return await behavior(request, context)
+
+    return unary
+
+
+def _streamed(behavior: Callable[..., Any]) -> Callable[..., Any]:
+    # The parse error is raised where the servicer reads its next message. Read through
+    # the request iterator it becomes an abort right there (servicers let AbortError
+    # through, while many turn other exceptions into INTERNAL); read with context.read(),
+    # it is caught here on its way out.
+    async def checked(requests: AsyncIterator[Any], context: Context) -> AsyncIterator[Any]:
+        try:
+            async for request in requests:
+                yield request
+        except UnparsableRequest as err:
+            await _refuse(context, str(err))
+
+    if inspect.isasyncgenfunction(behavior):
+
+        async def stream_out(requests: Any, context: Context) -> AsyncIterator[Any]:
+            try:
+                async for response in behavior(checked(requests, context), context):
+                    yield response
+            except UnparsableRequest as err:
+                await _refuse(context, str(err))
+
+        return stream_out
+
+    async def unary(requests: Any, context: Context) -> Any:
+        try:
+            return await behavior(checked(requests, context), context)
+        except UnparsableRequest as err:
+            await _refuse(context, str(err))
+
+    return unary
+
+
+class ParseErrorsAreInvalidArgument(grpc.aio.ServerInterceptor):
+    async def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
+        handler_call_details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler:
+        handler = await continuation(handler_call_details)
+        if handler is None or handler.request_deserializer is None:
+            return handler
+        if handler.request_streaming:
+            kind = "stream_stream" if handler.response_streaming else "stream_unary"
+            return handler._replace(
+                request_deserializer=_raising(handler.request_deserializer),
+                **{kind: _streamed(getattr(handler, kind))},
+            )
+        kind = "unary_stream" if handler.response_streaming else "unary_unary"
+        return handler._replace(
+            request_deserializer=_marking(handler.request_deserializer),
+            **{kind: _single(getattr(handler, kind))},
+        )
