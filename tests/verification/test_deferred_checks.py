@@ -11,6 +11,7 @@ greedy decoding and for seeded sampling alike.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -71,18 +72,27 @@ class Swarm:
     checkpoint: Path
 
 
-class CorruptsThenDies(StageServicer):
-    """Its first pipeline call's output is corrupted (its failpoint), then it is gone: every
-    later pipeline call is refused as by a node that went away."""
+class DiesAfterItsCalls(StageServicer):
+    """Answers its first ``lives`` pipeline calls, then it is gone: every later pipeline
+    call is refused as by a node that went away."""
 
+    lives = 1
     calls = 0
 
     async def _forward_one(self, request, stream):
         if not request.background:
             self.calls += 1
-            if self.calls > 1:
+            if self.calls > self.lives:
                 raise StageError(grpc.StatusCode.UNAVAILABLE, "this node is shutting down")
         return await super()._forward_one(request, stream)
+
+
+class CorruptsThenDies(DiesAfterItsCalls):
+    """Its first pipeline call's output is corrupted (its failpoint), then it is gone."""
+
+
+class DiesAfterThreeCalls(DiesAfterItsCalls):
+    lives = 3
 
 
 def start_swarm(
@@ -116,15 +126,21 @@ def start_swarm(
         return coordinator, [cheater, *honest, *last]
 
     coordinator, nodes = loop.run(start())
-    yield Swarm(f"127.0.0.1:{coordinator.port}", nodes[0], checkpoint)
 
     async def stop() -> None:
         await coordinator.stop()
         for n in nodes:
             await n.stop()
 
-    loop.run(stop())
-    loop.close()
+    try:
+        yield Swarm(f"127.0.0.1:{coordinator.port}", nodes[0], checkpoint)
+    finally:
+        loop.run(stop())
+        loop.close()
+
+
+# The same swarm for a `with` block: torn down however the block ends.
+running_swarm = contextlib.contextmanager(start_swarm)
 
 
 @pytest.fixture
@@ -198,11 +214,8 @@ def test_a_rollback_after_the_rejected_node_already_left_the_route(
     # then finds the cheater gone from the route and runs the prefill again, from the
     # first stage, through the route as it is now (the last stage had cached the
     # corrupted hidden states).
-    swarms = start_swarm(
-        checkpoint, tmp_path, monkeypatch, corrupt="1.0", cheater_class=CorruptsThenDies
-    )
-    swarm = next(swarms)
-    try:
+    options = {"corrupt": "1.0", "cheater_class": CorruptsThenDies}
+    with running_swarm(checkpoint, tmp_path, monkeypatch, **options) as swarm:
         with Client(swarm.address, timeout_s=60) as client:
             result = client.generate_all(
                 MODEL, token_ids=PROMPT, max_new_tokens=6, stop_at_eos=False
@@ -214,9 +227,6 @@ def test_a_rollback_after_the_rejected_node_already_left_the_route(
         [rollback] = result.rollbacks
         assert (rollback.position, rollback.rejected_node_id) == (0, swarm.cheater.node_id)
         assert rollback.discarded_positions >= 1
-    finally:
-        for _ in swarms:  # the generator's teardown
-            pass
 
 
 def test_the_cli_says_when_a_check_sent_the_generation_back(swarm: Swarm, capsys) -> None:
@@ -239,7 +249,7 @@ def test_a_held_token_reports_only_its_own_step(
     # Every token waits for its step's slow checks while the next steps already run: what
     # each token reports (its requests, its fail-overs) must still be its own step's, not
     # the later steps' that ran while it was held.
-    for swarm in start_swarm(checkpoint, tmp_path, monkeypatch, corrupt="0"):
+    with running_swarm(checkpoint, tmp_path, monkeypatch, corrupt="0") as swarm:
         with Client(swarm.address, timeout_s=60) as client:
             tokens = list(
                 client.generate(MODEL, token_ids=PROMPT, max_new_tokens=6, stop_at_eos=False)
@@ -252,3 +262,24 @@ def test_a_held_token_reports_only_its_own_step(
         assert len({s.pop() for s in steps}) == len(tokens)  # and each its own step
         assert all(len(t.stage_timings) == 2 for t in tokens)  # both stages, once
         assert sum(len(t.stage_timings) for t in tokens) == len(result.timings)
+
+
+def test_a_fail_over_is_reported_by_the_token_whose_step_went_through_it(
+    checkpoint: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The first stage's primary dies at its fourth call (the token of index 3) while the
+    # tokens before it are still held for their slow checks: the fail-over belongs to that
+    # token alone, not to the held ones that come out after it happened.
+    options = {"corrupt": "0", "cheater_class": DiesAfterThreeCalls}
+    with running_swarm(checkpoint, tmp_path, monkeypatch, **options) as swarm:
+        with Client(swarm.address, timeout_s=60) as client:
+            tokens = list(
+                client.generate(MODEL, token_ids=PROMPT, max_new_tokens=6, stop_at_eos=False)
+            )
+            result = client.last_run
+        assert result is not None
+        assert [t.id for t in tokens] == reference_greedy(swarm.checkpoint, PROMPT, 6)
+        [failover] = result.failovers
+        assert failover.failed_node_id == swarm.cheater.node_id
+        assert [len(t.failovers) for t in tokens] == [0, 0, 0, 1, 0, 0]
+        assert tokens[3].failovers == (failover,)
