@@ -118,7 +118,10 @@ class ParseErrorsAreInvalidArgument(grpc.aio.ServerInterceptor):
         handler_call_details: grpc.HandlerCallDetails,
     ) -> grpc.RpcMethodHandler:
         handler = await continuation(handler_call_details)
-        if handler is None or handler.request_deserializer is None:
+        # grpc's own method handlers are namedtuples; anything else is passed on as it is.
+        if getattr(handler, "request_deserializer", None) is None or not hasattr(
+            handler, "_replace"
+        ):
             return handler
         if handler.request_streaming:
             kind = "stream_stream" if handler.response_streaming else "stream_unary"
