@@ -75,7 +75,7 @@ def plan_import(header: admin_pb2.AddModelHeader, max_model_bytes: int) -> Impor
     extra: dict[str, None] = {}  # ordered set: lookups stay O(1) on hostile headers
     for item in header.tensors:
         if item.name in declared or item.name in extra:
-            raise invalid(f"tensor {item.name} appears twice in the header")
+            raise invalid(f"tensor {shown(item.name)} appears twice in the header")
         if item.name not in expected:
             extra[item.name] = None
             continue
@@ -251,6 +251,7 @@ def _checked_entry(item: admin_pb2.TensorHeader, shape: tuple[int, ...]) -> Tens
 
 
 def _names(names: list[str]) -> str:
-    shown = ", ".join(names[:_MAX_NAMES_SHOWN])
+    # Names from a caller's header: each quoted and cut (protos.quoting).
+    listed = ", ".join(shown(name) for name in names[:_MAX_NAMES_SHOWN])
     extra = len(names) - _MAX_NAMES_SHOWN
-    return f"{shown} (+{extra} more)" if extra > 0 else shown
+    return f"{listed} (+{extra} more)" if extra > 0 else listed

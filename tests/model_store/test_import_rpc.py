@@ -14,6 +14,9 @@ from support.checkpoints import make_checkpoint
 from coordinator.model_store import StoreLimits
 from protos.tessera.v1 import admin_pb2, common_pb2
 
+HUGE_NAME = "model.extra\x00\r\n\x1b[2J" + "x" * 100_000
+
+
 EMPTY = common_pb2.Empty()
 
 
@@ -159,6 +162,21 @@ async def test_interleaved_and_out_of_order_chunks_are_refused(
             "model.extra",
         ),
         (
+            lambda h: h.tensors.add(
+                name=HUGE_NAME, dtype="F32", shape=[1], nbytes=4, sha256="0" * 64
+            ),
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "does not use",
+        ),
+        (
+            lambda h: [
+                h.tensors.add(name=HUGE_NAME, dtype="F32", shape=[1], nbytes=4, sha256="0" * 64)
+                for _ in range(2)
+            ],
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "appears twice",
+        ),
+        (
             lambda h: h.tensors[0].__setattr__("dtype", "I64"),
             grpc.StatusCode.INVALID_ARGUMENT,
             "I64",
@@ -203,6 +221,7 @@ async def test_bad_headers_are_refused_before_any_data(
     error = await _refused(store_server, messages)
     assert error.code() == status
     assert words in error.details()
+    assert len(error.details()) < 500  # a caller's huge names are cut, never echoed whole
 
 
 async def test_header_must_come_first_and_only_once(store_server, tiny_checkpoint, upload_chunks):
