@@ -123,14 +123,20 @@ class ParseErrorsAreInvalidArgument(grpc.aio.ServerInterceptor):
             handler, "_replace"
         ):
             return handler
-        if handler.request_streaming:
-            kind = "stream_stream" if handler.response_streaming else "stream_unary"
+        streamed = handler.request_streaming
+        kind = ("stream_" if streamed else "unary_") + (
+            "stream" if handler.response_streaming else "unary"
+        )
+        behavior = getattr(handler, kind)
+        # Only coroutines can abort; a synchronous handler (none of ours) keeps gRPC's way.
+        if not (inspect.iscoroutinefunction(behavior) or inspect.isasyncgenfunction(behavior)):
+            return handler
+        if streamed:
             return handler._replace(
                 request_deserializer=_raising(handler.request_deserializer),
-                **{kind: _streamed(getattr(handler, kind))},
+                **{kind: _streamed(behavior)},
             )
-        kind = "unary_stream" if handler.response_streaming else "unary_unary"
         return handler._replace(
             request_deserializer=_marking(handler.request_deserializer),
-            **{kind: _single(getattr(handler, kind))},
+            **{kind: _single(behavior)},
         )

@@ -21,7 +21,7 @@ async def intercepted(handler: object) -> object:
     )
 
 
-async def test_unknown_methods_and_foreign_handlers_pass_unchanged() -> None:
+async def test_unknown_methods_foreign_and_synchronous_handlers_pass_unchanged() -> None:
     assert await intercepted(None) is None  # an unknown method: gRPC says UNIMPLEMENTED
     foreign = SimpleNamespace(
         request_streaming=False,
@@ -30,6 +30,10 @@ async def test_unknown_methods_and_foreign_handlers_pass_unchanged() -> None:
         unary_unary=lambda request, context: None,
     )
     assert await intercepted(foreign) is foreign
+    synchronous = grpc.unary_unary_rpc_method_handler(
+        lambda request, context: request, request_deserializer=common_pb2.Empty.FromString
+    )
+    assert await intercepted(synchronous) is synchronous  # it could not abort
 
 
 async def test_grpc_handlers_get_a_deserializer_that_does_not_raise() -> None:
