@@ -30,9 +30,9 @@ examples:
   tessera generate --model llama-tiny --prompt "Once upon a time" --max-new-tokens 32
   tessera generate --model llama-tiny --token-ids 1,15,27 --max-new-tokens 8 --json
   tessera balance            # creates your client key on first use, prints your account
-  tessera generate --model llama-tiny --prompt "Hi" --max-new-tokens 8 --max-price 5000 \
+  tessera generate --model llama-tiny --prompt "Hi" --max-new-tokens 8 --max-price 5000 \\
       --prefer cheap
-  tessera train --model llama-tiny --data tokens.npy --steps 200 --batch-size 8 \
+  tessera train --model llama-tiny --data tokens.npy --steps 200 --batch-size 8 \\
       --seq-len 64 --lr 3e-4 --checkpoint-every 20 --output-model llama-tiny-ft
   tessera train --resume j0123456789abcdef
   tessera jobs

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -34,6 +35,11 @@ def test_top_level_help_lists_commands_and_examples(capsys) -> None:
     out = capsys.readouterr().out
     for word in ("nodes", "models", "generate", "demo", "examples:", "TESSERA_COORDINATOR"):
         assert word in out
+    # An example too long for one line is continued with a shell backslash, so that it can
+    # be pasted as it is; never run together with the next line's indentation.
+    examples = out.split("examples:", 1)[1]
+    assert "--max-price 5000 \\\n      --prefer cheap" in examples
+    assert not re.search(r"\S {4,}--", examples), examples
 
 
 @pytest.mark.parametrize(
