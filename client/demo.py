@@ -28,7 +28,7 @@ from typing import Any
 
 from client.api import Client, GenerationResult
 from client.demo_checkpoint import write_demo_checkpoint
-from client.demo_training import run_training_demo
+from client.demo_training import layers_text, run_training_demo
 from client.local_swarm import LocalSwarm, wait_for_replicas
 
 MODEL = "demo-llama"
@@ -70,7 +70,7 @@ def _say(text: str) -> None:
 def _route_text(result: GenerationResult, names: dict[str, str], initial: bool = True) -> str:
     hops = result.initial_route if initial else result.route
     return "  ->  ".join(
-        f"{names.get(h.node_id, h.node_id)} [layers {h.start}-{h.end - 1}]" for h in hops
+        f"{names.get(h.node_id, h.node_id)} [{layers_text(h.start, h.end)}]" for h in hops
     )
 
 
@@ -150,7 +150,7 @@ def _demo(workdir: Path, tokens: int, kill_after: int, args: argparse.Namespace)
                 replacement = ", ".join(names.get(n, n) for n in event.replacement_node_ids)
                 _say(
                     f"   fail-over at position {event.position}: "
-                    f"layers {event.start}-{event.end - 1} "
+                    f"{layers_text(event.start, event.end)} "
                     f"moved from {names.get(event.failed_node_id, event.failed_node_id)} to "
                     f"{replacement} via {event.via}, replayed {event.replayed_tokens} tokens, "
                     f"stalled {event.stalled_ms:.0f} ms ({event.reason})"
@@ -236,7 +236,7 @@ def _summary(reference: GenerationResult, faulty: GenerationResult, names: dict[
         served[key] = served.get(key, 0) + t.tokens
     _say("   who served what (both runs):")
     for (node_id, start, end), count in sorted(served.items(), key=lambda kv: kv[0][1]):
-        _say(f"     {names.get(node_id, node_id):8s} layers {start}-{end - 1}: {count} tokens")
+        _say(f"     {names.get(node_id, node_id):8s} {layers_text(start, end)}: {count} tokens")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -28,6 +28,11 @@ PROMPT_LEN = 8
 ANSWER_LEN = 4
 
 
+def layers_text(start: int, end: int) -> str:
+    """A layer range [start, end) as the demo prints it: "layers 0-1", or "layer 5"."""
+    return f"layer {start}" if end - start == 1 else f"layers {start}-{end - 1}"
+
+
 @dataclass(frozen=True)
 class TrainingDemoResult:
     accuracy_before: float
@@ -120,7 +125,7 @@ def run_training_demo(
                 first_loss = event.loss
                 stages = client.job(job.job_id).stages
                 route = " -> ".join(
-                    f"{_name(swarm, s.node_id)} [layers {s.layers.start}-{s.layers.end - 1}]"
+                    f"{_name(swarm, s.node_id)} [{layers_text(s.layers.start, s.layers.end)}]"
                     for s in stages
                 )
                 say(f"   stages: {route}")
