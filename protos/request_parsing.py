@@ -112,31 +112,47 @@ def _streamed(behavior: Callable[..., Any]) -> Callable[..., Any]:
 
 
 class ParseErrorsAreInvalidArgument(grpc.aio.ServerInterceptor):
+    def __init__(self) -> None:
+        # gRPC asks on every call; a method's wrapped handler is built once. Only methods the
+        # server has are kept (unknown names get no handler), so this stays bounded.
+        self._wrapped: dict[str, tuple[grpc.RpcMethodHandler, grpc.RpcMethodHandler]] = {}
+
     async def intercept_service(
         self,
         continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
         handler_call_details: grpc.HandlerCallDetails,
     ) -> grpc.RpcMethodHandler:
         handler = await continuation(handler_call_details)
-        # grpc's own method handlers are namedtuples; anything else is passed on as it is.
-        if getattr(handler, "request_deserializer", None) is None or not hasattr(
-            handler, "_replace"
-        ):
+        if handler is None:
             return handler
-        streamed = handler.request_streaming
-        kind = ("stream_" if streamed else "unary_") + (
-            "stream" if handler.response_streaming else "unary"
-        )
-        behavior = getattr(handler, kind)
-        # Only coroutines can abort; a synchronous handler (none of ours) keeps gRPC's way.
-        if not (inspect.iscoroutinefunction(behavior) or inspect.isasyncgenfunction(behavior)):
-            return handler
-        if streamed:
-            return handler._replace(
-                request_deserializer=_raising(handler.request_deserializer),
-                **{kind: _streamed(behavior)},
-            )
+        method = handler_call_details.method
+        cached = self._wrapped.get(method)
+        if cached is not None and cached[0] is handler:
+            return cached[1]
+        wrapped = _wrapped(handler)
+        self._wrapped[method] = (handler, wrapped)
+        return wrapped
+
+
+def _wrapped(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
+    """The handler with a deserializer that does not raise a parse error at gRPC."""
+    # grpc's own method handlers are namedtuples; anything else is passed on as it is.
+    if getattr(handler, "request_deserializer", None) is None or not hasattr(handler, "_replace"):
+        return handler
+    streamed = handler.request_streaming
+    kind = ("stream_" if streamed else "unary_") + (
+        "stream" if handler.response_streaming else "unary"
+    )
+    behavior = getattr(handler, kind)
+    # Only coroutines can abort; a synchronous handler (none of ours) keeps gRPC's way.
+    if not (inspect.iscoroutinefunction(behavior) or inspect.isasyncgenfunction(behavior)):
+        return handler
+    if streamed:
         return handler._replace(
-            request_deserializer=_marking(handler.request_deserializer),
-            **{kind: _single(behavior)},
+            request_deserializer=_raising(handler.request_deserializer),
+            **{kind: _streamed(behavior)},
         )
+    return handler._replace(
+        request_deserializer=_marking(handler.request_deserializer),
+        **{kind: _single(behavior)},
+    )

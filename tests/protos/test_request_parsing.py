@@ -48,3 +48,21 @@ async def test_grpc_handlers_get_a_deserializer_that_does_not_raise() -> None:
     parse = wrapped.request_deserializer  # type: ignore[attr-defined]
     assert parse(common_pb2.ModelRef(name="m").SerializeToString()).name == "m"
     assert type(parse(b"\xff\xff\xff")).__name__ == "_Unparsable"  # marked, not raised
+
+
+async def test_a_methods_wrapped_handler_is_built_once() -> None:
+    async def behavior(request: object, context: object) -> object:
+        return request
+
+    handler = grpc.unary_unary_rpc_method_handler(
+        behavior, request_deserializer=common_pb2.ModelRef.FromString
+    )
+    interceptor = ParseErrorsAreInvalidArgument()
+
+    async def continuation(details: grpc.HandlerCallDetails) -> object:
+        return handler
+
+    details = SimpleNamespace(method="/x/Y", invocation_metadata=())
+    first = await interceptor.intercept_service(continuation, details)  # type: ignore[arg-type]
+    again = await interceptor.intercept_service(continuation, details)  # type: ignore[arg-type]
+    assert first is again and first is not handler
