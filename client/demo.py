@@ -3,9 +3,9 @@
 1. write a small Llama-style checkpoint;
 2. start a coordinator and three node agents on loopback and import the model;
 3. generate through the three-stage pipeline and print the route;
-4. generate again and `kill -9`, after a few tokens, the node that served the middle
-   stage in step 3 (the new session's route may give it another stage): the driver fails
-   over to a replica, replays the history, and the output is identical;
+4. generate again and `kill -9`, after a few tokens, the node serving this run's middle
+   stage (a new session gets its own route, so that need not be step 3's): the driver
+   fails over to a replica, replays the history, and the output is identical;
 5. print tokens/s, the stall, and which node served what;
 6. train a small model from random weights on a counting task through a three-stage
    pipeline, kill -9 a stage node mid-training (the job re-plans the stage and rolls back
@@ -22,14 +22,16 @@ import signal
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from types import FrameType
 from typing import Any
 
-from client.api import Client, GenerationResult
+from client.api import Client, GeneratedToken, GenerationResult
 from client.demo_checkpoint import write_demo_checkpoint
 from client.demo_training import layers_text, run_training_demo
-from client.local_swarm import LocalSwarm, wait_for_replicas
+from client.local_swarm import LocalProcess, LocalSwarm, wait_for_replicas
+from client.records import HopRecord
 
 MODEL = "demo-llama"
 PROMPT = "The swarm says: "
@@ -49,7 +51,7 @@ def add_parser(subparsers: Any) -> None:
         "--kill-after",
         type=int,
         default=12,
-        help="kill the node of step 3's middle stage after this many tokens (default 12)",
+        help="kill the middle stage's node after this many tokens (default 12)",
     )
     parser.add_argument(
         "--workdir", type=Path, help="keep logs and state here (default: a temporary folder)"
@@ -124,26 +126,23 @@ def _demo(workdir: Path, tokens: int, kill_after: int, args: argparse.Namespace)
             _say("   (the weights are random, so the text is noise; what matters is that it")
             _say("   comes out the same, token for token, through any route)")
 
-            stages = reference.granted_stages  # a hop may run two stages of one node
-            victim_id = stages[len(stages) // 2].node_id
-            victim = swarm.node(victim_id)
-            # A new session gets its own route, so the victim may serve another stage now:
-            # the fail-over lines below say which layers moved.
+            middle = _middle_stage(reference.granted_stages)
             _say(
-                f"\n4. generating again; {victim.name}, the middle stage's node above, is "
-                f"killed after {kill_after} tokens"
+                f"\n4. generating again; the node serving the middle stage "
+                f"({layers_text(middle.start, middle.end)}) is killed after {kill_after} tokens"
             )
-            killed_at = 0.0
+            victim: LocalProcess | None = None
 
-            def on_token(index: int) -> None:
-                nonlocal killed_at
-                if index + 1 == kill_after:
-                    victim.kill9()
-                    killed_at = time.monotonic()
-                    _say(
-                        f"   kill -9 {victim.name} (pid {victim.popen.pid}) after "
-                        f"{kill_after} tokens"
-                    )
+            def on_token(token: GeneratedToken) -> None:
+                nonlocal victim
+                if token.index + 1 != kill_after:
+                    return
+                # This session's own route: the router may have picked other nodes than
+                # step 3's, so the victim is whoever computed the middle stage just now.
+                victim = swarm.node(_node_at(token, middle.start) or middle.node_id)
+                victim.kill9()
+                _say(f"   route so far: {_steps_route_text(token, names)}")
+                _say(f"   kill -9 {victim.name} (pid {victim.popen.pid}) after {kill_after} tokens")
 
             faulty = _generate(client, tokens, on_token)
             for event in faulty.failovers:
@@ -165,7 +164,9 @@ def _demo(workdir: Path, tokens: int, kill_after: int, args: argparse.Namespace)
 
             if not args.no_training:
                 _say("\n6. training a model from random weights through the swarm")
-                _train(swarm, client, workdir, victim.name, args.train_steps)
+                # The victim is step 3's middle node when the run ended before the kill.
+                killed = victim.name if victim else swarm.node(middle.node_id).name
+                _train(swarm, client, workdir, killed, args.train_steps)
         if not same:
             _say(
                 "the outputs differ: this is a bug, please report it with the logs in "
@@ -198,10 +199,32 @@ def _train(swarm: LocalSwarm, client: Client, workdir: Path, killed: str, steps:
     )
 
 
-def _generate(client: Client, tokens: int, on_token: Any = None) -> GenerationResult:
+def _middle_stage(stages: list[HopRecord]) -> HopRecord:
+    """The session's middle stage as granted (a hop may run two stages of one node)."""
+    return stages[len(stages) // 2]
+
+
+def _node_at(token: GeneratedToken, layer: int) -> str | None:
+    """The node that computed ``layer`` for this token (its step's own requests)."""
+    for timing in token.stage_timings:
+        if timing.start <= layer < timing.end and not timing.replay:
+            return timing.node_id
+    return None
+
+
+def _steps_route_text(token: GeneratedToken, names: dict[str, str]) -> str:
+    hops = [t for t in token.stage_timings if not t.replay]
+    return "  ->  ".join(
+        f"{names.get(t.node_id, t.node_id)} [{layers_text(t.start, t.end)}]" for t in hops
+    )
+
+
+def _generate(
+    client: Client, tokens: int, on_token: Callable[[GeneratedToken], None] | None = None
+) -> GenerationResult:
     for token in client.generate(MODEL, prompt=PROMPT, max_new_tokens=tokens, stop_at_eos=False):
         if on_token is not None:
-            on_token(token.index)
+            on_token(token)
     assert client.last_run is not None
     return client.last_run
 

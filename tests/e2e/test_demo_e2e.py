@@ -55,6 +55,13 @@ def assert_nothing_left(workdir: Path, log: str) -> None:
     assert not left, f"processes left behind: {left}\n{log[-3000:]}"
 
 
+def serving(route: str, layer: int) -> list[str]:
+    """The nodes of a printed route ("alpha [layers 0-1]  ->  bravo [layer 2]") whose hop
+    runs ``layer``."""
+    hops = re.findall(r"(\w+) \[layers? (\d+)(?:-(\d+))?\]", route)
+    return [name for name, first, last in hops if int(first) <= layer <= int(last or first)]
+
+
 def test_the_demo_runs_end_to_end_and_stops_everything(tmp_path: Path) -> None:
     workdir = tmp_path / "demo"
     demo = ManagedProcess(demo_command(workdir), tmp_path / "demo.log", name="demo").start()
@@ -62,8 +69,14 @@ def test_the_demo_runs_end_to_end_and_stops_everything(tmp_path: Path) -> None:
         code = demo.wait(timeout=420)
         log = demo.log_text()
         assert code == 0, log[-3000:]
-        assert "kill -9" in log
-        assert "fail-over at position" in log
+        # The node killed is the one this run routed the middle stage through, and it is
+        # the one every fail-over moved layers away from.
+        killed = re.search(r"kill -9 (\w+) \(pid", log)
+        assert killed, log[-3000:]
+        route = re.search(r"route so far: (.*)", log)
+        assert route and killed[1] in serving(route[1], layer=2), log[-3000:]
+        moved_from = re.findall(r"fail-over at position \d+: layers [\d-]+ moved from (\w+)", log)
+        assert moved_from and set(moved_from) == {killed[1]}, log[-3000:]
         assert "identical to the run without a failure: yes" in log
         assert "every stage rolled back to the last consistent checkpoint" in log
         assert "trained weights registered as model" in log
