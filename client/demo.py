@@ -22,7 +22,7 @@ import signal
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from types import FrameType
 from typing import Any
@@ -31,7 +31,7 @@ from client.api import Client, GeneratedToken, GenerationResult
 from client.demo_checkpoint import write_demo_checkpoint
 from client.demo_training import layers_text, run_training_demo
 from client.local_swarm import LocalProcess, LocalSwarm, wait_for_replicas
-from client.records import HopRecord
+from client.records import HopRecord, StageTiming
 
 MODEL = "demo-llama"
 PROMPT = "The swarm says: "
@@ -70,7 +70,10 @@ def _say(text: str) -> None:
 
 
 def _route_text(result: GenerationResult, names: dict[str, str], initial: bool = True) -> str:
-    hops = result.initial_route if initial else result.route
+    return _hops_text(result.initial_route if initial else result.route, names)
+
+
+def _hops_text(hops: Sequence[HopRecord | StageTiming], names: dict[str, str]) -> str:
     return "  ->  ".join(
         f"{names.get(h.node_id, h.node_id)} [{layers_text(h.start, h.end)}]" for h in hops
     )
@@ -141,7 +144,7 @@ def _demo(workdir: Path, tokens: int, kill_after: int, args: argparse.Namespace)
                 # step 3's, so the victim is whoever computed the middle stage just now.
                 victim = swarm.node(_node_at(token, middle.start) or middle.node_id)
                 victim.kill9()
-                _say(f"   route so far: {_steps_route_text(token, names)}")
+                _say(f"   route so far: {_hops_text(_computed(token), names)}")
                 _say(f"   kill -9 {victim.name} (pid {victim.popen.pid}) after {kill_after} tokens")
 
             faulty = _generate(client, tokens, on_token)
@@ -204,19 +207,14 @@ def _middle_stage(stages: list[HopRecord]) -> HopRecord:
     return stages[len(stages) // 2]
 
 
+def _computed(token: GeneratedToken) -> list[StageTiming]:
+    """The requests that computed this token's step (replays after a fail-over aside)."""
+    return [t for t in token.stage_timings if not t.replay]
+
+
 def _node_at(token: GeneratedToken, layer: int) -> str | None:
-    """The node that computed ``layer`` for this token (its step's own requests)."""
-    for timing in token.stage_timings:
-        if timing.start <= layer < timing.end and not timing.replay:
-            return timing.node_id
-    return None
-
-
-def _steps_route_text(token: GeneratedToken, names: dict[str, str]) -> str:
-    hops = [t for t in token.stage_timings if not t.replay]
-    return "  ->  ".join(
-        f"{names.get(t.node_id, t.node_id)} [{layers_text(t.start, t.end)}]" for t in hops
-    )
+    """The node that computed ``layer`` for this token."""
+    return next((t.node_id for t in _computed(token) if t.start <= layer < t.end), None)
 
 
 def _generate(
