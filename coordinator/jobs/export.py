@@ -79,6 +79,30 @@ def encode(array: np.ndarray, dtype: str) -> bytes:
     raise invalid(f"cannot encode tensors as {dtype}")
 
 
+# The largest finite value of each narrow dtype; past it a weight rounds to inf or to a
+# value nobody trained.
+_LARGEST = {"F16": 65504.0, "BF16": 3.3895313892515355e38}
+
+
+def _require_representable(name: str, array: np.ndarray, dtype: str) -> None:
+    """Refuse weights the new model could not compute with: checkpoint parts come from
+    nodes, and a NaN or an overflow in a stored weight would only show up later, as every
+    node serving the model failing its output checks."""
+    if not np.isfinite(array).all():
+        raise invalid(
+            f"the trained {name} holds NaN or inf values, so it cannot become a model (a "
+            "stage's checkpoint is corrupt, or training diverged); train again from the base "
+            "model, perhaps with a lower learning rate"
+        )
+    largest = _LARGEST.get(dtype)
+    if largest is not None and array.size and float(np.abs(array).max()) > largest:
+        raise invalid(
+            f"the trained {name} has values up to {float(np.abs(array).max()):.4g}, beyond "
+            f"what the base model's {dtype} holds (±{largest:.4g}); train again from the "
+            "base model, perhaps with a lower learning rate"
+        )
+
+
 def trained_tensors(
     base: list[TensorRecord], base_path: BlobPath, parts: list[StagePart]
 ) -> list[NewTensor]:
@@ -116,6 +140,7 @@ def trained_tensors(
         if t.name not in updates:
             out.append(NewTensor(t, None, base_path(t.sha256)))
             continue
+        _require_representable(t.name, updates[t.name], t.dtype)
         data = encode(updates[t.name], t.dtype)
         digest = hashlib.sha256(data).hexdigest()
         out.append(
