@@ -54,8 +54,16 @@ def load_dataset(path: Path, tokenizer: TextTokenizer | None = None) -> TokenDat
     if path.suffix == ".npy":
         try:
             array = np.load(path, allow_pickle=False)
-        except ValueError as err:
-            raise ValueError(f"{path} is not a plain .npy array of token ids: {err}") from None
+        except (ValueError, EOFError) as err:  # an empty file is an EOFError
+            raise ValueError(
+                f"{path} is not a plain .npy array of token ids ({err}); write one with numpy.save"
+            ) from None
+        if not isinstance(array, np.ndarray):  # np.load opens an .npz archive, whatever its name
+            array.close()
+            raise ValueError(
+                f"{path} is an .npz archive of several arrays; save the token ids alone "
+                "with numpy.save"
+            )
         if array.ndim not in (1, 2) or not np.issubdtype(array.dtype, np.integer):
             raise ValueError(
                 f"{path} holds a {array.ndim}-D {array.dtype} array; give 1-D (a token stream) "
@@ -68,7 +76,14 @@ def load_dataset(path: Path, tokenizer: TextTokenizer | None = None) -> TokenDat
             raise ValueError(
                 f"{path} is text, but the model has no tokenizer; give token ids as a .npy file"
             )
-        tokens = np.asarray(tokenizer.encode(path.read_text(encoding="utf-8")), dtype=np.int64)
+        try:
+            text = path.read_text(encoding="utf-8")
+        except UnicodeDecodeError:
+            raise ValueError(
+                f"{path} is neither UTF-8 text nor a .npy file of token ids; give text, or "
+                "token ids saved with numpy.save in a file named *.npy"
+            ) from None
+        tokens = np.asarray(tokenizer.encode(text), dtype=np.int64)
         example_len = 0
     if tokens.size == 0:
         raise ValueError(f"{path} holds no tokens")
