@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -63,6 +64,14 @@ async def test_add_list_fetch_restart_remove(tmp_path: Path) -> None:
         info = _listed(data_dir)["tiny"]
         assert info["has_tokenizer"] and info["num_layers"] == 3
         assert info["unavailable_reason"] == "no node is online to load it yet"
+        table = _cli("list", "--data-dir", data_dir)
+        assert table.returncode == 0, table.stderr
+        header, row = table.stdout.splitlines()
+        assert header.split() == ["NAME", "ARCHITECTURE", "LAYERS", "SIZE", "TOKENIZER",
+                                  "SERVED", "ADDED"]  # fmt: skip
+        assert row.split()[:3] == ["tiny", "Qwen2ForCausalLM", "3"]
+        served = "no: no node is online to load it yet"
+        assert re.search(rf"  3 +\d+\.\d KiB +yes +{served} +\d{{4}}-\d\d-\d\d \d\d:\d\d$", row)
 
         again = _cli("add", source, "--name", "tiny", "--data-dir", data_dir)
         assert again.returncode == 2 and "already exists" in again.stderr
@@ -95,6 +104,9 @@ async def test_add_list_fetch_restart_remove(tmp_path: Path) -> None:
         removed = _cli("remove", "tiny", "--data-dir", data_dir)
         assert removed.returncode == 0, removed.stderr
         assert _listed(data_dir) == {}
+        empty = _cli("list", "--data-dir", data_dir)
+        assert empty.returncode == 0 and "no models yet" in empty.stdout
+        assert "models add DIR --name NAME" in empty.stdout
         assert not [p for p in (data_dir / "blobs").rglob("*") if p.is_file()]
         missing = _cli("remove", "tiny", "--data-dir", data_dir)
         assert missing.returncode == 2 and "no model named 'tiny'" in missing.stderr
