@@ -231,6 +231,17 @@ def test_help_works_as_a_program() -> None:
         (["serve", "--db", "x.db", "--max-token-latency", "inf"], "expected a number >= 0"),
         (["serve", "--db", "x.db", "--max-token-price", "-1"], "expected a number >= 0"),
         (["serve", "--db", "x.db", "--max-token-price", "nan"], "expected a number >= 0"),
+        (["serve", "--db", "x.db", "--heartbeat-interval", "soon"], "not a number of seconds"),
+        (["serve", "--db", "x.db", "--heartbeat-interval", "inf"], "positive"),
+        (["serve", "--db", "x.db", "--replicas", "0"], "at least 1"),
+        (["serve", "--db", "x.db", "--kv-tokens", "many"], "not a whole number"),
+        (["serve", "--db", "x.db", "--default-price", "-1"], "between 0 and 2^63-1"),
+        (["serve", "--db", "x.db", "--default-price", str(1 << 63)], "between 0 and 2^63-1"),
+        (["serve", "--db", "x.db", "--fee-bps", "1.5"], "not a whole number"),
+        (["serve", "--db", "x.db", "--fee-bps", "10001"], "at most 10000"),
+        (["serve", "--db", "x.db", "--verify-min-probability", "1.5"], "probability in [0, 1]"),
+        (["serve", "--db", "x.db", "--verify-min-probability", "nan"], "probability in [0, 1]"),
+        (["serve", "--db", "x.db", "--verify-min-probability", "often"], "probability in [0, 1]"),
     ],
 )  # fmt: skip
 def test_serve_rejects_bad_flags(args: list[str], fragment: str, capsys) -> None:
