@@ -82,7 +82,8 @@ def _number(text: str, kind: type[float] | type[int] = float) -> float:
     try:
         value = kind(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a {kind.__name__}") from None
+        what = "a whole number" if kind is int else "a number"
+        raise argparse.ArgumentTypeError(f"{text!r} is not {what}") from None
     if value != value or value in (float("inf"), float("-inf")):
         raise argparse.ArgumentTypeError(f"{text!r} is not a finite number")
     return value
@@ -106,6 +107,8 @@ def _non_negative_int(text: str) -> int:
     value = int(_number(text, int))
     if value < 0:
         raise argparse.ArgumentTypeError(f"must be 0 or more, got {text}")
+    if value >= 1 << 63:  # the coordinator stores prices and counts as 64-bit integers
+        raise argparse.ArgumentTypeError(f"must be below 2^63, got {text}")
     return value
 
 

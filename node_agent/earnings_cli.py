@@ -4,6 +4,7 @@ moving released earnings into a slashable stake, both proven with the node's own
 from __future__ import annotations
 
 import argparse
+import sys
 import time
 import uuid
 from datetime import datetime
@@ -132,7 +133,8 @@ def run(args: argparse.Namespace) -> int:
                 query = wire_identity.sign_ledger_query(key, "earnings", now_ms)
                 reply = stub.GetEarnings(query, timeout=RPC_TIMEOUT_S)
         except grpc.RpcError as err:
-            print(f"tessera-node: the coordinator answered {err.code().name}: {err.details()}")
+            # On stderr: with --json, stdout is for the answer alone.
+            print(f"tessera-node: {_problem(err, args.coordinator)}", file=sys.stderr)
             return 1
     if args.json:
         from google.protobuf import json_format
@@ -154,3 +156,13 @@ def run(args: argparse.Namespace) -> int:
         when = datetime.fromtimestamp(reply.next_release_unix_ms / 1000).isoformat(" ", "seconds")
         print(f"  next release after {when}")
     return 0
+
+
+def _problem(err: grpc.RpcError, address: str) -> str:
+    code, details = err.code(), err.details()  # type: ignore[attr-defined]
+    if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+        return (
+            f"cannot reach the coordinator at {address} ({details}); is it running, and is "
+            "--coordinator its address?"
+        )
+    return f"the coordinator answered {code.name}: {details}"

@@ -6,6 +6,7 @@ the coordinator inside settlement (failpoints) with a restart on the same databa
 
 from __future__ import annotations
 
+import re
 import sqlite3
 from collections.abc import Iterator
 
@@ -21,6 +22,7 @@ from support.market import (
     generate,
     make_market_checkpoint,
     paid_by_node,
+    run_cli,
     running_market,
     wait_for,
 )
@@ -65,6 +67,15 @@ def test_a_paid_generation_moves_exactly_its_usage_to_the_operators(market, clie
         return all(int(earnings_cli(market, n)["released"]) == share for n, share in shares.items())
 
     wait_for(released, "earnings to be released after the window", 30)
+    # What an operator reads without --json.
+    node_id, share = next(iter(shares.items()))
+    name = market.node(node_id).name
+    text = run_cli("node_agent.cli", "earnings", "--coordinator", market.address,
+                   "--data-dir", str(market.workdir / "nodes" / name)).stdout  # fmt: skip
+    assert text.startswith(f"node {node_id} (operator account ")
+    assert re.search(rf"^  released +{share} credit units$", text, re.MULTILINE), text
+    for label in ("pending", "slashed", "rejected", "staked", "available"):
+        assert re.search(rf"^  {label} +\d+ credit units$", text, re.MULTILINE), text
     assert all(int(e["released"]) == 0 for e in before.values()), "nothing paid before"
     audit = audit_cli(market)
     assert audit.returncode == 0 and "ledger OK" in audit.stdout, audit.stdout

@@ -40,9 +40,12 @@ def test_top_level_help_lists_the_commands(capsys) -> None:
         (["join"], "--coordinator"),
         (["join", "--coordinator", "nohost"], "is not HOST:PORT"),
         (["join", "--coordinator", "h:1", "--max-memory-gb", "-3"], "more than 0"),
-        (["join", "--coordinator", "h:1", "--price", "nan"], "is not a int"),
-        (["join", "--coordinator", "h:1", "--price", "1.5"], "is not a int"),
+        (["join", "--coordinator", "h:1", "--price", "nan"], "'nan' is not a whole number"),
+        (["join", "--coordinator", "h:1", "--price", "1.5"], "'1.5' is not a whole number"),
         (["join", "--coordinator", "h:1", "--price", "-1"], "0 or more"),
+        (["join", "--coordinator", "h:1", "--price", str(1 << 63)], "below 2^63"),
+        (["join", "--coordinator", "h:1", "--max-memory-gb", "lots"], "'lots' is not a number"),
+        (["join", "--coordinator", "h:1", "--max-memory-gb", "inf"], "not a finite number"),
         (["join", "--coordinator", "h:1", "--mqtt", "http://x"], "broker URL"),
     ],
 )
@@ -93,3 +96,18 @@ def test_probe_prints_json_and_creates_nothing(tmp_path, capsys) -> None:
                      "--benchmark-s", "0.05"]) == 0  # fmt: skip
     report = json.loads(capsys.readouterr().out)
     assert report["node_id"] == wire_identity.node_id(wire_identity.public_key_bytes(key))
+
+
+@pytest.mark.parametrize("extra", [[], ["--json"]], ids=["text", "json"])
+def test_earnings_without_a_coordinator_says_so_on_stderr(tmp_path, extra: list[str]) -> None:
+    identity.load_or_create_key(tmp_path)
+    result = subprocess.run(
+        [sys.executable, "-m", "node_agent.cli", "earnings", "--coordinator", "127.0.0.1:1",
+         "--data-dir", str(tmp_path), *extra],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert result.returncode == 1
+    # stdout stays clean for scripts that parse --json.
+    assert result.stdout == ""
+    assert "cannot reach the coordinator at 127.0.0.1:1" in result.stderr
+    assert "--coordinator" in result.stderr
