@@ -237,6 +237,25 @@ async def test_a_refusal_ends_the_agent_instead_of_retrying_forever(
     assert len(scripted_coordinator.registrations) == 1
 
 
+async def test_a_server_that_is_not_a_coordinator_ends_the_agent(agent_ctx, caplog) -> None:
+    """--coordinator pointing at another gRPC server (here one serving nothing, as a node's
+    data plane would not serve Register): retrying cannot help, so the agent says so."""
+    server = grpc.aio.server()
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    try:
+
+        class Elsewhere:
+            address = f"127.0.0.1:{port}"
+
+        agent = make_agent(agent_ctx, Elsewhere)
+        assert await asyncio.wait_for(agent.run(), 15) == ExitCode.REFUSED
+    finally:
+        await server.stop(None)
+    assert f"127.0.0.1:{port} does not serve the Tessera coordinator API" in caplog.text
+    assert "check --coordinator" in caplog.text
+
+
 async def test_an_unreachable_coordinator_is_retried_until_shutdown(agent_ctx, wait_until) -> None:
     class Nowhere:
         address = "127.0.0.1:1"  # nothing listens on port 1
