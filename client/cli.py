@@ -20,6 +20,7 @@ from client.errors import TesseraError
 from client.jobs_cli import add_training_commands as _add_training_commands
 from client.jobs_cli import jobs_command, train_command
 from protos.tessera.v1 import client_api_pb2, node_pb2
+from protos.units import human_bytes
 
 log = logging.getLogger("tessera")
 
@@ -249,7 +250,7 @@ def _nodes(args: argparse.Namespace) -> int:
             n.name,
             _STATE_NAMES.get(n.state, "?"),
             f"{n.capabilities.device_kind}: {n.capabilities.device_name}".strip(": "),
-            _bytes(n.capabilities.memory_usable_bytes),
+            human_bytes(n.capabilities.memory_usable_bytes),
             f"{n.capabilities.matmul_tflops:.2f}",
             _gbps(n.capabilities.memory_bandwidth_gbps),
             _ago(now_ms - n.last_seen_unix_ms) if n.last_seen_unix_ms else "never",
@@ -296,7 +297,7 @@ def _models(args: argparse.Namespace) -> int:
             m.name,
             m.architecture,
             str(m.num_layers),
-            _bytes(m.total_bytes),
+            human_bytes(m.total_bytes),
             "yes" if m.has_tokenizer else "no",
             "ready" if m.available else f"unavailable: {m.unavailable_reason}",
         ]
@@ -418,15 +419,6 @@ def _table(header: list[str], rows: list[list[str]]) -> str:
         for row in [header, *rows]
     ]
     return "\n".join(line.rstrip() for line in lines)
-
-
-def _bytes(count: int) -> str:
-    value = float(count)
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if value < 1024 or unit == "TiB":
-            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
-        value /= 1024
-    return f"{count} B"
 
 
 def _gbps(value: float) -> str:

@@ -30,6 +30,7 @@ from coordinator.model_store.errors import CheckpointError
 from coordinator.model_store.importer import MODEL_NAME
 from coordinator.secrets_store import ADMIN_TOKEN_FILE
 from protos.tessera.v1 import admin_pb2, admin_pb2_grpc, client_api_pb2_grpc, common_pb2
+from protos.units import human_bytes
 
 UPLOAD_CHUNK_BYTES = 4 << 20
 RPC_TIMEOUT_S = 30.0
@@ -160,7 +161,7 @@ def _add(args: argparse.Namespace) -> int:
     elapsed = time.monotonic() - started
     print(
         f"added model {info.name}: {info.architecture}, {info.num_layers} layers, "
-        f"{_size(info.total_bytes)} in {elapsed:.1f}s (weights sha256 {info.sha256[:16]}...)"
+        f"{human_bytes(info.total_bytes)} in {elapsed:.1f}s (weights sha256 {info.sha256[:16]}...)"
     )
     return 0
 
@@ -187,7 +188,7 @@ def _list(args: argparse.Namespace) -> int:
             m.name,
             m.architecture,
             str(m.num_layers),
-            _size(m.total_bytes),
+            human_bytes(m.total_bytes),
             "yes" if m.has_tokenizer else "no",
             "yes" if m.available else f"no: {m.unavailable_reason}",
             time.strftime("%Y-%m-%d %H:%M", time.localtime(m.added_unix_ms / 1000)),
@@ -222,7 +223,7 @@ def _describe(checkpoint: Checkpoint, name: str) -> None:
     print(
         f"checkpoint {checkpoint.directory}: {layout.architecture}, {layout.num_layers} layers, "
         f"hidden {layout.hidden_size}, vocab {layout.vocab_size}, {len(checkpoint.tensors)} "
-        f"tensors ({'/'.join(dtypes)}), {_size(checkpoint.total_bytes)}, "
+        f"tensors ({'/'.join(dtypes)}), {human_bytes(checkpoint.total_bytes)}, "
         f"tokenizer: {'yes' if checkpoint.tokenizer_json else 'no'} -> model {name!r}",
         file=sys.stderr,
     )
@@ -297,15 +298,6 @@ def _info_dict(info: object) -> dict[str, object]:
     return MessageToDict(
         info, preserving_proto_field_name=True, always_print_fields_with_no_presence=True
     )
-
-
-def _size(nbytes: int) -> str:
-    value = float(nbytes)
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if value < 1024 or unit == "TiB":
-            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
-        value /= 1024
-    return f"{nbytes} B"
 
 
 def _byte_bar(total: int, desc: str) -> tqdm:
