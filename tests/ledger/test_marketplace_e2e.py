@@ -58,6 +58,13 @@ def test_a_paid_generation_moves_exactly_its_usage_to_the_operators(market, clie
     assert settlement.refunded == result.quote - charged
     balance = balance_cli(market)
     assert (int(balance["available"]), int(balance["escrowed"])) == (GRANT - charged, 0)
+    text = run_cli("client.cli", "balance", "--coordinator", market.address,
+                   "--key", str(market.workdir / "client.key")).stdout  # fmt: skip
+    assert text.splitlines() == [
+        f"account   {balance['account']}",
+        f"available {GRANT - charged} credit units",
+        "escrowed  0 credit units (held for open sessions)",
+    ]
     # Pending during the challenge window, then released to the operators, exactly.
     for node_id, share in shares.items():
         earned = earnings_cli(market, node_id)
