@@ -30,12 +30,28 @@ def default_key_path() -> Path:
 
 
 def load_key(path: Path, *, create: bool = False) -> Ed25519PrivateKey:
-    """The client key at `path`; created (mode 0600) when missing and `create` is set."""
+    """The client key at `path`; created (mode 0600) when missing and `create` is set.
+
+    ValueError says what is wrong with the file and what to do (the CLI prints it)."""
     try:
-        return identity.private_key_from_pem(path.read_bytes())
+        data = path.read_bytes()
     except FileNotFoundError:
         if not create:
-            raise
+            raise ValueError(
+                f"no client key at {path}; pass the --key your account uses, or run "
+                "`tessera balance` once to create one"
+            ) from None
+    except OSError as err:  # a directory, no permission, ...
+        raise ValueError(f"cannot read the client key {path}: {err.strerror}") from None
+    else:
+        try:
+            return identity.private_key_from_pem(data)
+        except (ValueError, TypeError):  # TypeError: a key with a passphrase
+            raise ValueError(
+                f"{path} is not a Tessera client key (an Ed25519 private key in PEM, without "
+                "a passphrase). Pass the right --key: the account is the key, so a new key "
+                "starts a new, empty account"
+            ) from None
     key = identity.generate_private_key()
     path.parent.mkdir(parents=True, exist_ok=True)
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
