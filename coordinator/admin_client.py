@@ -78,6 +78,11 @@ def _read_from_data_dir(args: argparse.Namespace, filename: str, flag: str) -> s
         ) from None
     except PermissionError:
         raise CliError(f"cannot read {path}: run as the user that runs the coordinator") from None
+    except OSError as err:  # e.g. --data-dir names a file
+        raise CliError(
+            f"cannot read {path} ({err.strerror}): --data-dir must be the coordinator's data "
+            f"directory; or pass {flag}"
+        ) from None
     if not value:
         raise CliError(f"{path} is empty")
     return value

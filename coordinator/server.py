@@ -21,6 +21,7 @@ import importlib
 import inspect
 import logging
 import signal
+import sqlite3
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -143,8 +144,18 @@ async def _build_components(ctx: CoordinatorContext) -> list[Any]:
 
 
 def build_context(settings: Settings, bus: EventBus | None = None) -> CoordinatorContext:
-    settings.data_dir.mkdir(parents=True, exist_ok=True)
-    db = database.open_database(settings.db_path)
+    try:
+        settings.data_dir.mkdir(parents=True, exist_ok=True)
+        db = database.open_database(settings.db_path)
+    except (OSError, sqlite3.Error) as err:
+        if isinstance(err, (FileExistsError, NotADirectoryError)):
+            reason: object = f"{err.filename} is a file, not a directory"
+        else:
+            reason = err.strerror if isinstance(err, OSError) and err.strerror else err
+        raise StartupError(
+            f"cannot keep the coordinator's state in {settings.data_dir} (database "
+            f"{settings.db_path}): {reason}; give --db a file in a directory this user can write"
+        ) from None
     signing_key = secrets_store.load_or_create_signing_key(settings.data_dir)
     admin_token = secrets_store.load_or_create_admin_token(settings.data_dir)
     if bus is None and settings.mqtt_url:

@@ -271,13 +271,19 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command in earnings_cli.COMMANDS:
             return earnings_cli.run(args)
         return _join(args)
-    except (
-        identity.IdentityError,
-        DataDirBusyError,
-        hardware_probe.DeviceError,
-        OSError,
-    ) as exc:
+    except (identity.IdentityError, DataDirBusyError, hardware_probe.DeviceError) as exc:
         log.error("%s", exc)
+        return ExitCode.USAGE
+    except OSError as exc:  # the data dir is a file, read-only, on a full disk, ...
+        if isinstance(exc, (FileExistsError, NotADirectoryError)):
+            reason = f"{exc.filename} is a file, not a directory"
+        else:
+            reason = f"{exc.strerror or exc} ({exc.filename})" if exc.filename else str(exc)
+        log.error(
+            "cannot use the data directory %s: %s; give --data-dir a directory this user can write",
+            args.data_dir,
+            reason,
+        )
         return ExitCode.USAGE
 
 

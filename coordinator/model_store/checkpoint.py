@@ -79,7 +79,11 @@ def open_checkpoint(directory: str | Path) -> Checkpoint:
     """Validate `directory` and describe every tensor to upload; CheckpointError otherwise."""
     root = Path(directory)
     if not root.is_dir():
-        raise CheckpointError(f"checkpoint directory {root} does not exist")
+        what = "is a file" if root.exists() else "does not exist"
+        raise CheckpointError(
+            f"checkpoint directory {root} {what}; give the directory that holds config.json "
+            "and the *.safetensors files"
+        )
     config_json = _read_config(root)
     spans = _all_spans(root)  # first: "convert your pickle" matters more than config details
     layout = ModelLayout.from_config(json.loads(config_json))

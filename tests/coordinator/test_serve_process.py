@@ -169,6 +169,29 @@ def test_admin_cli_explains_missing_settings(tmp_path) -> None:
     assert "cannot reach the coordinator" in result.stderr
 
 
+def test_admin_cli_explains_a_data_dir_that_is_a_file(tmp_path) -> None:
+    not_a_dir = tmp_path / "coordinator-data"
+    not_a_dir.write_text("")
+    for args in (("credits", "grant", "acc", "5"), ("nodes", "list")):
+        result = cli(*args, "--data-dir", str(not_a_dir))
+        assert result.returncode == 2, result.stderr
+        assert "Not a directory" in result.stderr and "Traceback" not in result.stderr
+        assert "--data-dir must be the coordinator's data directory" in result.stderr
+
+
+def test_serve_explains_where_it_cannot_keep_its_state(tmp_path, capsys) -> None:
+    not_a_dir = tmp_path / "state"
+    not_a_dir.write_text("")
+    code, _, err = run_main(["serve", "--db", str(not_a_dir / "c.db")], capsys)
+    assert code == 2
+    assert f"{not_a_dir} is a file, not a directory" in err and "--db" in err
+    a_dir = tmp_path / "c.db"
+    a_dir.mkdir()
+    code, _, err = run_main(["serve", "--db", str(a_dir)], capsys)
+    assert code == 2
+    assert f"database {a_dir}" in err and "unable to open database file" in err
+
+
 def test_serve_refuses_a_busy_port(tmp_path) -> None:
     coordinator = start_coordinator(tmp_path / "a")
     with coordinator:

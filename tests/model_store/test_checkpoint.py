@@ -248,3 +248,6 @@ def test_refuses_directory_without_weights(tmp_path: Path) -> None:
     (path / "model.safetensors").unlink()
     assert "neither model.safetensors nor" in _error(path)
     assert "does not exist" in _error(tmp_path / "nowhere")
+    (tmp_path / "model.safetensors").write_bytes(b"")
+    message = _error(tmp_path / "model.safetensors")  # the file, not its directory
+    assert "is a file" in message and "holds config.json" in message

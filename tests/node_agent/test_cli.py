@@ -67,6 +67,14 @@ def test_a_readable_key_stops_the_agent_with_the_fix(tmp_path, caplog) -> None:
     assert "chmod 600" in caplog.text
 
 
+def test_a_data_dir_that_is_a_file_exits_2_and_says_so(tmp_path, caplog) -> None:
+    not_a_dir = tmp_path / "node-data"
+    not_a_dir.write_text("")
+    assert cli.main(_join(not_a_dir)) == 2
+    assert f"{not_a_dir} is a file, not a directory" in caplog.text
+    assert "give --data-dir a directory" in caplog.text
+
+
 def test_a_second_agent_on_one_data_dir_exits_2(tmp_path, caplog) -> None:
     with DataDirLock(tmp_path):
         assert cli.main(_join(tmp_path)) == 2
