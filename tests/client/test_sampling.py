@@ -71,10 +71,18 @@ def test_infinite_logits_are_masked_and_all_bad_is_an_error() -> None:
 
 
 @pytest.mark.parametrize(
-    "params", [{"temperature": -1.0}, {"top_p": 0.0}, {"top_p": 1.5}, {"temperature": np.nan}]
+    "params",
+    [
+        {"temperature": -1.0},
+        {"top_p": 0.0},
+        {"top_p": 1.5},
+        {"temperature": np.nan},
+        {"seed": -5},
+    ],  # fmt: skip
 )
-def test_bad_parameters_are_refused(params) -> None:
-    with pytest.raises(ValueError):
+def test_bad_parameters_are_refused_by_name(params) -> None:
+    (name,) = params
+    with pytest.raises(ValueError, match=f"^{name} must be"):
         SamplingParams(**params)
 
 
