@@ -78,7 +78,7 @@ def test_infinite_logits_are_masked_and_all_bad_is_an_error() -> None:
         {"top_p": 1.5},
         {"temperature": np.nan},
         {"seed": -5},
-    ],  # fmt: skip
+    ],
 )
 def test_bad_parameters_are_refused_by_name(params) -> None:
     (name,) = params
