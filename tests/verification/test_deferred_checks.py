@@ -32,6 +32,7 @@ from verification.test_driver_verification import keyed
 
 from client import Client
 from client import cli as tessera_cli
+from client.api import GeneratedToken, GenerationResult
 from client.driver import DriverConfig
 from client.sampling import Sampler, SamplingParams
 from node_agent import failpoints
@@ -243,6 +244,17 @@ def test_the_cli_says_when_a_check_sent_the_generation_back(swarm: Swarm, capsys
     assert f"a check proved node {swarm.cheater.node_id} wrong at position" in captured.err
 
 
+def generate_tokens(
+    address: str, count: int
+) -> tuple[list[GeneratedToken], GenerationResult | None]:
+    """The tokens as Client.generate yields them, and the run's record."""
+    with Client(address, timeout_s=60) as client:
+        tokens = list(
+            client.generate(MODEL, token_ids=PROMPT, max_new_tokens=count, stop_at_eos=False)
+        )
+        return tokens, client.last_run
+
+
 def test_a_held_token_reports_only_its_own_step(
     checkpoint: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -250,11 +262,7 @@ def test_a_held_token_reports_only_its_own_step(
     # each token reports (its requests, its fail-overs) must still be its own step's, not
     # the later steps' that ran while it was held.
     with running_swarm(checkpoint, tmp_path, monkeypatch, corrupt="0") as swarm:
-        with Client(swarm.address, timeout_s=60) as client:
-            tokens = list(
-                client.generate(MODEL, token_ids=PROMPT, max_new_tokens=6, stop_at_eos=False)
-            )
-            result = client.last_run
+        tokens, result = generate_tokens(swarm.address, 6)
         assert result is not None and not result.rollbacks and not result.failovers
         assert [t.id for t in tokens] == reference_greedy(swarm.checkpoint, PROMPT, 6)
         steps = [{timing.step for timing in t.stage_timings} for t in tokens]
@@ -272,11 +280,7 @@ def test_a_fail_over_is_reported_by_the_token_whose_step_went_through_it(
     # token alone, not to the held ones that come out after it happened.
     options = {"corrupt": "0", "cheater_class": DiesAfterThreeCalls}
     with running_swarm(checkpoint, tmp_path, monkeypatch, **options) as swarm:
-        with Client(swarm.address, timeout_s=60) as client:
-            tokens = list(
-                client.generate(MODEL, token_ids=PROMPT, max_new_tokens=6, stop_at_eos=False)
-            )
-            result = client.last_run
+        tokens, result = generate_tokens(swarm.address, 6)
         assert result is not None
         assert [t.id for t in tokens] == reference_greedy(swarm.checkpoint, PROMPT, 6)
         [failover] = result.failovers
