@@ -44,7 +44,11 @@ network impose, and bound what is left. The argument, step by step (README.md re
     Hops per session: a session on k nodes hops k - 1 times, and one of its k nodes holds
     >= L / k of its layers, so at most slots x #(cap_n >= ceil(L / k)) sessions visit k
     nodes or fewer: the i-th session (fewest hops first) hops at least as often as the
-    smallest k that leaves room for i + 1 sessions, minus 1.
+    smallest k that leaves room for i + 1 sessions, minus 1. Ways (b) and (d) only add
+    hops up, so they also use a count of all k sessions together: their visited slots
+    cover k x L layers, so they visit at least as many nodes as the fewest slots, largest
+    capacities first, that cover k x L (on 70b-global 1,274 visits for 113 sessions, where
+    the per-session count allows 791).
     (An earlier version charged d_n(j) in chunk j but took back only d_n(1): a session
     ending in chunk 4 of a slow uploader was charged a hand-off it never pays, and on
     small swarms of 24 GB cards the bound fell 1-3 % below what Tessera and Parallax serve.)
@@ -144,15 +148,14 @@ def upper_bound_tokens_per_s(swarm: Swarm, clients: Sequence[Site]) -> float:
     # than the node's load) less a base hop delta that every hop costs at least; only the
     # one session in that chunk can end on n with it, taking back kappa[n, min(j,
     # cap_batch)] - delta, and a session pays delta for each of its hops, whose count
-    # `_hop_floors` bounds from below (a session on k nodes hops k - 1 times; at most
-    # slots x #(cap_n >= ceil(L / k)) sessions visit k nodes or fewer). The largest
+    # `hop_increments` bounds from below (a session on k nodes hops k - 1 times). The largest
     # credits go to the cheapest sessions (step 5). cap_batch = 1 charges every chunk the
     # batch-1 hop; larger ones charge busy uploaders more but hand out larger credits;
     # delta = 0 or the smallest d_n. Each is valid: take the least.
     floor_2 = np.sort(2 * nearest_leg + head)
     variants = []
     for delta in (0.0, float(leave[:, 0].min())):
-        hops = _hop_floors(caps, np.full(len(nodes), delta), slots, n_layers, sessions)
+        hops = delta * hop_increments(caps, slots, n_layers, sessions)
         for cap_batch in range(1, slots + 1):
             batches = np.minimum(np.arange(slots), cap_batch - 1)
             shares = leave[:, batches] - delta
@@ -170,7 +173,7 @@ def upper_bound_tokens_per_s(swarm: Swarm, clients: Sequence[Site]) -> float:
         unit = np.array([handoff_s(n, model, 1) for n in nodes])
         margins = 2 * np.arange(1, slots + 1) - 1
         hop_items = nearest[:, None] / 2 + margins[None, :] * unit[:, None]
-        counts = _hop_counts(caps, slots, n_layers, sessions)
+        counts = hop_increments(caps, slots, n_layers, sessions)
         variants.append(_rate_of_sorted(unshared + _batched_hop_floors(hop_items, counts)))
     kv_bound = min(shared, *variants)
 
@@ -217,6 +220,23 @@ def _hop_counts(caps: np.ndarray, slots: int, n_layers: int, sessions: int) -> n
         if i >= sessions:
             break
     return counts
+
+
+def hop_increments(caps: np.ndarray, slots: int, n_layers: int, sessions: int) -> np.ndarray:
+    """Hop floors whose running sums bound the hops of any k sessions together (ways (b)
+    and (d), which only add hops up; ascending order is not promised).
+
+    Two counts of the node visits k sessions make, each valid, the larger taken: the k
+    smallest per-session floors of `_hop_counts` (+ 1 visit each), and the fewest KV slots
+    whose capacities cover k x L layers (each session's visited slots cover L, a slot
+    being one of a node's `slots`, worth cap_n layers): taken from the largest
+    capacities down. A session on v distinct nodes leaves v - 1 of them."""
+    ks = np.arange(1, sessions + 1)
+    by_rank = np.cumsum(_hop_counts(caps, slots, n_layers, sessions) + 1)
+    covered = np.cumsum(np.sort(np.repeat(np.minimum(caps, n_layers), slots))[::-1])
+    by_layers = np.searchsorted(covered, n_layers * ks) + 1
+    hops = np.maximum(by_rank, by_layers) - ks
+    return np.diff(hops, prepend=0)
 
 
 def _hop_floors(

@@ -7,7 +7,13 @@ from placement_sim.petals_greedy import PetalsSystem
 from placement_sim.serving import saturate, throughput_of
 from placement_sim.swarm import Hop, handoff_s, layer_time_s, session_latency_s
 from placement_sim.tessera import TesseraSystem
-from placement_sim.upper_bound import lp_max, max_sessions, upper_bound_tokens_per_s
+from placement_sim.upper_bound import (
+    _hop_counts,
+    hop_increments,
+    lp_max,
+    max_sessions,
+    upper_bound_tokens_per_s,
+)
 from placement_toy import EXACT, HOME, TOY, gpu_holding, node, swarm, toy_model
 
 # One toy layer: 10,487,808 params -> 20,975,616 bytes; KV 2*8*128*2 = 4096 bytes per token;
@@ -113,6 +119,19 @@ def test_session_count_bound_is_the_bin_covering_lp():
     assert max_sessions([10, 10, 20], 4, 40) == 4
     value, duals = lp_max(np.array([[1.0, 2.0], [3.0, 1.0]]), np.array([4.0, 6.0]))
     assert value == pytest.approx(2.8) and duals == pytest.approx([0.4, 0.2])
+
+
+def test_hops_of_all_sessions_together_follow_the_slots_they_fill():
+    # L = 32, 2 slots on each of two 16-layer and two 8-layer nodes: at most 3 sessions, as
+    # {16, 16} + 2 x {16, 8, 8}, which hop 1, 2 and 2 times. Per session, any one may hop
+    # only once (two 16-layer nodes cover 32, and 4 slots allow 4 such sessions), so the
+    # per-session floors add up to 3. Together, 3 sessions cover 96 layers: all 8 slots,
+    # 8 visits, 5 hops. The first session covers 32 with 2 slots, two with 4.
+    caps = np.array([16, 16, 8, 8])
+    assert list(_hop_counts(caps, 2, 32, 3)) == [1, 1, 1]
+    assert list(hop_increments(caps, 2, 32, 3)) == [1, 1, 3]
+    # One 32-layer node and 4 slots: nobody has to hop; the count never goes below zero.
+    assert list(hop_increments(np.array([32, 8]), 4, 32, 4)) == [0, 0, 0, 0]
 
 
 def test_the_bound_charges_every_hop_out_of_a_node():
