@@ -224,6 +224,14 @@ def session_latency_s(
     return total
 
 
+def nearest_peer_s(rtt: np.ndarray) -> np.ndarray:
+    """Each node's round trip to its nearest other node, from a matrix of round trips (0
+    for a node alone: a session on it never hops)."""
+    if len(rtt) < 2:
+        return np.zeros(len(rtt))
+    return np.where(np.eye(len(rtt), dtype=bool), np.inf, rtt).min(axis=1)
+
+
 def fetched_bytes(
     model: ModelShape,
     old: tuple[int, int] | None,

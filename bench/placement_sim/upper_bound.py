@@ -41,6 +41,10 @@ network impose, and bound what is left. The argument, step by step (README.md re
           least that many of the cheapest items. Without it a busy slow uploader's hand-off
           was charged as if it carried one session: at 70B a batch of 8 on a cable line is
           50 ms a hop, not 7.
+      (e) Every part together in one linear program (joint_bound.py): its sessions take
+          their layers, hops and client legs from the same nodes, and stay in the regions
+          they touch, paying the backbone to reach them and between them. It binds on
+          every full benchmark scenario; (d) still does on some small swarms.
     Hops per session: a session on k nodes hops k - 1 times, and one of its k nodes holds
     >= L / k of its layers, so at most slots x #(cap_n >= ceil(L / k)) sessions visit k
     nodes or fewer: the i-th session (fewest hops first) hops at least as often as the
@@ -72,10 +76,10 @@ network impose, and bound what is left. The argument, step by step (README.md re
  6. Compute: node n never runs more than slots / t_n(slots) layer-tokens per second, so
     tokens/s <= sum over nodes of that / L.
 The bound is the smaller of 5 and 6. What it still ignores: the memory of the embedding
-and the LM head, that ranges must be contiguous and chain, hops across regions beyond the
-nearest node, and that the sessions 5 forms from the cheapest items and the smallest hop
-costs need not fit the count 4 allows (on 7b, every slot of every card is needed for 112
-sessions, but the groups skip the slowest cards and the hops the slowest links).
+and the LM head, that ranges must be contiguous and chain, that a hand-off carries the
+node's whole batch and not only the sessions that leave it (sessions that end on a node
+lighten the margins way (d) and (e) charge it), and that sessions and visits come whole
+(the LP of way (e) splits them).
 """
 
 from __future__ import annotations
@@ -85,6 +89,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from .joint_bound import joint_bound_tokens_per_s
 from .models import ModelShape
 from .regions import Site, rtt_ms
 from .swarm import (
@@ -96,6 +101,7 @@ from .swarm import (
     head_time_s,
     layer_capacity,
     layer_time_s,
+    nearest_peer_s,
 )
 
 
@@ -111,10 +117,7 @@ def upper_bound_tokens_per_s(swarm: Swarm, clients: Sequence[Site]) -> float:
 
     idx = [swarm.index[n.node_id] for n in nodes]
     rtt = swarm.rtt_ms[np.ix_(idx, idx)] / 1000.0
-    if len(nodes) > 1:
-        nearest = np.where(np.eye(len(nodes), dtype=bool), np.inf, rtt).min(axis=1)
-    else:
-        nearest = np.zeros(1)  # one node: a session never hops
+    nearest = nearest_peer_s(rtt)
 
     # leave[n, j-1] = d_n at batch j (step 2): RTT to n's nearest peer / 2 + hand-off.
     leave = np.zeros((len(nodes), slots))
@@ -175,6 +178,8 @@ def upper_bound_tokens_per_s(swarm: Swarm, clients: Sequence[Site]) -> float:
         hop_items = nearest[:, None] / 2 + margins[None, :] * unit[:, None]
         counts = hop_increments(caps, slots, n_layers, sessions)
         variants.append(_rate_of_sorted(unshared + _batched_hop_floors(hop_items, counts)))
+    # (e) Every part of a session priced together, by region (joint_bound.py).
+    variants.append(joint_bound_tokens_per_s(swarm, nodes, caps, rtt, clients[:sessions], head))
     kv_bound = min(shared, *variants)
 
     ts = np.array([layer_time_s(n, model, params, slots) for n in nodes])

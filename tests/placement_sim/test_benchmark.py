@@ -9,7 +9,15 @@ import pytest
 from placement_sim.evaluate import default_systems, run_scenario
 from placement_sim.gpus import GPUS
 from placement_sim.models import LLAMA2_7B, LLAMA2_13B, LLAMA2_70B
-from placement_sim.scenarios import EUROPE, FULL, NORTH_ATLANTIC, US_EAST, Scenario, quick
+from placement_sim.scenarios import (
+    EUROPE,
+    EVERYWHERE,
+    FULL,
+    NORTH_ATLANTIC,
+    US_EAST,
+    Scenario,
+    quick,
+)
 from placement_sim.swarm import ServingParams
 from placement_sim.tessera import TesseraSystem
 from placement_toy import HOME, node, swarm, toy_model
@@ -75,6 +83,10 @@ def test_no_system_beats_the_upper_bound(name):
         (LLAMA2_7B, 6, "steam", US_EAST, 116),
         (LLAMA2_13B, 8, "steam", NORTH_ATLANTIC, 103),
         (LLAMA2_70B, 12, "high-end", EUROPE, 104),
+        # A node or two per region: sessions on one card each, and pipelines that must
+        # cross regions (way (e) prices the crossings and the clients' legs per region).
+        (LLAMA2_7B, 6, "high-end", EVERYWHERE, 131),
+        (LLAMA2_13B, 10, "steam", EVERYWHERE, 105),
     ],
 )
 @pytest.mark.parametrize("kv_tokens", [2048, 4096])

@@ -1,5 +1,7 @@
 """The performance model on examples small enough to check by hand."""
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 from placement_sim.parallax import ParallaxSystem
@@ -14,7 +16,7 @@ from placement_sim.upper_bound import (
     max_sessions,
     upper_bound_tokens_per_s,
 )
-from placement_toy import EXACT, HOME, TOY, gpu_holding, node, swarm, toy_model
+from placement_toy import EXACT, FAR, HOME, TOY, gpu_holding, node, swarm, toy_model
 
 # One toy layer: 10,487,808 params -> 20,975,616 bytes; KV 2*8*128*2 = 4096 bytes per token;
 # mean context 256 tokens -> 1,048,576 KV bytes per session; flops per token
@@ -172,6 +174,40 @@ def test_the_bound_charges_every_hop_out_of_a_node():
     assert bound == pytest.approx(batched)
     served = saturate(FixedRoute(s), [HOME] * 10)
     assert served.tokens_per_s < bound
+
+
+def test_the_joint_bound_keeps_each_session_in_the_regions_it_uses():
+    # Two 2-layer nodes at home and a fast 4-layer node in Asia; clients at home. Priced
+    # part by part, the first sessions get the fast node's layers *and* the home nodes'
+    # 20 ms round trip (ways (a)-(d): over 300 tok/s). Together (way (e)), a session on the
+    # fast node pays its 160 ms round trip, and one on a and b pays a hop.
+    fast = replace(gpu_holding(4.5, memory_gbps=1000.0), fp16_tflops=100.0)
+    s = swarm(node("a", gpu=gpu_holding(2.5)), node("b", gpu=gpu_holding(2.5)),
+              node("f", site=FAR, gpu=fast))  # fmt: skip
+    bound = upper_bound_tokens_per_s(s, [HOME] * 10)
+
+    def layer(batch: int, gbps: float = 100.0) -> float:
+        return (WEIGHTS + batch * KV_PER_SESSION) / (gbps * 1e9)
+
+    u = 2.048e-3  # one session's hand-off at 8 Mb/s
+    head = HEAD_BYTES / 1e12  # on the fast node: the cheapest place at batch 1
+    # Sessions 1-4 on a and b (4 slots each): 10 ms to a, 10 ms + a hand-off to b, 10 ms
+    # back; the hops leave a and b two times each, priced at their margins u, u, 3u, 3u.
+    home = [
+        0.030 + margin * u + 4 * layer(j) + head
+        for j, margin in zip(range(1, 5), (1, 1, 3, 3), strict=True)
+    ]
+    # Sessions 5-8 on the fast node: 80 ms there and back (150 ms backbone + two lines).
+    asia = [0.160 + 4 * layer(j, 1000.0) + head for j in range(1, 5)]
+    assert bound == pytest.approx(sum(1 / t for t in home + asia), rel=1e-6)
+    assert bound < 150  # the parts priced apart allow about 320
+    # What the best routes really serve: a and b at batch 4, the fast node at batch 4.
+    routes = [(HOME, [Hop("a", 0, 2), Hop("b", 2, 4)])] * 4 + [(HOME, [Hop("f", 0, 4)])] * 4
+    served, _, _ = throughput_of(s, routes)
+    assert 0.9 * bound < served < bound
+    for system in (TesseraSystem(s, replicas=2), ParallaxSystem(s), PetalsSystem(s, seed=1)):
+        system.start()
+        assert saturate(system, [HOME] * 10).tokens_per_s <= bound, system.name
 
 
 def test_the_bound_holds_for_nodes_that_each_serve_sessions_alone():

@@ -1,0 +1,312 @@
+"""Way (e) of the upper bound: one linear program that prices every session's parts together.
+
+Ways (a)-(d) in `upper_bound.py` bound each part of a session's time on its own (the k
+cheapest client legs, the k x L cheapest layer items, the cheapest hops) and add the sorted
+parts term by term. That lets the first sessions take the fastest cards, the best uplinks
+and the nearest clients at once, even where those sit in different regions and different
+homes. Here one LP gives B(k), a lower bound on the total time per token of any k sessions,
+with the parts tied to the same nodes and regions:
+
+  - A session belongs to the class R of the regions it touches, and visits each of them.
+    Its client c pays RTT(c, first) / 2 + RTT(c, last) / 2: c's own access line, half the
+    backbone from c's region to the region where the session begins and to the one where
+    it ends, and half the access lines of its first and last nodes.
+  - A hop n -> m costs RTT(n, m) / 2, in three parts that are never negative: nearest_n / 2
+    (on n's hop items, below); entering[m], the least any hop into m pays beyond its
+    sender's nearest half (mostly m's own access line), charged on every visit to m but a
+    session's first; and crossing[a, b], what a hop between regions a and b pays on top.
+    A session's crossings connect R, so they cost at least a lightest spanning tree of R.
+  - Layer items (step 1 of upper_bound.py) come from nodes of R only: chunk j of node n
+    holds cap_n items at t_n(j), and a class's sessions take at most cap_n items from n per
+    visit, v[n, R] visits, at most `slots` visits to n in all.
+  - A visit that is not the session's last leaves n: the hops out of n, sum over R of
+    v[n, R] - e[n, R] (e: sessions ending at n, one end per session), take n's hop items
+    at the margin of its batch, nearest_n / 2 + (2j - 1) x u_n for the j-th (way (d):
+    m hops out of a node with b >= m sessions cost m x b x u_n >= m^2 x u_n).
+  - The LM head: the cheapest place for it at batch 1, per session.
+
+Any k real sessions are a feasible point (their classes, clients, visits, chunks in order
+of arrival, ends and hops), whose cost is at most their real total time, so B(k) is at
+most that total. B is convex in k (the optimum of an LP in its right-hand side), so its
+increments t_k = B(k) - B(k-1) are ascending, and for every k the k fastest real sessions
+take at least t_1 + ... + t_k together; 1 / x is convex and decreasing, so the real
+sum of 1 / time per token is at most the sum of 1 / t_k (step 5 of upper_bound.py).
+
+B is solved at a few k; the tangents there (B(k_i) plus the dual price of the session
+count times k - k_i) are below B everywhere, and so is their maximum, which is convex: its
+increments bound like B's. B(1) is solved exactly, so the first increment is positive.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Sequence
+
+import numpy as np
+from scipy.optimize import linprog
+from scipy.sparse import coo_matrix
+
+from .regions import AccessLine, Site, rtt_ms
+from .swarm import SimNode, Swarm, handoff_s, layer_time_s, nearest_peer_s
+
+SOLVED_POINTS = 12  # counts of sessions at which B is solved; tangents fill the rest
+
+
+def joint_bound_tokens_per_s(
+    swarm: Swarm,
+    nodes: Sequence[SimNode],
+    caps: np.ndarray,
+    rtt: np.ndarray,
+    clients: Sequence[Site],
+    head_s: float,
+) -> float:
+    """Sum over k of 1 / (B(k) - B(k-1)) for the `clients` admission can take (at most one
+    session each); `nodes` hold layers (`caps` of them each), `rtt` their round trips in
+    seconds; `head_s`: the LM head's cheapest time per token. Infinity when the increments
+    prove nothing (not all positive)."""
+    lp = _SessionsLP(swarm, nodes, caps, rtt, clients, head_s)
+    most = len(clients)
+    points = sorted({1, most, *np.linspace(1, most, SOLVED_POINTS).round().astype(int)})
+    tangents: list[tuple[int, float, float]] = []
+    for k in points:
+        solved = lp.solve(k)
+        if solved is None:  # more sessions than the nodes can carry: the count ends here
+            most = min(most, k - 1)
+            break
+        tangents.append((k, *solved))
+    if most < 1 or not tangents or tangents[0][0] != 1:
+        return math.inf
+    ks = np.arange(0, most + 1)
+    envelope = np.max([value + slope * (ks - k) for k, value, slope in tangents], axis=0)
+    envelope[0] = 0.0
+    envelope[1] = tangents[0][1]  # solved exactly
+    envelope = np.maximum.accumulate(np.maximum(envelope, 0.0))
+    increments = np.diff(envelope)
+    if not (increments > 0).all():
+        return math.inf
+    return float((1.0 / increments).sum())
+
+
+class _SessionsLP:
+    """min total time of k sessions (module docstring), as `linprog` wants it."""
+
+    def __init__(
+        self,
+        swarm: Swarm,
+        nodes: Sequence[SimNode],
+        caps: np.ndarray,
+        rtt: np.ndarray,
+        clients: Sequence[Site],
+        head_s: float,
+    ) -> None:
+        model, params = swarm.model, swarm.params
+        slots, n_layers = params.slots, model.num_layers
+        count = len(nodes)
+        regions = sorted({n.site.region for n in nodes})
+        region_of = np.array([regions.index(n.site.region) for n in nodes])
+        classes = [
+            frozenset(c)
+            for size in range(1, len(regions) + 1)
+            for c in itertools.combinations(range(len(regions)), size)
+        ]
+        nearest = nearest_peer_s(rtt)
+        access = np.array([n.site.access.rtt_ms for n in nodes]) / 1000.0
+        entering, crossing = _hop_charges(rtt, nearest, region_of, len(regions))
+        # Client legs: RTT(c, first) / 2 + RTT(c, last) / 2 = c's access line + half the
+        # backbone to the first node's region and to the last one's + half of each of the
+        # two nodes' access lines. c's line goes on c, the backbone on where the session
+        # begins and ends, the nodes' lines on its first visit (less the entering charge
+        # that visit carries but no hop pays) and on its end.
+        home = [c.region for c in clients]
+        homes = sorted(set(home))
+        backbone = np.array([[rtt_ms(_bare(h), _bare(r)) for r in regions] for h in homes])
+
+        columns: list[float] = []  # cost of each variable
+        upper: list[float] = []  # its upper bound (inf: none)
+        rows_ub: list[tuple[int, int, float]] = []  # (row, column, coefficient)
+        b_ub: list[float] = []
+        rows_eq: list[tuple[int, int, float]] = []
+        b_eq: list[float] = []
+
+        def var(cost: float, bound: float = math.inf) -> int:
+            columns.append(cost)
+            upper.append(bound)
+            return len(columns) - 1
+
+        def row_ub(terms: list[tuple[int, float]], rhs: float) -> None:
+            r = len(b_ub)
+            rows_ub.extend((r, col, coef) for col, coef in terms)
+            b_ub.append(rhs)
+
+        def row_eq(terms: list[tuple[int, float]], rhs: float) -> None:
+            r = len(b_eq)
+            rows_eq.extend((r, col, coef) for col, coef in terms)
+            b_eq.append(rhs)
+
+        # u[c]: client c is served (its access line, both legs); y[h, R]: sessions of class
+        # R from clients of region h.
+        u = [var(c.access.rtt_ms / 1000.0, 1.0) for c in clients]
+        y = {
+            (hi, ci): var(_tree_weight(crossing, cls) + head_s)
+            for hi in range(len(homes))
+            for ci, cls in enumerate(classes)
+        }
+        for hi, h in enumerate(homes):
+            row_eq(
+                [(u[c], 1.0) for c in range(len(clients)) if home[c] == h]
+                + [(y[hi, ci], -1.0) for ci in range(len(classes))],
+                0.0,
+            )
+        node_classes = [
+            [ci for ci, cls in enumerate(classes) if region_of[n] in cls] for n in range(count)
+        ]
+        v = {(n, ci): var(entering[n]) for n in range(count) for ci in node_classes[n]}
+        e = {(n, ci): var(access[n] / 2) for n in range(count) for ci in node_classes[n]}
+        first = {
+            (n, ci): var(access[n] / 2 - entering[n])
+            for n in range(count)
+            for ci in node_classes[n]
+        }
+        z = {(n, ci): var(0.0) for n in range(count) for ci in node_classes[n]}
+        # q[n, j]: items of chunk j of n in use, at the layer time of batch j + 1; the
+        # cheaper chunks fill first, whichever classes take the items.
+        q = {
+            (n, j): var(layer_time_s(nodes[n], model, params, j + 1), float(caps[n]))
+            for n in range(count)
+            for j in range(slots)
+        }
+        unit = [handoff_s(node, model, 1) for node in nodes]
+        hop = {
+            (n, j): var(nearest[n] / 2 + (2 * j + 1) * unit[n], 1.0)
+            for n in range(count)
+            for j in range(slots)
+        }
+
+        for n in range(count):
+            mine = node_classes[n]
+            row_ub([(v[n, ci], 1.0) for ci in mine], float(slots))
+            row_eq([(z[n, ci], 1.0) for ci in mine] + [(q[n, j], -1.0) for j in range(slots)], 0.0)
+            for ci in mine:  # at most cap_n items a visit; ends are visits
+                row_ub([(z[n, ci], 1.0), (v[n, ci], -float(caps[n]))], 0.0)
+                row_ub([(e[n, ci], 1.0), (v[n, ci], -1.0)], 0.0)
+                row_ub([(first[n, ci], 1.0), (v[n, ci], -1.0)], 0.0)
+            # Every visit but a session's last hops out of n, on n's margin-priced items.
+            row_ub(
+                [(v[n, ci], 1.0) for ci in mine]
+                + [(e[n, ci], -1.0) for ci in mine]
+                + [(hop[n, j], -1.0) for j in range(slots)],
+                0.0,
+            )
+        for ci in range(len(classes)):
+            sessions = [(y[hi, ci], 1.0) for hi in range(len(homes))]
+            members = [n for n in range(count) if ci in node_classes[n]]
+            # A class's sessions take L layer items each, from its own regions' nodes...
+            row_ub(
+                [(col, float(n_layers)) for col, _ in sessions]
+                + [(z[n, ci], -1.0) for n in members],
+                0.0,
+            )
+            # ...visit each of them (the class is the regions a session touches)...
+            for r in classes[ci]:
+                row_ub(
+                    [(col, 1.0) for col, _ in sessions]
+                    + [(v[n, ci], -1.0) for n in members if region_of[n] == r],
+                    0.0,
+                )
+            # ...and begin and end exactly once, each time in one of them: where[hi, r] of
+            # those from clients in homes[hi] do so in region r, and their legs cross the
+            # backbone between the two there (half a round trip each way).
+            for ends in (first, e):
+                where = {
+                    (hi, r): var(float(backbone[hi, r]) / 2000.0)
+                    for hi in range(len(homes))
+                    for r in classes[ci]
+                }
+                for hi in range(len(homes)):
+                    row_eq([(y[hi, ci], -1.0)] + [(where[hi, r], 1.0) for r in classes[ci]], 0.0)
+                for r in classes[ci]:
+                    row_eq(
+                        [(where[hi, r], 1.0) for hi in range(len(homes))]
+                        + [(ends[n, ci], -1.0) for n in members if region_of[n] == r],
+                        0.0,
+                    )
+        self._count_row = len(b_eq)
+        row_eq([(col, 1.0) for col in y.values()], 0.0)  # set to k by solve()
+
+        self._cost = np.array(columns)
+        self._bounds = list(zip([0.0] * len(upper), [None if math.isinf(u) else u for u in upper],
+                                strict=True))  # fmt: skip
+        self._a_ub = _sparse(rows_ub, len(b_ub), len(columns))
+        self._b_ub = np.array(b_ub)
+        self._a_eq = _sparse(rows_eq, len(b_eq), len(columns))
+        self._b_eq = np.array(b_eq)
+
+    def solve(self, k: int) -> tuple[float, float] | None:
+        """B(k) and its slope there (the dual price of one more session); None when k
+        sessions do not fit."""
+        b_eq = self._b_eq.copy()
+        b_eq[self._count_row] = k
+        result = linprog(
+            self._cost,
+            A_ub=self._a_ub,
+            b_ub=self._b_ub,
+            A_eq=self._a_eq,
+            b_eq=b_eq,
+            bounds=self._bounds,
+            method="highs",
+        )
+        if result.status == 2:  # infeasible
+            return None
+        if result.status != 0:
+            raise RuntimeError(f"the sessions LP did not solve: {result.message}")
+        return float(result.fun), float(result.eqlin.marginals[self._count_row])
+
+
+def _bare(region: str) -> Site:
+    """A site of `region` whose access line adds nothing (clients' own lines are priced
+    apart)."""
+    return Site(region, AccessLine("none", 0.0, 1.0, 1.0))
+
+
+def _hop_charges(
+    rtt: np.ndarray, nearest: np.ndarray, region_of: np.ndarray, regions: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """What a hop n -> m costs beyond the sender's nearest-peer half RTT (charged on its
+    hop items), RTT(n, m) / 2 - nearest_n / 2, split in two parts that are never negative:
+    entering[m], the least any hop into m pays (a far node's own access line), and
+    crossing[a, b], the least a hop between regions a and b pays on top of that, either
+    way round."""
+    beyond = (rtt - nearest[:, None]) / 2
+    np.fill_diagonal(beyond, np.inf)
+    entering = np.maximum(beyond.min(axis=0), 0.0) if len(rtt) > 1 else np.zeros(len(rtt))
+    rest = beyond - entering[None, :]
+    crossing = np.zeros((regions, regions))
+    for a in range(regions):
+        for b in range(regions):
+            if a != b:
+                block = rest[np.ix_(region_of == a, region_of == b)]
+                crossing[a, b] = max(0.0, float(block.min()))
+    return entering, np.minimum(crossing, crossing.T)
+
+
+def _tree_weight(w: np.ndarray, regions: frozenset[int]) -> float:
+    """The lightest spanning tree over `regions` (Prim): the crossings a session that
+    touches all of them makes at least."""
+    members = sorted(regions)
+    if len(members) < 2:
+        return 0.0
+    inside = {members[0]}
+    total = 0.0
+    while len(inside) < len(members):
+        weight, nxt = min((w[a, b], b) for a in inside for b in members if b not in inside)
+        total += weight
+        inside.add(nxt)
+    return total
+
+
+def _sparse(entries: list[tuple[int, int, float]], rows: int, cols: int) -> coo_matrix:
+    if not entries:
+        return coo_matrix((rows, cols))
+    r, c, data = zip(*entries, strict=True)
+    return coo_matrix((data, (r, c)), shape=(rows, cols))
