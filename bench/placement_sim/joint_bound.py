@@ -53,20 +53,10 @@ from .swarm import SimNode, Swarm, handoff_s, layer_time_s, nearest_peer_s
 SOLVED_POINTS = 12  # counts of sessions at which B is solved; tangents fill the rest
 
 
-def joint_bound_tokens_per_s(
-    swarm: Swarm,
-    nodes: Sequence[SimNode],
-    caps: np.ndarray,
-    rtt: np.ndarray,
-    clients: Sequence[Site],
-    head_s: float,
-) -> float:
-    """Sum over k of 1 / (B(k) - B(k-1)) for the `clients` admission can take (at most one
-    session each); `nodes` hold layers (`caps` of them each), `rtt` their round trips in
-    seconds; `head_s`: the LM head's cheapest time per token. Infinity when the increments
-    prove nothing (not all positive)."""
-    lp = _SessionsLP(swarm, nodes, caps, rtt, clients, head_s)
-    most = len(clients)
+def joint_bound_tokens_per_s(lp: SessionsLP) -> float:
+    """Sum over k of 1 / (B(k) - B(k-1)) for up to one session per client of `lp`.
+    Infinity when the increments prove nothing (not all positive)."""
+    most = lp.clients
     points = sorted({1, most, *np.linspace(1, most, SOLVED_POINTS).round().astype(int)})
     tangents: list[tuple[int, float, float]] = []
     for k in points:
@@ -88,8 +78,11 @@ def joint_bound_tokens_per_s(
     return float((1.0 / increments).sum())
 
 
-class _SessionsLP:
-    """min total time of k sessions (module docstring), as `linprog` wants it."""
+class SessionsLP:
+    """min total time of k sessions (module docstring), as `linprog` wants it: `nodes`
+    hold layers (`caps` of them each), `rtt` their round trips in seconds; `clients`:
+    those admission can take, one session each; `head_s`: the LM head's cheapest time per
+    token."""
 
     def __init__(
         self,
@@ -101,6 +94,7 @@ class _SessionsLP:
         head_s: float,
     ) -> None:
         model, params = swarm.model, swarm.params
+        self.clients = len(clients)
         slots, n_layers = params.slots, model.num_layers
         count = len(nodes)
         regions = sorted({n.site.region for n in nodes})

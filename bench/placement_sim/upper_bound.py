@@ -89,7 +89,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from .joint_bound import joint_bound_tokens_per_s
+from .joint_bound import SessionsLP, joint_bound_tokens_per_s
 from .models import ModelShape
 from .regions import Site, rtt_ms
 from .swarm import (
@@ -179,7 +179,8 @@ def upper_bound_tokens_per_s(swarm: Swarm, clients: Sequence[Site]) -> float:
         counts = hop_increments(caps, slots, n_layers, sessions)
         variants.append(_rate_of_sorted(unshared + _batched_hop_floors(hop_items, counts)))
     # (e) Every part of a session priced together, by region (joint_bound.py).
-    variants.append(joint_bound_tokens_per_s(swarm, nodes, caps, rtt, clients[:sessions], head))
+    joint = SessionsLP(swarm, nodes, caps, rtt, clients[:sessions], head)
+    variants.append(joint_bound_tokens_per_s(joint))
     kv_bound = min(shared, *variants)
 
     ts = np.array([layer_time_s(n, model, params, slots) for n in nodes])
