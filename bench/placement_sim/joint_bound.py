@@ -12,25 +12,26 @@ with the parts tied to the same nodes and regions:
     backbone from c's region to the region where the session begins and to the one where
     it ends, and half the access lines of its first and last nodes.
   - A hop n -> m costs RTT(n, m) / 2, in three parts that are never negative: nearest_n / 2
-    (on n's hop items, below); entering[m], the least any hop into m pays beyond its
+    (with n's hand-off, below); entering[m], the least any hop into m pays beyond its
     sender's nearest half (mostly m's own access line), charged on every visit to m but a
     session's first; and crossing[a, b], what a hop between regions a and b pays on top.
     A session's crossings connect R, so they cost at least a lightest spanning tree of R.
   - Layer items (step 1 of upper_bound.py) come from nodes of R only: chunk j of node n
     holds cap_n items at t_n(j), and a class's sessions take at most cap_n items from n per
     visit, v[n, R] visits, at most `slots` visits to n in all.
-  - A visit that is not the session's last leaves n: the hops out of n, sum over R of
-    v[n, R] - e[n, R] (e: sessions ending at n, one end per session), take n's hop items
-    at the margin of its batch, nearest_n / 2 + (2j - 1) x u_n for the j-th (way (d):
-    m hops out of a node with b >= m sessions cost m x b x u_n >= m^2 x u_n).
+  - A node n serving b sessions, d of which end there, sends the b - d others on, each at
+    least nearest_n / 2 + a hand-off of the whole batch, b x u_n (u_n: one session's). The
+    LP holds each node as a mix of whole states (b sessions that all leave, or all end
+    there), which prices every whole (b, d) exactly, the cost being linear in d.
   - The LM head: the cheapest place for it at batch 1, per session.
 
 Any k real sessions are a feasible point (their classes, clients, visits, chunks in order
-of arrival, ends and hops), whose cost is at most their real total time, so B(k) is at
-most that total. B is convex in k (the optimum of an LP in its right-hand side), so its
-increments t_k = B(k) - B(k-1) are ascending, and for every k the k fastest real sessions
-take at least t_1 + ... + t_k together; 1 / x is convex and decreasing, so the real
-sum of 1 / time per token is at most the sum of 1 / t_k (step 5 of upper_bound.py).
+of arrival, where they begin and end, each node's state), whose cost is at most their
+real total time, so B(k) is at most that total. B is convex in k (the optimum of an LP in
+its right-hand side), so its increments t_k = B(k) - B(k-1) are ascending, and for every k
+the k fastest real sessions take at least t_1 + ... + t_k together; 1 / x is convex and
+decreasing, so the real sum of 1 / time per token is at most the sum of 1 / t_k (step 5
+of upper_bound.py).
 
 B is solved at a few k; the tangents there (B(k_i) plus the dual price of the session
 count times k - k_i) are below B everywhere, and so is their maximum, which is convex: its
@@ -171,10 +172,16 @@ class SessionsLP:
             for j in range(slots)
         }
         unit = [handoff_s(node, model, 1) for node in nodes]
-        hop = {
-            (n, j): var(nearest[n] / 2 + (2 * j + 1) * unit[n], 1.0)
+        # Hops out of a node with b sessions, d of which end there: b - d, each at least
+        # nearest_n / 2 + its hand-off of the whole batch (b x u_n). Whole states (b, d)
+        # price that exactly; it is linear in d, so the states (b, 0) and (b, b) span the
+        # rest: state[n, b, ends] is n serving b sessions that all leave it (ends False)
+        # or all end there (True), and n is a mix of such states.
+        states = [(b, ends) for b in range(1, slots + 1) for ends in (False, True)]
+        state = {
+            (n, b, ends): var(0.0 if ends else b * (nearest[n] / 2 + b * unit[n]), 1.0)
             for n in range(count)
-            for j in range(slots)
+            for b, ends in states
         }
 
         for n in range(count):
@@ -185,11 +192,15 @@ class SessionsLP:
                 row_ub([(z[n, ci], 1.0), (v[n, ci], -float(caps[n]))], 0.0)
                 row_ub([(e[n, ci], 1.0), (v[n, ci], -1.0)], 0.0)
                 row_ub([(first[n, ci], 1.0), (v[n, ci], -1.0)], 0.0)
-            # Every visit but a session's last hops out of n, on n's margin-priced items.
-            row_ub(
+            row_ub([(state[n, b, ends], 1.0) for b, ends in states], 1.0)
+            row_eq(
                 [(v[n, ci], 1.0) for ci in mine]
-                + [(e[n, ci], -1.0) for ci in mine]
-                + [(hop[n, j], -1.0) for j in range(slots)],
+                + [(state[n, b, ends], -float(b)) for b, ends in states],
+                0.0,
+            )
+            row_eq(
+                [(e[n, ci], 1.0) for ci in mine]
+                + [(state[n, b, True], -float(b)) for b in range(1, slots + 1)],
                 0.0,
             )
         for ci in range(len(classes)):
