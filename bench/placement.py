@@ -62,7 +62,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             "sess = sessions admitted; hops = mean hops per session; p50/p95 ms = time per "
             "token of the admitted sessions; GB/event = weights fetched per churn event; "
             "tok/s@end = served tokens/s after the churn trace; plan ms = CPU time of the "
-            "initial placement."
+            "initial placement. The 'upper bound' row is what no placement and router can "
+            "serve more than in this performance model: the least of five ways of pricing "
+            "sessions, one of them a linear program over regions, nodes and their batches "
+            "(SciPy's HiGHS; the proof is in bench/placement_sim/README.md)."
         ),
     )
     parser.add_argument(
