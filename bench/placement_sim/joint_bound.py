@@ -41,6 +41,7 @@ increments bound like B's. B(1) is solved exactly, so the first increment is pos
 from __future__ import annotations
 
 import itertools
+import logging
 import math
 from collections.abc import Sequence
 
@@ -50,6 +51,8 @@ from scipy.sparse import coo_matrix
 
 from .regions import AccessLine, Site, rtt_ms
 from .swarm import SimNode, Swarm, handoff_s, layer_time_s, nearest_peer_s
+
+log = logging.getLogger(__name__)
 
 SOLVED_POINTS = 12  # counts of sessions at which B is solved; tangents fill the rest
 
@@ -61,7 +64,11 @@ def joint_bound_tokens_per_s(lp: SessionsLP) -> float:
     points = sorted({1, most, *np.linspace(1, most, SOLVED_POINTS).round().astype(int)})
     tangents: list[tuple[int, float, float]] = []
     for k in points:
-        solved = lp.solve(k)
+        try:
+            solved = lp.solve(k)
+        except Unsolved as err:  # way (e) proves nothing here; the other ways still do
+            log.warning("%s; the bound leaves way (e) out", err)
+            return math.inf
         if solved is None:  # more sessions than the nodes can carry: the count ends here
             most = min(most, k - 1)
             break
@@ -264,8 +271,12 @@ class SessionsLP:
         if result.status == 2:  # infeasible
             return None
         if result.status != 0:
-            raise RuntimeError(f"the sessions LP did not solve: {result.message}")
+            raise Unsolved(f"the sessions LP for {k} sessions did not solve: {result.message}")
         return float(result.fun), float(result.eqlin.marginals[self._count_row])
+
+
+class Unsolved(Exception):
+    """HiGHS stopped without an optimum (an iteration limit, numerical trouble)."""
 
 
 def _bare(region: str) -> Site:

@@ -1,9 +1,12 @@
 """The performance model on examples small enough to check by hand."""
 
+import math
 from dataclasses import replace
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
+from placement_sim import joint_bound
 from placement_sim.parallax import ParallaxSystem
 from placement_sim.petals_greedy import PetalsSystem
 from placement_sim.serving import saturate, throughput_of
@@ -209,6 +212,19 @@ def test_the_joint_bound_keeps_each_session_in_the_regions_it_uses():
     for system in (TesseraSystem(s, replicas=2), ParallaxSystem(s), PetalsSystem(s, seed=1)):
         system.start()
         assert saturate(system, clients).tokens_per_s <= bound, system.name
+
+
+def test_an_lp_that_does_not_solve_leaves_way_e_out(monkeypatch, caplog):
+    # HiGHS stopping without an optimum must not take the benchmark down: way (e) proves
+    # nothing then, and the bound is the least of the other ways.
+    s = swarm(node("a", gpu=gpu_holding(2.5)), node("b", gpu=gpu_holding(2.5)),
+              model=toy_model(4))  # fmt: skip
+    with_e = upper_bound_tokens_per_s(s, [HOME] * 10)
+    failed = SimpleNamespace(status=4, message="Numerical difficulties encountered")
+    monkeypatch.setattr(joint_bound, "linprog", lambda *args, **kwargs: failed)
+    without = upper_bound_tokens_per_s(s, [HOME] * 10)
+    assert math.isfinite(without) and without > with_e
+    assert "did not solve: Numerical difficulties" in caplog.text
 
 
 def test_the_bound_holds_for_nodes_that_each_serve_sessions_alone():
