@@ -247,8 +247,7 @@ class SessionsLP:
         row_eq([(col, 1.0) for col in y.values()], 0.0)  # set to k by solve()
 
         self._cost = np.array(columns)
-        self._bounds = list(zip([0.0] * len(upper), [None if math.isinf(u) else u for u in upper],
-                                strict=True))  # fmt: skip
+        self._bounds = [(0.0, None if math.isinf(top) else top) for top in upper]
         self._a_ub = _sparse(rows_ub, len(b_ub), len(columns))
         self._b_ub = np.array(b_ub)
         self._a_eq = _sparse(rows_eq, len(b_eq), len(columns))
