@@ -76,10 +76,9 @@ network impose, and bound what is left. The argument, step by step (README.md re
  6. Compute: node n never runs more than slots / t_n(slots) layer-tokens per second, so
     tokens/s <= sum over nodes of that / L.
 The bound is the smaller of 5 and 6. What it still ignores: the memory of the embedding
-and the LM head, that ranges must be contiguous and chain, that a hand-off carries the
-node's whole batch and not only the sessions that leave it (sessions that end on a node
-lighten the margins way (d) and (e) charge it), and that sessions and visits come whole
-(the LP of way (e) splits them).
+and the LM head, that ranges must be contiguous and chain, and that sessions, visits and
+nodes' states come whole (the LP of way (e) splits them into fractions; way (d) prices a
+node's hand-offs at the margin of its batch).
 """
 
 from __future__ import annotations
