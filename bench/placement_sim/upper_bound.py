@@ -21,7 +21,7 @@ network impose, and bound what is left. The argument, step by step (README.md re
     kappa[n, j] = s_n(j) - min over admissible clients c of (RTT(c, n) - RTT(c, nearest)) / 2.
     So a session's time per token is >= 2 x RTT(c, nearest) / 2 + h + (its L items) - its
     credit, and the credits of different sessions are different chunks' (a chunk serves one
-    session). Three ways to charge, each valid; the bound is the least of them:
+    session). Five ways to charge, each valid; the bound is the least of them:
       (a) s_n = d_n(1) in every chunk, and every session takes the largest credit its own
           client could see: floor f_c = min_n RTT(c, n) / 2 + min_n (RTT(c, n) / 2 - d_n(1)).
       (b) s_n(j) = d_n(min(j, J)) - delta for J = 1..slots and delta in {0, min_n d_n(1)},
@@ -136,7 +136,7 @@ def upper_bound_tokens_per_s(swarm: Swarm, clients: Sequence[Site]) -> float:
     head = min(
         client_head_time_s(model, params), min(head_time_s(n, model, params, 1) for n in nodes)
     )
-    # Three valid ways to take d_last back (step 3); the bound is the least of them.
+    # Five valid ways of charging (step 3), (a)-(c) taking d_last back; the least binds.
     # Credit kappa[n, j]: what a session ending on n in chunk j gets back at most, over
     # every client admission can take (its last leg beyond the nearest node's pays part).
     kappa = leave - (to_node - nearest_leg[:, None]).min(axis=0)[:, None]
