@@ -19,11 +19,17 @@ with the parts tied to the same nodes and regions:
   - Layer items (step 1 of upper_bound.py) come from nodes of R only: chunk j of node n
     holds cap_n items at t_n(j), and a class's sessions take at most cap_n items from n per
     visit, v[n, R] visits, at most `slots` visits to n in all.
+  - Visits come whole: a session's visits hold >= L layers between them, so for any grain
+    g their capacities in grains, rounded up, add up to >= ceil(L / g). Without that a
+    session could make 6.67 visits of 12 layers for 80, where it makes 7, and so hop less
+    and leave slots for more sessions.
   - A node n serving b sessions, d of which end there, sends the b - d others on, each at
     least nearest_n / 2 + a hand-off of the whole batch, b x u_n (u_n: one session's). The
     LP holds each node as a mix of whole states (b sessions that all leave, or all end
     there), which prices every whole (b, d) exactly, the cost being linear in d.
-  - The LM head: the cheapest place for it at batch 1, per session.
+  - The LM head runs on the client's CPU, or on the GPU of the node where the session ends
+    (at that node's batch-1 time at least), which then holds it in memory: that visit's
+    layers are at most what the node holds next to the head.
 
 Any k real sessions are a feasible point (their classes, clients, visits, chunks in order
 of arrival, where they begin and end, each node's state), whose cost is at most their
@@ -50,7 +56,15 @@ from scipy.optimize import linprog
 from scipy.sparse import coo_matrix
 
 from .regions import AccessLine, Site, rtt_ms
-from .swarm import SimNode, Swarm, handoff_s, layer_time_s, nearest_peer_s
+from .swarm import (
+    Swarm,
+    client_head_time_s,
+    handoff_s,
+    head_time_s,
+    layer_capacity,
+    layer_time_s,
+    nearest_peer_s,
+)
 
 log = logging.getLogger(__name__)
 
@@ -87,21 +101,16 @@ def joint_bound_tokens_per_s(lp: SessionsLP) -> float:
 
 
 class SessionsLP:
-    """min total time of k sessions (module docstring), as `linprog` wants it: `nodes`
-    hold layers (`caps` of them each), `rtt` their round trips in seconds; `clients`:
-    those admission can take, one session each; `head_s`: the LM head's cheapest time per
-    token."""
+    """min total time of k sessions (module docstring), as `linprog` wants it, over the
+    swarm's nodes that hold a layer; `clients`: those admission can take, one session
+    each."""
 
-    def __init__(
-        self,
-        swarm: Swarm,
-        nodes: Sequence[SimNode],
-        caps: np.ndarray,
-        rtt: np.ndarray,
-        clients: Sequence[Site],
-        head_s: float,
-    ) -> None:
+    def __init__(self, swarm: Swarm, clients: Sequence[Site]) -> None:
         model, params = swarm.model, swarm.params
+        nodes = [n for n in swarm.nodes.values() if layer_capacity(n, model, params) > 0]
+        caps = [layer_capacity(n, model, params) for n in nodes]
+        at = [swarm.index[n.node_id] for n in nodes]
+        rtt = swarm.rtt_ms[np.ix_(at, at)] / 1000.0
         self.clients = len(clients)
         slots, n_layers = params.slots, model.num_layers
         count = len(nodes)
@@ -150,7 +159,7 @@ class SessionsLP:
         # R from clients of region h.
         u = [var(c.access.rtt_ms / 1000.0, 1.0) for c in clients]
         y = {
-            (hi, ci): var(_tree_weight(crossing, cls) + head_s)
+            (hi, ci): var(_tree_weight(crossing, cls) + client_head_time_s(model, params))
             for hi in range(len(homes))
             for ci, cls in enumerate(classes)
         }
@@ -179,6 +188,17 @@ class SessionsLP:
             for j in range(slots)
         }
         unit = [handoff_s(node, model, 1) for node in nodes]
+        # h[n, ci]: ends on n that run the LM head on n's GPU, not the client's CPU (what y
+        # pays); only where n holds the head at all, its layers then at most head_caps[n].
+        client_head = client_head_time_s(model, params)
+        head_bytes = model.head_params * 2
+        head_caps = [layer_capacity(node, model, params, head_bytes) for node in nodes]
+        h = {
+            (n, ci): var(head_time_s(nodes[n], model, params, 1) - client_head)
+            for n in range(count)
+            if nodes[n].budget_bytes >= head_bytes
+            for ci in node_classes[n]
+        }
         # Hops out of a node with b sessions, d of which end there: b - d, each at least
         # nearest_n / 2 + its hand-off of the whole batch (b x u_n). Whole states (b, d)
         # price that exactly; it is linear in d, so the states (b, 0) and (b, b) span the
@@ -195,10 +215,13 @@ class SessionsLP:
             mine = node_classes[n]
             row_ub([(v[n, ci], 1.0) for ci in mine], float(slots))
             row_eq([(z[n, ci], 1.0) for ci in mine] + [(q[n, j], -1.0) for j in range(slots)], 0.0)
-            for ci in mine:  # at most cap_n items a visit; ends are visits
-                row_ub([(z[n, ci], 1.0), (v[n, ci], -float(caps[n]))], 0.0)
-                row_ub([(e[n, ci], 1.0), (v[n, ci], -1.0)], 0.0)
+            for ci in mine:  # at most cap_n items a visit (fewer next to the head)
+                lost = [(h[n, ci], float(caps[n] - head_caps[n]))] if (n, ci) in h else []
+                row_ub([(z[n, ci], 1.0), (v[n, ci], -float(caps[n])), *lost], 0.0)
+                row_ub([(e[n, ci], 1.0), (v[n, ci], -1.0)], 0.0)  # ends are visits
                 row_ub([(first[n, ci], 1.0), (v[n, ci], -1.0)], 0.0)
+                if (n, ci) in h:
+                    row_ub([(h[n, ci], 1.0), (e[n, ci], -1.0)], 0.0)
             row_ub([(state[n, b, ends], 1.0) for b, ends in states], 1.0)
             row_eq(
                 [(v[n, ci], 1.0) for ci in mine]
@@ -219,6 +242,22 @@ class SessionsLP:
                 + [(z[n, ci], -1.0) for n in members],
                 0.0,
             )
+            # ...in whole visits: a session's visits hold >= L layers between them, so for
+            # any grain g their caps in grains, rounded up, add up to >= ceil(L / g) (the
+            # fractional rows above let a session on 12-layer nodes make 6.67 visits of 80
+            # layers, where it makes 7)...
+            kinds = [caps[n] for n in members] + [head_caps[n] for n in members]
+            for need, grains in _whole_visit_cuts(kinds, n_layers):
+                row_ub(
+                    [(col, float(need)) for col, _ in sessions]
+                    + [(v[n, ci], -float(grains[caps[n]])) for n in members]
+                    + [
+                        (h[n, ci], float(grains[caps[n]] - grains[head_caps[n]]))
+                        for n in members
+                        if (n, ci) in h
+                    ],
+                    0.0,
+                )
             # ...visit each of them (the class is the regions a session touches)...
             for r in classes[ci]:
                 row_ub(
@@ -265,7 +304,7 @@ class SessionsLP:
             A_eq=self._a_eq,
             b_eq=b_eq,
             bounds=self._bounds,
-            method="highs",
+            method="highs-ipm",
         )
         if result.status == 2:  # infeasible
             return None
@@ -303,6 +342,26 @@ def _hop_charges(
                 block = rest[np.ix_(region_of == a, region_of == b)]
                 crossing[a, b] = max(0.0, float(block.min()))
     return entering, np.minimum(crossing, crossing.T)
+
+
+def _whole_visit_cuts(caps: Sequence[int], n_layers: int) -> list[tuple[int, dict[int, int]]]:
+    """Rounding cuts for sessions that need `n_layers` from visits of `caps` layers each:
+    for a grain g, sum over visits of ceil(cap / g) >= ceil(sum of caps / g) >=
+    ceil(L / g). One (ceil(L / g), {cap: ceil(cap / g)}) per distinct row, for g = 1 up to
+    the largest cap (above it every cap is one grain and the need only falls)."""
+    kinds = sorted(set(caps))
+    rows: dict[tuple[float, ...], tuple[int, dict[int, int]]] = {}
+    for g in range(1, max(max(kinds), 1) + 1):
+        need = -(-n_layers // g)
+        grains = {c: -(-c // g) for c in kinds}
+        # What each cap counts for, in layers: a row is implied by one that counts every
+        # cap for no more, so only the least ones are kept.
+        rows.setdefault(tuple(grains[c] * n_layers / need for c in kinds), (need, grains))
+    return [
+        row
+        for worth, row in rows.items()
+        if not any(other != worth and all(map(float.__le__, other, worth)) for other in rows)
+    ]
 
 
 def _tree_weight(w: np.ndarray, regions: frozenset[int]) -> float:

@@ -76,9 +76,10 @@ network impose, and bound what is left. The argument, step by step (README.md re
  6. Compute: node n never runs more than slots / t_n(slots) layer-tokens per second, so
     tokens/s <= sum over nodes of that / L.
 The bound is the smaller of 5 and 6. What it still ignores: the memory of the embedding
-and the LM head, that ranges must be contiguous and chain, and that sessions, visits and
-nodes' states come whole (the LP of way (e) splits them into fractions; way (d) prices a
-node's hand-offs at the margin of its batch).
+(a client can look its tokens up itself), that ranges must be contiguous and chain, and
+that sessions and nodes' states come whole (the LP of way (e) splits them into fractions,
+though it counts whole visits and the LM head's memory; way (d) prices a node's hand-offs
+at the margin of its batch).
 """
 
 from __future__ import annotations
@@ -178,7 +179,7 @@ def upper_bound_tokens_per_s(swarm: Swarm, clients: Sequence[Site]) -> float:
         counts = hop_increments(caps, slots, n_layers, sessions)
         variants.append(_rate_of_sorted(unshared + _batched_hop_floors(hop_items, counts)))
     # (e) Every part of a session priced together, by region (joint_bound.py).
-    joint = SessionsLP(swarm, nodes, caps, rtt, clients[:sessions], head)
+    joint = SessionsLP(swarm, clients[:sessions])
     variants.append(joint_bound_tokens_per_s(joint))
     kv_bound = min(shared, *variants)
 

@@ -196,14 +196,15 @@ def test_the_joint_bound_keeps_each_session_in_the_regions_it_uses():
     def layer(batch: int, gbps: float = 100.0) -> float:
         return (WEIGHTS + batch * KV_PER_SESSION) / (gbps * 1e9)
 
-    head = HEAD_BYTES / 1e12  # on the fast node: the cheapest place at batch 1
-    # Sessions 1-8 on a or b alone (4 slots each): 20 ms there and back, no hop.
-    home = [0.020 + 4 * layer(j) + head for j in (1, 1, 2, 2, 3, 3, 4, 4)]
+    # Sessions 1-8 on a or b alone (4 slots each): 20 ms there and back, no hop, and the
+    # LM head on the node they end on (the client's CPU is slower).
+    home = [0.020 + 4 * layer(j) + HEAD for j in (1, 1, 2, 2, 3, 3, 4, 4)]
     # Sessions 9-12 on the fast node: 160 ms there and back (150 ms backbone + two lines).
-    asia = [0.160 + 4 * layer(j, 1000.0) + head for j in range(1, 5)]
+    fast_head = HEAD_BYTES / 1e12
+    asia = [0.160 + 4 * layer(j, 1000.0) + fast_head for j in range(1, 5)]
     assert bound == pytest.approx(sum(1 / t for t in home + asia), rel=1e-6)
     # Priced apart, four sessions had the fast node's layers at the home round trip.
-    apart = sum(1 / (0.020 + 4 * layer(j, 1000.0) + head) for j in range(1, 5))
+    apart = sum(1 / (0.020 + 4 * layer(j, 1000.0) + fast_head) for j in range(1, 5))
     assert bound < 0.75 * (apart + sum(1 / t for t in home))
     # What the best routes really serve: every node at batch 4.
     routes = [(HOME, [Hop(n, 0, 4)]) for n in "ab" * 4] + [(HOME, [Hop("f", 0, 4)])] * 4
@@ -212,6 +213,32 @@ def test_the_joint_bound_keeps_each_session_in_the_regions_it_uses():
     for system in (TesseraSystem(s, replicas=2), ParallaxSystem(s), PetalsSystem(s, seed=1)):
         system.start()
         assert saturate(system, clients).tokens_per_s <= bound, system.name
+
+
+def test_the_joint_bound_counts_whole_visits():
+    # Nodes that hold 3 of 4 layers: a session visits two of them and hops once. The LP's
+    # items alone would let it make 4/3 visits (a third of a hop).
+    s = swarm(*(node(n, gpu=gpu_holding(3.5)) for n in "abc"))
+    assert [s.capacity(n) for n in "abc"] == [3, 3, 3]
+    lp = joint_bound.SessionsLP(s, [HOME])
+    hop = 0.020 / 2 + handoff_s(s.nodes["a"], TOY, 1)
+    one = 0.020 + hop + 4 * layer_time_s(s.nodes["a"], TOY, EXACT, 1) + HEAD
+    assert lp.solve(1)[0] == pytest.approx(one, rel=1e-9)
+
+
+def test_the_joint_bound_leaves_room_for_the_lm_head():
+    # Each node holds the 4 layers, but only 3 next to the LM head: a session on one node
+    # runs the head on its client's CPU; one on the GPU head would need a second node.
+    s = swarm(*(node(n, gpu=gpu_holding(4.03)) for n in "ab"))
+    assert s.capacity("a") == 4 and s.capacity("a", HEAD_BYTES) == 3
+    lp = joint_bound.SessionsLP(s, [HOME])
+    one = 0.020 + 4 * layer_time_s(s.nodes["a"], TOY, EXACT, 1) + CLIENT_HEAD
+    assert lp.solve(1)[0] == pytest.approx(one, rel=1e-9)
+    # With room for the head too, the session takes the faster GPU head.
+    roomy = swarm(*(node(n, gpu=gpu_holding(4.5)) for n in "ab"))
+    assert joint_bound.SessionsLP(roomy, [HOME]).solve(1)[0] == pytest.approx(
+        one - CLIENT_HEAD + HEAD, rel=1e-9
+    )
 
 
 def test_an_lp_that_does_not_solve_leaves_way_e_out(monkeypatch, caplog):
