@@ -16,9 +16,10 @@ with the parts tied to the same nodes and regions:
     sender's nearest half (mostly m's own access line), charged on every visit to m but a
     session's first; and crossing[a, b], what a hop between regions a and b pays on top.
     A session's crossings connect R, so they cost at least a lightest spanning tree of R.
-  - Layer items (step 1 of upper_bound.py) come from nodes of R only: chunk j of node n
-    holds cap_n items at t_n(j), and a class's sessions take at most cap_n items from n per
-    visit, v[n, R] visits, at most `slots` visits to n in all.
+  - Layer items (step 1 of upper_bound.py) come from nodes of R only: a class's sessions
+    take at most cap_n items from n per visit, v[n, R] visits, at most `slots` visits to n
+    in all; a node serving b sessions runs every item at t_n(b), its whole batch's layer
+    time (step 1 charges a session only t_n(j) for its place j in the batch).
   - Visits come whole: a session's visits hold >= L layers between them, so for any grain
     g their capacities in grains, rounded up, add up to >= ceil(L / g). Without that a
     session could make 6.67 visits of 12 layers for 80, where it makes 7, and so hop less
@@ -26,7 +27,8 @@ with the parts tied to the same nodes and regions:
   - A node n serving b sessions, d of which end there, sends the b - d others on, each at
     least nearest_n / 2 + a hand-off of the whole batch, b x u_n (u_n: one session's). The
     LP holds each node as a mix of whole states (b sessions that all leave, or all end
-    there), which prices every whole (b, d) exactly, the cost being linear in d.
+    there), which prices every whole (b, d) exactly, the cost being linear in d; a state
+    of b sessions runs at most b x cap_n items, at t_n(b).
   - The LM head runs on the client's CPU, or on the GPU of the node where the session ends
     (at that node's batch-1 time at least), which then holds it in memory: that visit's
     layers are at most what the node holds next to the head.
@@ -180,12 +182,12 @@ class SessionsLP:
             for ci in node_classes[n]
         }
         z = {(n, ci): var(0.0) for n in range(count) for ci in node_classes[n]}
-        # q[n, j]: items of chunk j of n in use, at the layer time of batch j + 1; the
-        # cheaper chunks fill first, whichever classes take the items.
-        q = {
-            (n, j): var(layer_time_s(nodes[n], model, params, j + 1), float(caps[n]))
+        # w[n, b]: items n runs while it serves b sessions, each at the layer time of its
+        # whole batch (at most cap_n a session: the state rows below).
+        w = {
+            (n, b): var(layer_time_s(nodes[n], model, params, b))
             for n in range(count)
-            for j in range(slots)
+            for b in range(1, slots + 1)
         }
         unit = [handoff_s(node, model, 1) for node in nodes]
         # h[n, ci]: ends on n that run the LM head on n's GPU, not the client's CPU (what y
@@ -214,7 +216,16 @@ class SessionsLP:
         for n in range(count):
             mine = node_classes[n]
             row_ub([(v[n, ci], 1.0) for ci in mine], float(slots))
-            row_eq([(z[n, ci], 1.0) for ci in mine] + [(q[n, j], -1.0) for j in range(slots)], 0.0)
+            row_eq(
+                [(z[n, ci], 1.0) for ci in mine] + [(w[n, b], -1.0) for b in range(1, slots + 1)],
+                0.0,
+            )
+            for b in range(1, slots + 1):
+                row_ub(
+                    [(w[n, b], 1.0)]
+                    + [(state[n, b, ends], -float(b * caps[n])) for ends in (False, True)],
+                    0.0,
+                )
             for ci in mine:  # at most cap_n items a visit (fewer next to the head)
                 lost = [(h[n, ci], float(caps[n] - head_caps[n]))] if (n, ci) in h else []
                 row_ub([(z[n, ci], 1.0), (v[n, ci], -float(caps[n])), *lost], 0.0)

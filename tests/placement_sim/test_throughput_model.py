@@ -97,14 +97,14 @@ def test_admission_stops_when_a_node_on_the_route_has_no_free_slot():
 def test_upper_bound_by_hand_for_one_node_that_holds_everything():
     s = swarm(node("a"))
 
-    # One node, no hops. The j-th of its 4 slots serves a session that pays at least the
-    # layer time at batch j on its 4 layers; floor = the client's 20 ms round trip + the head
-    # at batch 1 on the node (cheaper than on the client's CPU).
+    # One node, no hops. k sessions on it take k x (floor + 4 layers at batch k) together,
+    # so the k-th adds floor + 4 x (k t(k) - (k-1) t(k-1)); floor = the client's 20 ms
+    # round trip + the head at batch 1 on the node (cheaper than on the client's CPU).
     def layer(batch: int) -> float:
         return (WEIGHTS + batch * KV_PER_SESSION) / 1e11
 
     floor = 0.020 + HEAD
-    expected = sum(1 / (floor + 4 * layer(j)) for j in range(1, 5))
+    expected = sum(1 / (floor + 4 * (k * layer(k) - (k - 1) * layer(k - 1))) for k in range(1, 5))
     assert upper_bound_tokens_per_s(s, [HOME] * 10) == pytest.approx(expected)
     # Each client is one session: one client, one slot's worth.
     assert upper_bound_tokens_per_s(s, [HOME]) == pytest.approx(1 / (floor + 4 * layer(1)))
@@ -196,12 +196,16 @@ def test_the_joint_bound_keeps_each_session_in_the_regions_it_uses():
     def layer(batch: int, gbps: float = 100.0) -> float:
         return (WEIGHTS + batch * KV_PER_SESSION) / (gbps * 1e9)
 
+    def added(k: int, gbps: float = 100.0) -> float:
+        """What a node's k-th session adds to its sessions' layer time: all run at batch k."""
+        return 4 * (k * layer(k, gbps) - (k - 1) * layer(k - 1, gbps))
+
     # Sessions 1-8 on a or b alone (4 slots each): 20 ms there and back, no hop, and the
     # LM head on the node they end on (the client's CPU is slower).
-    home = [0.020 + 4 * layer(j) + HEAD for j in (1, 1, 2, 2, 3, 3, 4, 4)]
+    home = [0.020 + added(k) + HEAD for k in (1, 1, 2, 2, 3, 3, 4, 4)]
     # Sessions 9-12 on the fast node: 160 ms there and back (150 ms backbone + two lines).
     fast_head = HEAD_BYTES / 1e12
-    asia = [0.160 + 4 * layer(j, 1000.0) + fast_head for j in range(1, 5)]
+    asia = [0.160 + added(k, 1000.0) + fast_head for k in range(1, 5)]
     assert bound == pytest.approx(sum(1 / t for t in home + asia), rel=1e-6)
     # Priced apart, four sessions had the fast node's layers at the home round trip.
     apart = sum(1 / (0.020 + 4 * layer(j, 1000.0) + fast_head) for j in range(1, 5))
