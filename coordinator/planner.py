@@ -510,6 +510,9 @@ def _candidate(model: ModelSpec, node: NodeSpec, used: int) -> _Cand | None:
     )
 
 
+Chain = list[tuple[_Cand, int, int]]  # members in order, with their layers [start, end)
+
+
 def _pick_ends(members: Sequence[_Cand]) -> tuple[int, int]:
     """Indices of the members that hold the embedding and the LM head: the pair that loses
     the fewest layers to them (a node with spare room, or one clipped at L, loses none).
@@ -527,11 +530,30 @@ def _pick_ends(members: Sequence[_Cand]) -> tuple[int, int]:
     return by_f[1], by_l[0]
 
 
-def _ends(members: Sequence[_Cand]) -> tuple[list[_Cand], list[int]]:
-    """Members in chain order with the layers each has room for."""
+def _end_pairs(members: Sequence[_Cand]) -> list[tuple[int, int]]:
+    """Candidate (first, last) ends: the pair that loses the fewest layers, and the pair
+    that puts the slowest uploader last when another member is last there. The last
+    member hands nothing on, so on a chain with room to spare a slow uplink at the end
+    saves every session its hand-off (at 7B a batch of 8 on DSL is 52 ms a token)."""
+    if len(members) == 1:
+        return [(0, 0)]
+    f, last = _pick_ends(members)
+    pairs = [(f, last)]
+    slow = max(range(len(members)), key=lambda i: (members[i].send_s, members[i].node_id))
+    if members[slow].send_s > members[last].send_s:
+        first = min(
+            (i for i in range(len(members)) if i != slow),
+            key=lambda i: (members[i].mid - members[i].first, members[i].send_s, i),
+        )
+        pairs.append((first, slow))
+    return pairs
+
+
+def _ends(members: Sequence[_Cand], f: int, last: int) -> tuple[list[_Cand], list[int]]:
+    """Members in chain order, `f` first and `last` last, with the layers each has room
+    for."""
     if len(members) == 1:
         return list(members), [members[0].both]
-    f, last = _pick_ends(members)
     middle = [c for i, c in enumerate(members) if i not in (f, last)]
     return (
         [members[f], *middle, members[last]],
@@ -551,12 +573,27 @@ def _cover(model: ModelSpec, members: Sequence[_Cand]) -> int:
 
 
 def _chain(model: ModelSpec, members: Sequence[_Cand]) -> list[tuple[_Cand, int, int]] | None:
-    """Give the members layers, fastest first; None if they cannot cover [0, L).
+    """Give the members layers, fastest first, between the ends of `_end_pairs` that make
+    the faster chain; None if they cannot cover [0, L).
 
     Middle members left without a layer are dropped from the chain.
     """
+    best: Chain | None = None
+    for f, last in _end_pairs(members):
+        chain = _layered(model, *_ends(members, f, last))
+        if chain is None:
+            continue
+        if best is None or (
+            len(chain) == len(best) and _chain_seconds(model, chain) < _chain_seconds(model, best)
+        ):
+            best = chain
+    return best
+
+
+def _layered(model: ModelSpec, chain: list[_Cand], caps: list[int]) -> Chain | None:
+    """Layers for a chain in order, fastest member first up to its room; None if they do
+    not cover [0, L)."""
     n_layers = model.num_layers
-    chain, caps = _ends(members)
     if sum(caps) < n_layers or caps[0] < 1 or caps[-1] < 1:
         return None
     sizes = [0] * len(chain)
@@ -569,7 +606,7 @@ def _chain(model: ModelSpec, members: Sequence[_Cand]) -> list[tuple[_Cand, int,
         left -= take
     if left > 0:
         return None
-    out: list[tuple[_Cand, int, int]] = []
+    out: Chain = []
     start = 0
     for cand, size in zip(chain, sizes, strict=True):
         if size:
@@ -624,9 +661,6 @@ def _bin_cover(
                 total += c.mid
         pipelines.append(chain)
     return pipelines, pool
-
-
-Chain = list[tuple[_Cand, int, int]]
 
 
 def _chain_seconds(model: ModelSpec, chain: Chain) -> float:

@@ -258,3 +258,15 @@ def test_every_pipeline_meets_the_latency_bound_unless_none_can(nodes, bound):
     times = latencies(model, p, nodes)
     if len(times) > 1 or (times and min(latencies(MODEL, free, nodes)) <= bound):
         assert max(times) <= bound * (1 + 1e-9)
+
+
+def test_a_slow_uploader_goes_last_when_the_chain_has_room_for_it():
+    # The last member hands nothing on. The roomy node loses no layer to the LM head and
+    # the small one loses 5, so "fewest layers lost" puts the roomy one last and makes the
+    # 10 Mb/s node send every token on; with 35 layers of room for 24 the slow one ends.
+    model = replace(MODEL, head_params=8_000_000, hidden_size=4096)
+    roomy = replace(node(0, 0.1), dtype_bytes=2, upload_mbps=300.0)
+    small = replace(node(1, 0.0553), dtype_bytes=2, upload_mbps=10.0)
+    p = plan([model], [roomy, small])[model.name]
+    assert p.pipelines == [("n00", "n01")]
+    assert p.holders["n01"].end == model.num_layers
