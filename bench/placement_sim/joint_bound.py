@@ -23,7 +23,11 @@ with the parts tied to the same nodes and regions:
   - Visits come whole: a session's visits hold >= L layers between them, so for any grain
     g their capacities in grains, rounded up, add up to >= ceil(L / g). Without that a
     session could make 6.67 visits of 12 layers for 80, where it makes 7, and so hop less
-    and leave slots for more sessions.
+    and leave slots for more sessions. Where they are few enough (`_covers`), the LP also
+    picks for each session a minimal cover (its end, with the head or not, and the
+    capacities of its other visits; at 70B, 5 x 12 + 11 next to the head + 8 is 79, so a
+    session that uses an 8-layer card makes 8 visits), and the class visits each kind of
+    node at least as often as its sessions' covers say.
   - A node n serving b sessions, d of which end there, sends the b - d others on, each at
     least nearest_n / 2 + a hand-off of the whole batch, b x u_n (u_n: one session's). The
     LP holds each node as a mix of whole states (b sessions that all leave, or all end
@@ -33,8 +37,8 @@ with the parts tied to the same nodes and regions:
     (at that node's batch-1 time at least), which then holds it in memory: that visit's
     layers are at most what the node holds next to the head.
 
-Any k real sessions are a feasible point (their classes, clients, visits, chunks in order
-of arrival, where they begin and end, each node's state), whose cost is at most their
+Any k real sessions are a feasible point (their classes, clients, visits, covers, items,
+where they begin and end and run the head, each node's state), whose cost is at most their
 real total time, so B(k) is at most that total. B is convex in k (the optimum of an LP in
 its right-hand side), so its increments t_k = B(k) - B(k-1) are ascending, and for every k
 the k fastest real sessions take at least t_1 + ... + t_k together; 1 / x is convex and
@@ -48,10 +52,12 @@ increments bound like B's. B(1) is solved exactly, so the first increment is pos
 
 from __future__ import annotations
 
+import bisect
 import itertools
 import logging
 import math
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import numpy as np
 from scipy.optimize import linprog
@@ -135,27 +141,8 @@ class SessionsLP:
         homes = sorted(set(home))
         backbone = np.array([[rtt_ms(_bare(h), _bare(r)) for r in regions] for h in homes])
 
-        columns: list[float] = []  # cost of each variable
-        upper: list[float] = []  # its upper bound (inf: none)
-        rows_ub: list[tuple[int, int, float]] = []  # (row, column, coefficient)
-        b_ub: list[float] = []
-        rows_eq: list[tuple[int, int, float]] = []
-        b_eq: list[float] = []
-
-        def var(cost: float, bound: float = math.inf) -> int:
-            columns.append(cost)
-            upper.append(bound)
-            return len(columns) - 1
-
-        def row_ub(terms: list[tuple[int, float]], rhs: float) -> None:
-            r = len(b_ub)
-            rows_ub.extend((r, col, coef) for col, coef in terms)
-            b_ub.append(rhs)
-
-        def row_eq(terms: list[tuple[int, float]], rhs: float) -> None:
-            r = len(b_eq)
-            rows_eq.extend((r, col, coef) for col, coef in terms)
-            b_eq.append(rhs)
+        lp = self._lp = _Program()
+        var, row_ub, row_eq = lp.var, lp.row_ub, lp.row_eq
 
         # u[c]: client c is served (its access line, both legs); y[h, R]: sessions of class
         # R from clients of region h.
@@ -253,22 +240,13 @@ class SessionsLP:
                 + [(z[n, ci], -1.0) for n in members],
                 0.0,
             )
-            # ...in whole visits: a session's visits hold >= L layers between them, so for
-            # any grain g their caps in grains, rounded up, add up to >= ceil(L / g) (the
-            # fractional rows above let a session on 12-layer nodes make 6.67 visits of 80
-            # layers, where it makes 7)...
-            kinds = [caps[n] for n in members] + [head_caps[n] for n in members]
-            for need, grains in _whole_visit_cuts(kinds, n_layers):
-                row_ub(
-                    [(col, float(need)) for col, _ in sessions]
-                    + [(v[n, ci], -float(grains[caps[n]])) for n in members]
-                    + [
-                        (h[n, ci], float(grains[caps[n]] - grains[head_caps[n]]))
-                        for n in members
-                        if (n, ci) in h
-                    ],
-                    0.0,
-                )
+            # ...in whole visits...
+            _whole_visits(
+                lp,
+                [col for col, _ in sessions],
+                [(v[n, ci], h.get((n, ci)), caps[n], head_caps[n]) for n in members],
+                n_layers,
+            )
             # ...visit each of them (the class is the regions a session touches)...
             for r in classes[ci]:
                 row_ub(
@@ -293,28 +271,23 @@ class SessionsLP:
                         + [(ends[n, ci], -1.0) for n in members if region_of[n] == r],
                         0.0,
                     )
-        self._count_row = len(b_eq)
+        self._count_row = len(lp.b_eq)
         row_eq([(col, 1.0) for col in y.values()], 0.0)  # set to k by solve()
-
-        self._cost = np.array(columns)
-        self._bounds = [(0.0, None if math.isinf(top) else top) for top in upper]
-        self._a_ub = _sparse(rows_ub, len(b_ub), len(columns))
-        self._b_ub = np.array(b_ub)
-        self._a_eq = _sparse(rows_eq, len(b_eq), len(columns))
-        self._b_eq = np.array(b_eq)
+        self._a_ub, self._a_eq = lp.matrices()
 
     def solve(self, k: int) -> tuple[float, float] | None:
         """B(k) and its slope there (the dual price of one more session); None when k
         sessions do not fit."""
-        b_eq = self._b_eq.copy()
+        lp = self._lp
+        b_eq = np.array(lp.b_eq)
         b_eq[self._count_row] = k
         result = linprog(
-            self._cost,
+            lp.costs,
             A_ub=self._a_ub,
-            b_ub=self._b_ub,
+            b_ub=lp.b_ub,
             A_eq=self._a_eq,
             b_eq=b_eq,
-            bounds=self._bounds,
+            bounds=[(0.0, None if math.isinf(top) else top) for top in lp.upper],
             method="highs-ipm",
         )
         if result.status == 2:  # infeasible
@@ -322,6 +295,92 @@ class SessionsLP:
         if result.status != 0:
             raise Unsolved(f"the sessions LP for {k} sessions did not solve: {result.message}")
         return float(result.fun), float(result.eqlin.marginals[self._count_row])
+
+
+class _Program:
+    """A linear program built a variable and a row at a time: min costs . x, rows of
+    (column, coefficient) terms, 0 <= x <= upper."""
+
+    def __init__(self) -> None:
+        self.costs: list[float] = []
+        self.upper: list[float] = []  # inf: none
+        self.rows_ub: list[tuple[int, int, float]] = []  # (row, column, coefficient)
+        self.b_ub: list[float] = []
+        self.rows_eq: list[tuple[int, int, float]] = []
+        self.b_eq: list[float] = []
+
+    def var(self, cost: float, bound: float = math.inf) -> int:
+        self.costs.append(cost)
+        self.upper.append(bound)
+        return len(self.costs) - 1
+
+    def row_ub(self, terms: list[tuple[int, float]], rhs: float) -> None:
+        """sum of terms <= rhs"""
+        row = len(self.b_ub)
+        self.rows_ub.extend((row, col, coef) for col, coef in terms)
+        self.b_ub.append(rhs)
+
+    def row_eq(self, terms: list[tuple[int, float]], rhs: float) -> None:
+        """sum of terms == rhs"""
+        row = len(self.b_eq)
+        self.rows_eq.extend((row, col, coef) for col, coef in terms)
+        self.b_eq.append(rhs)
+
+    def matrices(self) -> tuple[coo_matrix, coo_matrix]:
+        """The <= rows and the == rows as sparse matrices."""
+        width = len(self.costs)
+        return _sparse(self.rows_ub, len(self.b_ub), width), _sparse(
+            self.rows_eq, len(self.b_eq), width
+        )
+
+
+def _whole_visits(
+    lp: _Program,
+    sessions: list[int],
+    visits: list[tuple[int, int | None, int, int]],
+    n_layers: int,
+) -> None:
+    """Rows that make a class's sessions (`sessions`: their columns) visit its nodes in
+    whole visits. `visits`: per node, its visits' column, its GPU heads' column (None: the
+    head does not fit), its capacity and its capacity next to the head.
+
+    Rounding: a session's visits hold >= L layers between them, so for any grain g their
+    capacities in grains, rounded up, add up to >= ceil(L / g) (the items alone let a
+    session on 12-layer nodes make 6.67 visits of 80 layers, where it makes 7). Covers:
+    each session makes one of `_covers`; the class visits each kind of node at least as
+    often as its sessions' covers do, and runs the head on the GPU of a kind of node only
+    as often as they end there with it.
+    """
+    caps = [cap for _, _, cap, _ in visits]
+    head_caps = [head_cap for _, _, _, head_cap in visits]
+    for need, grains in _whole_visit_cuts(caps + head_caps, n_layers):
+        lp.row_ub(
+            [(col, float(need)) for col in sessions]
+            + [(v, -float(grains[cap])) for v, _, cap, _ in visits]
+            + [(h, float(grains[cap] - grains[hc])) for _, h, cap, hc in visits if h is not None],
+            0.0,
+        )
+    kind_of, covers = _covers(
+        caps, [hc if h is not None else None for _, h, _, hc in visits], n_layers
+    )
+    x = [lp.var(0.0) for _ in covers]
+    lp.row_eq([(col, -1.0) for col in sessions] + [(col, 1.0) for col in x], 0.0)
+    for kind in set(kind_of):
+        ours = [node for node, k in zip(visits, kind_of, strict=True) if k == kind]
+        lp.row_ub(
+            [(col, float(c.visits(kind))) for col, c in zip(x, covers, strict=True)]
+            + [(v, -1.0) for v, _, _, _ in ours],
+            0.0,
+        )
+        lp.row_ub(
+            [(h, 1.0) for _, h, _, _ in ours if h is not None]
+            + [
+                (col, -1.0)
+                for col, c in zip(x, covers, strict=True)
+                if c.end == kind and c.gpu_head
+            ],
+            0.0,
+        )
 
 
 class Unsolved(Exception):
@@ -353,6 +412,78 @@ def _hop_charges(
                 block = rest[np.ix_(region_of == a, region_of == b)]
                 crossing[a, b] = max(0.0, float(block.min()))
     return entering, np.minimum(crossing, crossing.T)
+
+
+COVERS_AT_MOST = 400  # per class: beyond that, nodes' kinds merge (`_covers`)
+
+
+@dataclass(frozen=True)
+class _Cover:
+    """One way to cover L layers: the kind of the node a session ends on, whether that
+    node runs the LM head, and the kinds of its other visits."""
+
+    end: int
+    gpu_head: bool
+    others: tuple[int, ...]
+
+    def visits(self, kind: int) -> int:
+        return self.others.count(kind) + (self.end == kind)
+
+
+def _covers(
+    caps: Sequence[int], head_caps: Sequence[int | None], n_layers: int
+) -> tuple[list[int], list[_Cover]]:
+    """Each node's kind, and the covers a session's visits always contain one of.
+
+    A kind is a capacity (next to the head: the most any node of the kind holds there;
+    None: the head fits on none); a node's kind is the least one at or above its own
+    capacity. A session's visits hold >= L layers, and still do counted at their kinds'
+    capacities, so dropping visits other than its end leaves a minimal cover: at least
+    that many visits to each kind, and a GPU head at that kind of end. Kinds merge, the
+    two nearest capacities into the larger, until the covers are at most COVERS_AT_MOST.
+    """
+    kinds = sorted(set(caps))
+    while True:
+        kind_of = [bisect.bisect_left(kinds, c) for c in caps]
+        head: list[int | None] = [None] * len(kinds)
+        for held, k in zip(head_caps, kind_of, strict=True):
+            if held is not None:
+                head[k] = max(held, head[k] or 0)
+        covers = _minimal_covers(kinds, head, n_layers)
+        if covers is not None or len(kinds) == 1:
+            return kind_of, covers or []
+        nearest = min(range(len(kinds) - 1), key=lambda i: kinds[i + 1] / kinds[i])
+        del kinds[nearest]
+
+
+def _minimal_covers(kinds: list[int], head: list[int | None], n_layers: int) -> list[_Cover] | None:
+    """For each end (a kind, its head on the client's CPU or, where it fits, on the
+    node's GPU), every multiset of other kinds that covers the rest of L and drops below it
+    without its smallest; None past COVERS_AT_MOST."""
+    order = sorted(range(len(kinds)), key=lambda i: -kinds[i])
+    out: list[_Cover] = []
+
+    def grow(end: int, gpu: bool, start: int, need: int, taken: list[int]) -> bool:
+        for j in range(start, len(order)):
+            taken.append(order[j])
+            if need <= kinds[order[j]]:
+                out.append(_Cover(end, gpu, tuple(taken)))
+            elif not grow(end, gpu, j, need - kinds[order[j]], taken):
+                return False
+            taken.pop()
+            if len(out) > COVERS_AT_MOST:
+                return False
+        return True
+
+    for end in range(len(kinds)):
+        for gpu, held in ((False, kinds[end]), (True, head[end])):
+            if held is None:
+                continue
+            if held >= n_layers:
+                out.append(_Cover(end, gpu, ()))
+            elif not grow(end, gpu, 0, n_layers - held, []):
+                return None
+    return out
 
 
 def _whole_visit_cuts(caps: Sequence[int], n_layers: int) -> list[tuple[int, dict[int, int]]]:

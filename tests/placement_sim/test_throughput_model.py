@@ -245,6 +245,21 @@ def test_the_joint_bound_leaves_room_for_the_lm_head():
     )
 
 
+def test_the_joint_bound_counts_the_covers_a_session_can_make():
+    # 6 layers on nodes that hold 3, or 2 next to the LM head, and a client far too slow
+    # to run the head: a session ends on a node with the head (2 layers) and needs two
+    # more visits for the other 4. Rounding alone (grains of 2: 1 + 2 + 2 >= 3) and the
+    # items (a third of a visit more) let it make fewer hops.
+    slow_client = replace(EXACT, client_memory_gbps=0.01)
+    s = swarm(*(node(n, gpu=gpu_holding(3.03)) for n in "abc"), model=toy_model(6),
+              params=slow_client)  # fmt: skip
+    assert s.capacity("a") == 3 and s.capacity("a", HEAD_BYTES) == 2
+    lp = joint_bound.SessionsLP(s, [HOME])
+    hop = 0.020 / 2 + handoff_s(s.nodes["a"], s.model, 1)
+    one = 0.020 + 2 * hop + 6 * layer_time_s(s.nodes["a"], s.model, slow_client, 1) + HEAD
+    assert lp.solve(1)[0] == pytest.approx(one, rel=1e-9)
+
+
 def test_an_lp_that_does_not_solve_leaves_way_e_out(monkeypatch, caplog):
     # HiGHS stopping without an optimum must not take the benchmark down: way (e) proves
     # nothing then, and the bound is the least of the other ways.
