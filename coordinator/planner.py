@@ -554,7 +554,13 @@ def _ends(members: Sequence[_Cand], f: int, last: int) -> tuple[list[_Cand], lis
     for."""
     if len(members) == 1:
         return list(members), [members[0].both]
-    middle = [c for i, c in enumerate(members) if i not in (f, last)]
+    start, end = members[f].node.region, members[last].node.region
+    # Each region's members together, from the first member's region to the last one's:
+    # a chain that weaves between regions pays a backbone crossing at every change.
+    middle = sorted(
+        (c for i, c in enumerate(members) if i not in (f, last)),
+        key=lambda c: (c.node.region != start, c.node.region == end, c.node.region),
+    )
     return (
         [members[f], *middle, members[last]],
         [members[f].first, *(c.mid for c in middle), members[last].last],

@@ -270,3 +270,22 @@ def test_a_slow_uploader_goes_last_when_the_chain_has_room_for_it():
     p = plan([model], [roomy, small])[model.name]
     assert p.pipelines == [("n00", "n01")]
     assert p.holders["n01"].end == model.num_layers
+
+
+def test_a_pipeline_across_regions_crosses_between_them_once():
+    # Neither region holds the model alone, so the leftovers of both form one pipeline.
+    # Its members go region by region: every change of region in chain order is a trip
+    # over the backbone, and interleaving them made a 70B pipeline cross 15 times.
+    per_layer = (MODEL.params_per_layer + 1024 * MODEL.kv_values_per_token_per_layer) * 4
+
+    def holding(i: int, layers: float, region: str) -> NodeSpec:
+        return node(i, layers * per_layer / 0.9 / 1e9 + 0.02, region=region)
+
+    sizes = [(7.5, "a"), (5.5, "a"), (6.5, "b"), (6.5, "b"), (4.5, "a")]
+    nodes = [holding(i, layers, region) for i, (layers, region) in enumerate(sizes)]
+    p = plan([MODEL], nodes, replicas=1)[MODEL.name]
+    assert len(p.pipelines) == 1
+    regions = {n.node_id: n.region for n in nodes}
+    chain = [regions[nid] for nid in sorted(p.pipelines[0], key=lambda nid: p.holders[nid].start)]
+    assert set(chain) == {"a", "b"}
+    assert sum(x != y for x, y in zip(chain, chain[1:], strict=False)) == 1
