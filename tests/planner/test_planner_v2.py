@@ -289,3 +289,24 @@ def test_a_pipeline_across_regions_crosses_between_them_once():
     chain = [regions[nid] for nid in sorted(p.pipelines[0], key=lambda nid: p.holders[nid].start)]
     assert set(chain) == {"a", "b"}
     assert sum(x != y for x, y in zip(chain, chain[1:], strict=False)) == 1
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    st.lists(
+        st.tuples(st.floats(0.02, 0.12), st.sampled_from(["a", "b", "c"])),
+        min_size=2,
+        max_size=14,
+    )
+)
+def test_every_pipeline_visits_each_of_its_regions_in_one_run(specs):
+    # Only the ends may break a region's run: the first member's region comes first, the
+    # last one's last, so a chain that starts and ends in one region changes region at
+    # most once per region it touches, and otherwise once less.
+    nodes = [node(i, gb, region=r) for i, (gb, r) in enumerate(specs)]
+    regions = {n.node_id: n.region for n in nodes}
+    p = plan([MODEL], nodes, replicas=1)[MODEL.name]
+    for pipe in p.pipelines:
+        chain = [regions[nid] for nid in sorted(pipe, key=lambda nid: p.holders[nid].start)]
+        changes = sum(x != y for x, y in zip(chain, chain[1:], strict=False))
+        assert changes <= len(set(chain)) - (chain[0] != chain[-1]), chain
