@@ -578,21 +578,22 @@ def _cover(model: ModelSpec, members: Sequence[_Cand]) -> int:
     return total - (members[f].mid - members[f].first) - (members[last].mid - members[last].last)
 
 
-def _chain(model: ModelSpec, members: Sequence[_Cand]) -> list[tuple[_Cand, int, int]] | None:
+def _chain(model: ModelSpec, members: Sequence[_Cand]) -> Chain | None:
     """Give the members layers, fastest first, between the ends of `_end_pairs` that make
     the faster chain; None if they cannot cover [0, L).
 
     Middle members left without a layer are dropped from the chain.
     """
-    best: Chain | None = None
-    for f, last in _end_pairs(members):
+    pairs = _end_pairs(members)
+    best = _layered(model, *_ends(members, *pairs[0]))
+    for f, last in pairs[1:]:
         chain = _layered(model, *_ends(members, f, last))
         if chain is None:
             continue
-        if best is None or (
-            len(chain) == len(best) and _chain_seconds(model, chain) < _chain_seconds(model, best)
-        ):
+        if best is None:
             best = chain
+        elif len(chain) == len(best):
+            best = min(best, chain, key=lambda c: _chain_seconds(model, c))
     return best
 
 

@@ -274,6 +274,7 @@ class SessionsLP:
         self._count_row = len(lp.b_eq)
         row_eq([(col, 1.0) for col in y.values()], 0.0)  # set to k by solve()
         self._a_ub, self._a_eq = lp.matrices()
+        self._bounds = [(0.0, None if math.isinf(top) else top) for top in lp.upper]
 
     def solve(self, k: int) -> tuple[float, float] | None:
         """B(k) and its slope there (the dual price of one more session); None when k
@@ -287,7 +288,7 @@ class SessionsLP:
             b_ub=lp.b_ub,
             A_eq=self._a_eq,
             b_eq=b_eq,
-            bounds=[(0.0, None if math.isinf(top) else top) for top in lp.upper],
+            bounds=self._bounds,
             method="highs-ipm",
         )
         if result.status == 2:  # infeasible
