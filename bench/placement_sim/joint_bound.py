@@ -48,6 +48,9 @@ of upper_bound.py).
 B is solved at a few k; the tangents there (B(k_i) plus the dual price of the session
 count times k - k_i) are below B everywhere, and so is their maximum, which is convex: its
 increments bound like B's. B(1) is solved exactly, so the first increment is positive.
+
+Way (f), `tiered_bound_tokens_per_s`, prices the same parts with every session in one
+placement at once: B(k) lets each k pick the placement that suits it best.
 """
 
 from __future__ import annotations
@@ -56,11 +59,11 @@ import bisect
 import itertools
 import logging
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
-from scipy.optimize import linprog
+from scipy.optimize import OptimizeResult, linprog
 from scipy.sparse import coo_matrix
 
 from .regions import AccessLine, Site, rtt_ms
@@ -114,188 +117,281 @@ class SessionsLP:
     each."""
 
     def __init__(self, swarm: Swarm, clients: Sequence[Site]) -> None:
-        model, params = swarm.model, swarm.params
-        nodes = [n for n in swarm.nodes.values() if layer_capacity(n, model, params) > 0]
-        caps = [layer_capacity(n, model, params) for n in nodes]
-        at = [swarm.index[n.node_id] for n in nodes]
-        rtt = swarm.rtt_ms[np.ix_(at, at)] / 1000.0
-        self.clients = len(clients)
-        slots, n_layers = params.slots, model.num_layers
-        count = len(nodes)
-        regions = sorted({n.site.region for n in nodes})
-        region_of = np.array([regions.index(n.site.region) for n in nodes])
-        classes = [
-            frozenset(c)
-            for size in range(1, len(regions) + 1)
-            for c in itertools.combinations(range(len(regions)), size)
-        ]
-        nearest = nearest_peer_s(rtt)
-        access = np.array([n.site.access.rtt_ms for n in nodes]) / 1000.0
-        entering, crossing = _hop_charges(rtt, nearest, region_of, len(regions))
-        # Client legs: RTT(c, first) / 2 + RTT(c, last) / 2 = c's access line + half the
-        # backbone to the first node's region and to the last one's + half of each of the
-        # two nodes' access lines. c's line goes on c, the backbone on where the session
-        # begins and ends, the nodes' lines on its first visit (less the entering charge
-        # that visit carries but no hop pays) and on its end.
-        home = [c.region for c in clients]
-        homes = sorted(set(home))
-        backbone = np.array([[rtt_ms(_bare(h), _bare(r)) for r in regions] for h in homes])
-
+        self.swarm, self.sites, self.clients = swarm, list(clients), len(clients)
+        self._solved: dict[int, tuple[float, float] | None] = {}
+        shape = _Shape(swarm, clients)
         lp = self._lp = _Program()
-        var, row_ub, row_eq = lp.var, lp.row_ub, lp.row_eq
-
-        # u[c]: client c is served (its access line, both legs); y[h, R]: sessions of class
-        # R from clients of region h.
-        u = [var(c.access.rtt_ms / 1000.0, 1.0) for c in clients]
-        y = {
-            (hi, ci): var(_tree_weight(crossing, cls) + client_head_time_s(model, params))
-            for hi in range(len(homes))
-            for ci, cls in enumerate(classes)
-        }
-        for hi, h in enumerate(homes):
-            row_eq(
-                [(u[c], 1.0) for c in range(len(clients)) if home[c] == h]
-                + [(y[hi, ci], -1.0) for ci in range(len(classes))],
-                0.0,
-            )
-        node_classes = [
-            [ci for ci, cls in enumerate(classes) if region_of[n] in cls] for n in range(count)
-        ]
-        v = {(n, ci): var(entering[n]) for n in range(count) for ci in node_classes[n]}
-        e = {(n, ci): var(access[n] / 2) for n in range(count) for ci in node_classes[n]}
-        first = {
-            (n, ci): var(access[n] / 2 - entering[n])
-            for n in range(count)
-            for ci in node_classes[n]
-        }
-        z = {(n, ci): var(0.0) for n in range(count) for ci in node_classes[n]}
-        # w[n, b]: items n runs while it serves b sessions, each at the layer time of its
-        # whole batch (at most cap_n a session: the state rows below).
-        w = {
-            (n, b): var(layer_time_s(nodes[n], model, params, b))
-            for n in range(count)
-            for b in range(1, slots + 1)
-        }
-        unit = [handoff_s(node, model, 1) for node in nodes]
-        # h[n, ci]: ends on n that run the LM head on n's GPU, not the client's CPU (what y
-        # pays); only where n holds the head at all, its layers then at most head_caps[n].
-        client_head = client_head_time_s(model, params)
-        head_bytes = model.head_params * 2
-        head_caps = [layer_capacity(node, model, params, head_bytes) for node in nodes]
-        h = {
-            (n, ci): var(head_time_s(nodes[n], model, params, 1) - client_head)
-            for n in range(count)
-            if nodes[n].budget_bytes >= head_bytes
-            for ci in node_classes[n]
-        }
-        # Hops out of a node with b sessions, d of which end there: b - d, each at least
-        # nearest_n / 2 + its hand-off of the whole batch (b x u_n). Whole states (b, d)
-        # price that exactly; it is linear in d, so the states (b, 0) and (b, b) span the
-        # rest: state[n, b, ends] is n serving b sessions that all leave it (ends False)
-        # or all end there (True), and n is a mix of such states.
-        states = [(b, ends) for b in range(1, slots + 1) for ends in (False, True)]
-        state = {
-            (n, b, ends): var(0.0 if ends else b * (nearest[n] / 2 + b * unit[n]), 1.0)
-            for n in range(count)
-            for b, ends in states
-        }
-
-        for n in range(count):
-            mine = node_classes[n]
-            row_ub([(v[n, ci], 1.0) for ci in mine], float(slots))
-            row_eq(
-                [(z[n, ci], 1.0) for ci in mine] + [(w[n, b], -1.0) for b in range(1, slots + 1)],
-                0.0,
-            )
-            for b in range(1, slots + 1):
-                row_ub(
-                    [(w[n, b], 1.0)]
-                    + [(state[n, b, ends], -float(b * caps[n])) for ends in (False, True)],
-                    0.0,
-                )
-            for ci in mine:  # at most cap_n items a visit (fewer next to the head)
-                lost = [(h[n, ci], float(caps[n] - head_caps[n]))] if (n, ci) in h else []
-                row_ub([(z[n, ci], 1.0), (v[n, ci], -float(caps[n])), *lost], 0.0)
-                row_ub([(e[n, ci], 1.0), (v[n, ci], -1.0)], 0.0)  # ends are visits
-                row_ub([(first[n, ci], 1.0), (v[n, ci], -1.0)], 0.0)
-                if (n, ci) in h:
-                    row_ub([(h[n, ci], 1.0), (e[n, ci], -1.0)], 0.0)
-            row_ub([(state[n, b, ends], 1.0) for b, ends in states], 1.0)
-            row_eq(
-                [(v[n, ci], 1.0) for ci in mine]
-                + [(state[n, b, ends], -float(b)) for b, ends in states],
-                0.0,
-            )
-            row_eq(
-                [(e[n, ci], 1.0) for ci in mine]
-                + [(state[n, b, True], -float(b)) for b in range(1, slots + 1)],
-                0.0,
-            )
-        for ci in range(len(classes)):
-            sessions = [(y[hi, ci], 1.0) for hi in range(len(homes))]
-            members = [n for n in range(count) if ci in node_classes[n]]
-            # A class's sessions take L layer items each, from its own regions' nodes...
-            row_ub(
-                [(col, float(n_layers)) for col, _ in sessions]
-                + [(z[n, ci], -1.0) for n in members],
-                0.0,
-            )
-            # ...in whole visits...
-            _whole_visits(
-                lp,
-                [col for col, _ in sessions],
-                [(v[n, ci], h.get((n, ci)), caps[n], head_caps[n]) for n in members],
-                n_layers,
-            )
-            # ...visit each of them (the class is the regions a session touches)...
-            for r in classes[ci]:
-                row_ub(
-                    [(col, 1.0) for col, _ in sessions]
-                    + [(v[n, ci], -1.0) for n in members if region_of[n] == r],
-                    0.0,
-                )
-            # ...and begin and end exactly once, each time in one of them: where[hi, r] of
-            # those from clients in homes[hi] do so in region r, and their legs cross the
-            # backbone between the two there (half a round trip each way).
-            for ends in (first, e):
-                where = {
-                    (hi, r): var(float(backbone[hi, r]) / 2000.0)
-                    for hi in range(len(homes))
-                    for r in classes[ci]
-                }
-                for hi in range(len(homes)):
-                    row_eq([(y[hi, ci], -1.0)] + [(where[hi, r], 1.0) for r in classes[ci]], 0.0)
-                for r in classes[ci]:
-                    row_eq(
-                        [(where[hi, r], 1.0) for hi in range(len(homes))]
-                        + [(ends[n, ci], -1.0) for n in members if region_of[n] == r],
-                        0.0,
-                    )
+        block = _sessions(lp, shape, lp.var)
+        _nodes(lp, shape, [block])
         self._count_row = len(lp.b_eq)
-        row_eq([(col, 1.0) for col in y.values()], 0.0)  # set to k by solve()
+        lp.row_eq([(col, 1.0) for col in block.sessions], 0.0)  # set to k by solve()
         self._a_ub, self._a_eq = lp.matrices()
-        self._bounds = [(0.0, None if math.isinf(top) else top) for top in lp.upper]
+        self._bounds = lp.bounds()
 
     def solve(self, k: int) -> tuple[float, float] | None:
         """B(k) and its slope there (the dual price of one more session); None when k
         sessions do not fit."""
-        lp = self._lp
-        b_eq = np.array(lp.b_eq)
-        b_eq[self._count_row] = k
-        result = linprog(
-            lp.costs,
-            A_ub=self._a_ub,
-            b_ub=lp.b_ub,
-            A_eq=self._a_eq,
-            b_eq=b_eq,
-            bounds=self._bounds,
-            method="highs-ipm",
+        if k not in self._solved:
+            lp = self._lp
+            b_eq = np.array(lp.b_eq)
+            b_eq[self._count_row] = k
+            result = _solve(lp, self._a_ub, self._a_eq, b_eq, self._bounds, f"for {k} sessions")
+            self._solved[k] = (
+                None
+                if result is None
+                else (float(result.fun), float(result.eqlin.marginals[self._count_row]))
+            )
+        return self._solved[k]
+
+
+class _Shape:
+    """The swarm as the LPs see it: the nodes that hold a layer, what they hold, their
+    round trips and hop charges, the classes of regions, and the clients' homes."""
+
+    def __init__(self, swarm: Swarm, clients: Sequence[Site], merged: bool = False) -> None:
+        model, params = swarm.model, swarm.params
+        self.model, self.params, self.clients = model, params, list(clients)
+        self.nodes = nodes = [
+            n for n in swarm.nodes.values() if layer_capacity(n, model, params) > 0
+        ]
+        self.caps = [layer_capacity(n, model, params) for n in nodes]
+        at = [swarm.index[n.node_id] for n in nodes]
+        rtt = swarm.rtt_ms[np.ix_(at, at)] / 1000.0
+        self.slots, self.n_layers, self.count = params.slots, model.num_layers, len(nodes)
+        self.regions = sorted({n.site.region for n in nodes})
+        self.region_of = np.array([self.regions.index(n.site.region) for n in nodes])
+        every = range(len(self.regions))
+        # merged: the sessions that touch two regions or more form one class, which
+        # may visit every region and pays the cheapest crossing (a relaxation: fewer
+        # columns, for the tiered LP that repeats them per tier).
+        self.mixed = len(self.regions) > 2 and merged
+        sizes = [1, len(self.regions)] if self.mixed else range(1, len(self.regions) + 1)
+        self.classes = [frozenset(c) for size in sizes for c in itertools.combinations(every, size)]
+        self.node_classes = [
+            [ci for ci, cls in enumerate(self.classes) if self.region_of[n] in cls]
+            for n in range(self.count)
+        ]
+        self.nearest = nearest_peer_s(rtt)
+        self.access = np.array([n.site.access.rtt_ms for n in nodes]) / 1000.0
+        self.entering, self.crossing = _hop_charges(
+            rtt, self.nearest, self.region_of, len(self.regions)
         )
-        if result.status == 2:  # infeasible
-            return None
-        if result.status != 0:
-            raise Unsolved(f"the sessions LP for {k} sessions did not solve: {result.message}")
-        return float(result.fun), float(result.eqlin.marginals[self._count_row])
+        self.home = [c.region for c in clients]
+        self.homes = sorted(set(self.home))
+        self.backbone = np.array(
+            [[rtt_ms(_bare(h), _bare(r)) for r in self.regions] for h in self.homes]
+        )
+        self.unit = [handoff_s(node, model, 1) for node in nodes]
+        self.head_bytes = model.head_params * 2
+        self.head_caps = [layer_capacity(node, model, params, self.head_bytes) for node in nodes]
+
+
+@dataclass
+class _Block:
+    """The columns of one group of sessions: its session counts (per home and class), its
+    clients, and per node its visits, its ends, its layer items and its hops out at each
+    batch size of the node."""
+
+    sessions: list[int]
+    clients: list[int]
+    visits: list[list[int]]
+    ends: list[list[int]]
+    items: dict[tuple[int, int], int]
+    leaving: dict[tuple[int, int], int]
+
+
+Var = Callable[[float, float], int]
+
+
+def _sessions(lp: _Program, shape: _Shape, var: Var) -> _Block:
+    """A group of sessions and every row that holds for any group on its own (the module
+    docstring); `var(cost, upper)` makes its columns. What the group takes of each node
+    is left to `_nodes`, which joins all groups."""
+    model, params, clients = shape.model, shape.params, shape.clients
+    count, slots, n_layers, caps = shape.count, shape.slots, shape.n_layers, shape.caps
+    classes, node_classes, region_of = shape.classes, shape.node_classes, shape.region_of
+    homes, home, access, entering = shape.homes, shape.home, shape.access, shape.entering
+    row_ub, row_eq = lp.row_ub, lp.row_eq
+    # Client legs: RTT(c, first) / 2 + RTT(c, last) / 2 = c's access line + half the
+    # backbone to the first node's region and to the last one's + half of each of the
+    # two nodes' access lines. c's line goes on c, the backbone on where the session
+    # begins and ends, the nodes' lines on its first visit (less the entering charge
+    # that visit carries but no hop pays) and on its end.
+
+    # u[c]: client c is served (its access line, both legs); y[h, R]: sessions of class
+    # R from clients of region h.
+    u = [var(c.access.rtt_ms / 1000.0, 1.0) for c in clients]
+    crossings = [_tree_weight(shape.crossing, cls) for cls in classes]
+    if shape.mixed:
+        crossings[-1] = min(shape.crossing[a, b] for a, b in itertools.combinations(classes[-1], 2))
+    y = {
+        (hi, ci): var(crossings[ci] + client_head_time_s(model, params), math.inf)
+        for hi in range(len(homes))
+        for ci in range(len(classes))
+    }
+    for hi, h in enumerate(homes):
+        row_eq(
+            [(u[c], 1.0) for c in range(len(clients)) if home[c] == h]
+            + [(y[hi, ci], -1.0) for ci in range(len(classes))],
+            0.0,
+        )
+    v = {(n, ci): var(entering[n], math.inf) for n in range(count) for ci in node_classes[n]}
+    e = {(n, ci): var(access[n] / 2, math.inf) for n in range(count) for ci in node_classes[n]}
+    first = {
+        (n, ci): var(access[n] / 2 - entering[n], math.inf)
+        for n in range(count)
+        for ci in node_classes[n]
+    }
+    z = {(n, ci): var(0.0, math.inf) for n in range(count) for ci in node_classes[n]}
+    # w[n, b]: items n runs while it serves b sessions, each at the layer time of its
+    # whole batch (at most cap_n a session: the state rows of `_nodes`).
+    w = {
+        (n, b): var(layer_time_s(shape.nodes[n], model, params, b), math.inf)
+        for n in range(count)
+        for b in range(1, slots + 1)
+    }
+    # x[n, b]: hops out of n while it serves b sessions, each at least nearest_n / 2 + its
+    # hand-off of the whole batch (b x u_n).
+    x = {
+        (n, b): var(shape.nearest[n] / 2 + b * shape.unit[n], math.inf)
+        for n in range(count)
+        for b in range(1, slots + 1)
+    }
+    # h[n, ci]: ends on n that run the LM head on n's GPU, not the client's CPU (what y
+    # pays); only where n holds the head at all, its layers then at most head_caps[n].
+    client_head = client_head_time_s(model, params)
+    head_caps = shape.head_caps
+    h = {
+        (n, ci): var(head_time_s(shape.nodes[n], model, params, 1) - client_head, math.inf)
+        for n in range(count)
+        if shape.nodes[n].budget_bytes >= shape.head_bytes
+        for ci in node_classes[n]
+    }
+    for n in range(count):
+        mine = node_classes[n]
+        row_eq(
+            [(z[n, ci], 1.0) for ci in mine] + [(w[n, b], -1.0) for b in range(1, slots + 1)],
+            0.0,
+        )
+        row_eq(
+            [(x[n, b], 1.0) for b in range(1, slots + 1)]
+            + [(v[n, ci], -1.0) for ci in mine]
+            + [(e[n, ci], 1.0) for ci in mine],
+            0.0,
+        )
+        for ci in mine:  # at most cap_n items a visit (fewer next to the head)
+            lost = [(h[n, ci], float(caps[n] - head_caps[n]))] if (n, ci) in h else []
+            row_ub([(z[n, ci], 1.0), (v[n, ci], -float(caps[n])), *lost], 0.0)
+            row_ub([(e[n, ci], 1.0), (v[n, ci], -1.0)], 0.0)  # ends are visits
+            row_ub([(first[n, ci], 1.0), (v[n, ci], -1.0)], 0.0)
+            if (n, ci) in h:
+                row_ub([(h[n, ci], 1.0), (e[n, ci], -1.0)], 0.0)
+    for ci in range(len(classes)):
+        sessions = [y[hi, ci] for hi in range(len(homes))]
+        members = [n for n in range(count) if ci in node_classes[n]]
+        # A class's sessions take L layer items each, from its own regions' nodes...
+        row_ub(
+            [(col, float(n_layers)) for col in sessions] + [(z[n, ci], -1.0) for n in members],
+            0.0,
+        )
+        # ...in whole visits...
+        _whole_visits(
+            lp,
+            sessions,
+            [(v[n, ci], h.get((n, ci)), caps[n], head_caps[n]) for n in members],
+            n_layers,
+        )
+        # ...visit each of them (the class is the regions a session touches; a merged
+        # class's sessions leave each region at least once)...
+        inside = shape.mixed and ci == len(classes) - 1
+        for r in classes[ci]:
+            row_ub(
+                [(col, 1.0) for col in sessions]
+                + [(v[n, ci], -1.0) for n in members if (region_of[n] == r) != inside],
+                0.0,
+            )
+        # ...and begin and end exactly once, each time in one of them: where[hi, r] of
+        # those from clients in homes[hi] do so in region r, and their legs cross the
+        # backbone between the two there (half a round trip each way).
+        for ends in (first, e):
+            where = {
+                (hi, r): var(float(shape.backbone[hi, r]) / 2000.0, math.inf)
+                for hi in range(len(homes))
+                for r in classes[ci]
+            }
+            for hi in range(len(homes)):
+                row_eq([(y[hi, ci], -1.0)] + [(where[hi, r], 1.0) for r in classes[ci]], 0.0)
+            for r in classes[ci]:
+                row_eq(
+                    [(where[hi, r], 1.0) for hi in range(len(homes))]
+                    + [(ends[n, ci], -1.0) for n in members if region_of[n] == r],
+                    0.0,
+                )
+    return _Block(
+        sessions=list(y.values()),
+        clients=u,
+        visits=[[v[n, ci] for ci in node_classes[n]] for n in range(count)],
+        ends=[[e[n, ci] for ci in node_classes[n]] for n in range(count)],
+        items=w,
+        leaving=x,
+    )
+
+
+def _nodes(lp: _Program, shape: _Shape, blocks: Sequence[_Block]) -> None:
+    """Every node's state, shared by all groups of sessions: a node serving b sessions,
+    d of which end there, is a mix of whole states (b sessions that all leave, or all end
+    there), which prices every whole (b, d) exactly (the cost being linear in d); a state
+    of b sessions runs at most b x cap_n items, at t_n(b), and sends at most b sessions on.
+    Each client has one session at most."""
+    slots, caps = shape.slots, shape.caps
+    states = [(b, ends) for b in range(1, slots + 1) for ends in (False, True)]
+    for n in range(shape.count):
+        state = {(b, ends): lp.var(0.0, 1.0) for b, ends in states}
+        visits = [(col, 1.0) for block in blocks for col in block.visits[n]]
+        ends = [(col, 1.0) for block in blocks for col in block.ends[n]]
+        lp.row_ub(visits, float(slots))
+        lp.row_ub([(col, 1.0) for col in state.values()], 1.0)
+        lp.row_eq(visits + [(state[b, e], -float(b)) for b, e in states], 0.0)
+        lp.row_eq(ends + [(state[b, True], -float(b)) for b in range(1, slots + 1)], 0.0)
+        for b in range(1, slots + 1):
+            lp.row_ub(
+                [(block.items[n, b], 1.0) for block in blocks]
+                + [(state[b, e], -float(b * caps[n])) for e in (False, True)],
+                0.0,
+            )
+            lp.row_ub(
+                [(block.leaving[n, b], 1.0) for block in blocks] + [(state[b, False], -float(b))],
+                0.0,
+            )
+    if len(blocks) > 1:
+        for c in range(len(shape.clients)):
+            lp.row_ub([(block.clients[c], 1.0) for block in blocks], 1.0)
+
+
+def _solve(
+    lp: _Program,
+    a_ub: coo_matrix,
+    a_eq: coo_matrix,
+    b_eq: np.ndarray,
+    bounds: list[tuple[float, float | None]],
+    what: str,
+) -> OptimizeResult | None:
+    """HiGHS' interior point with crossover (the simplex is several times slower on these,
+    and crossover keeps the dual prices exact); None when infeasible."""
+    result = linprog(
+        lp.costs,
+        A_ub=a_ub,
+        b_ub=lp.b_ub,
+        A_eq=a_eq,
+        b_eq=b_eq,
+        bounds=bounds,
+        method="highs-ipm",
+    )
+    if result.status == 2:  # infeasible
+        return None
+    if result.status != 0:
+        raise Unsolved(f"the sessions LP {what} did not solve: {result.message}")
+    return result
 
 
 class _Program:
@@ -326,6 +422,9 @@ class _Program:
         row = len(self.b_eq)
         self.rows_eq.extend((row, col, coef) for col, coef in terms)
         self.b_eq.append(rhs)
+
+    def bounds(self) -> list[tuple[float, float | None]]:
+        return [(0.0, None if math.isinf(top) else top) for top in self.upper]
 
     def matrices(self) -> tuple[coo_matrix, coo_matrix]:
         """The <= rows and the == rows as sparse matrices."""
@@ -527,3 +626,67 @@ def _sparse(entries: list[tuple[int, int, float]], rows: int, cols: int) -> coo_
         return coo_matrix((rows, cols))
     r, c, data = zip(*entries, strict=True)
     return coo_matrix((data, (r, c)), shape=(rows, cols))
+
+
+TIER_RATIO = 1.2  # a tier's top over its bottom: the chord of 1 / t is within 0.5 % there
+TIER_SPAN = 20.0  # the last tier, open above, starts at this many times the fastest session
+
+
+def tiered_bound_tokens_per_s(lp: SessionsLP) -> float:
+    """Way (f): served tokens/s of one placement at most, all sessions in it together.
+
+    Way (e) bounds the k fastest sessions by B(k) for each k apart, each k with the
+    placement that suits it best: its first sessions run alone on the best nodes at batch
+    1 while its last ones pay for a full swarm. Here every session is in the same swarm.
+    Sessions fall into tiers by their time per token, [lo, hi) with hi = TIER_RATIO x lo
+    from B(1) (no session is faster) up; a tier is a group of sessions with columns of its
+    own, all tiers sharing the nodes' states, slots and batches (`_nodes`), each client
+    in one tier at most. For a time t in [lo, hi], 1 / t is at most its chord, 1 / lo +
+    1 / hi - t / (lo hi), so a tier's n sessions of total time T serve at most
+    n (1 / lo + 1 / hi) - T / (lo hi), with lo n <= T <= hi n, and T at least the tier's
+    cost as way (e) prices it. The last tier, open above from the first edge at or past
+    TIER_SPAN x B(1), serves 1 / lo a session. The LP maximises the sum over tiers; any real placement is a feasible point
+    (each session in the tier of its time, T its tier's real total), whose value is at
+    least its served tokens/s. Multi-region classes merge into one (`_Shape`) to keep the
+    LP small: a relaxation, so still a bound. Infinity when the LP does not solve.
+    """
+    try:
+        fastest = lp.solve(1)
+    except Unsolved as err:
+        log.warning("%s; the bound leaves way (f) out", err)
+        return math.inf
+    if fastest is None:
+        return 0.0
+    shape = _Shape(lp.swarm, lp.sites, merged=True)
+    program = _Program()
+    tiers = int(math.ceil(math.log(TIER_SPAN) / math.log(TIER_RATIO)))
+    edges = [fastest[0] * TIER_RATIO**i for i in range(tiers + 1)]
+    blocks = []
+    for lo, hi in zip(edges, [*edges[1:], math.inf], strict=True):
+        priced: list[tuple[int, float]] = []
+
+        def var(cost: float, upper: float, priced: list[tuple[int, float]] = priced) -> int:
+            col = program.var(0.0, upper)
+            if cost:
+                priced.append((col, cost))
+            return col
+
+        block = _sessions(program, shape, var)
+        blocks.append(block)
+        # linprog minimises: the negated tokens/s.
+        for col in block.sessions:
+            program.costs[col] = -1.0 / lo if math.isinf(hi) else -(1.0 / lo + 1.0 / hi)
+        if math.isinf(hi):
+            continue
+        total = program.var(1.0 / (lo * hi))
+        program.row_ub([*priced, (total, -1.0)], 0.0)
+        program.row_ub([(col, lo) for col in block.sessions] + [(total, -1.0)], 0.0)
+        program.row_ub([(total, 1.0)] + [(col, -hi) for col in block.sessions], 0.0)
+    _nodes(program, shape, blocks)
+    a_ub, a_eq = program.matrices()
+    try:
+        result = _solve(program, a_ub, a_eq, np.array(program.b_eq), program.bounds(), "in tiers")
+    except Unsolved as err:
+        log.warning("%s; the bound leaves way (f) out", err)
+        return math.inf
+    return math.inf if result is None else -float(result.fun)

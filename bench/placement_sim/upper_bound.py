@@ -89,7 +89,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from .joint_bound import SessionsLP, joint_bound_tokens_per_s
+from .joint_bound import SessionsLP, joint_bound_tokens_per_s, tiered_bound_tokens_per_s
 from .models import ModelShape
 from .regions import Site, rtt_ms
 from .swarm import (
@@ -181,6 +181,8 @@ def upper_bound_tokens_per_s(swarm: Swarm, clients: Sequence[Site]) -> float:
     # (e) Every part of a session priced together, by region (joint_bound.py).
     joint = SessionsLP(swarm, clients[:sessions])
     variants.append(joint_bound_tokens_per_s(joint))
+    # (f) As (e), with every session in one placement at once (joint_bound.py).
+    variants.append(tiered_bound_tokens_per_s(joint))
     kv_bound = min(shared, *variants)
 
     ts = np.array([layer_time_s(n, model, params, slots) for n in nodes])

@@ -7,6 +7,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 from placement_sim import joint_bound
+from placement_sim.gpus import GpuSpec
 from placement_sim.parallax import ParallaxSystem
 from placement_sim.petals_greedy import PetalsSystem
 from placement_sim.serving import saturate, throughput_of
@@ -230,6 +231,29 @@ def test_the_joint_bound_counts_whole_visits():
     assert lp.solve(1)[0] == pytest.approx(one, rel=1e-9)
 
 
+def test_the_tiered_bound_keeps_every_session_in_one_placement():
+    # A card that computes 22 ms a session and layer: way (e) lets the k-th of 4 sessions
+    # pay only its batch's margin, 20 + 88 (2k - 1) ms, as if the first one ran alone at
+    # batch 1 while the last paid for all 4: 16.5 tok/s. In one placement every session
+    # on the card runs at its batch: 4 at batch 4 serve the most, 10.74 tok/s (the head on
+    # the client's CPU, the cheaper place here), and way (f) is that, give or take its
+    # tiers' chord (1.2 apart: at most 0.84 % above).
+    s = swarm(node("a", gpu=GpuSpec("slow", 4, fp16_tflops=0.001, memory_gbps=1.0)))
+    lp = joint_bound.SessionsLP(s, [HOME] * 4)
+    best = max(
+        b / (0.020 + CLIENT_HEAD + 4 * layer_time_s(s.nodes["a"], TOY, EXACT, b))
+        for b in range(1, 5)
+    )
+    assert best == pytest.approx(10.739, abs=1e-3)
+    assert joint_bound.joint_bound_tokens_per_s(lp) == pytest.approx(16.502, abs=1e-3)
+    tiered = joint_bound.tiered_bound_tokens_per_s(lp)
+    assert best <= tiered <= best * 1.0084
+    assert upper_bound_tokens_per_s(s, [HOME] * 10) == pytest.approx(tiered)
+    system = TesseraSystem(s, replicas=2)
+    system.start()
+    assert saturate(system, [HOME] * 10).tokens_per_s <= tiered
+
+
 def test_the_joint_bound_leaves_room_for_the_lm_head():
     # Each node holds the 4 layers, but only 3 next to the LM head: a session on one node
     # runs the head on its client's CPU; one on the GPU head would need a second node.
@@ -260,9 +284,9 @@ def test_the_joint_bound_counts_the_covers_a_session_can_make():
     assert lp.solve(1)[0] == pytest.approx(one, rel=1e-9)
 
 
-def test_an_lp_that_does_not_solve_leaves_way_e_out(monkeypatch, caplog):
-    # HiGHS stopping without an optimum must not take the benchmark down: way (e) proves
-    # nothing then, and the bound is the least of the other ways.
+def test_an_lp_that_does_not_solve_leaves_ways_e_and_f_out(monkeypatch, caplog):
+    # HiGHS stopping without an optimum must not take the benchmark down: ways (e) and
+    # (f) prove nothing then, and the bound is the least of the other ways.
     s = swarm(node("a", gpu=gpu_holding(2.5)), node("b", gpu=gpu_holding(2.5)),
               model=toy_model(4))  # fmt: skip
     with_e = upper_bound_tokens_per_s(s, [HOME] * 10)
@@ -271,6 +295,7 @@ def test_an_lp_that_does_not_solve_leaves_way_e_out(monkeypatch, caplog):
     without = upper_bound_tokens_per_s(s, [HOME] * 10)
     assert math.isfinite(without) and without > with_e
     assert "did not solve: Numerical difficulties" in caplog.text
+    assert "leaves way (e) out" in caplog.text and "leaves way (f) out" in caplog.text
 
 
 def test_the_bound_holds_for_nodes_that_each_serve_sessions_alone():
