@@ -645,10 +645,11 @@ def tiered_bound_tokens_per_s(lp: SessionsLP) -> float:
     1 / hi - t / (lo hi), so a tier's n sessions of total time T serve at most
     n (1 / lo + 1 / hi) - T / (lo hi), with lo n <= T <= hi n, and T at least the tier's
     cost as way (e) prices it. The last tier, open above from the first edge at or past
-    TIER_SPAN x B(1), serves 1 / lo a session. The LP maximises the sum over tiers; any real placement is a feasible point
-    (each session in the tier of its time, T its tier's real total), whose value is at
-    least its served tokens/s. Multi-region classes merge into one (`_Shape`) to keep the
-    LP small: a relaxation, so still a bound. Infinity when the LP does not solve.
+    TIER_SPAN x B(1), serves 1 / lo a session. The LP maximises the sum over tiers; any
+    real placement is a feasible point (each session in the tier of its time, T its
+    tier's real total), whose value is at least its served tokens/s. Multi-region
+    classes merge into one (`_Shape`) to keep the LP small: a relaxation, so still a
+    bound. Infinity when the LP does not solve.
     """
     try:
         fastest = lp.solve(1)
