@@ -813,17 +813,43 @@ def _swap_search(
     return pipelines, spares
 
 
+def _by_quality(model: ModelSpec, pool: list[_Cand]) -> tuple[list[Chain], list[_Cand]]:
+    """Bin covering in order of quality: the nodes that cost a token the least per layer
+    they hold (their compute, plus their hand-off spread over their layers) are covered
+    into pipelines first, each pipeline from the best nodes left, so that fibre uplinks and
+    fast cards serve together and slow ones together. Served tokens/s is convex in the
+    pipelines' times: for the same nodes, latencies spread apart serve more."""
+    order = sorted(pool, key=lambda c: (c.seconds + c.send_s / c.mid, c.node_id))
+    pipelines: list[Chain] = []
+    batch: list[_Cand] = []
+    held, attempt = 0, model.num_layers
+    for c in order:
+        batch.append(c)
+        held += c.mid
+        if held >= attempt:
+            made, batch = _bin_cover(model, batch)
+            pipelines += made
+            held = sum(x.mid for x in batch)
+            # A batch that holds L layers but chains none (the embedding or the head does
+            # not fit) waits for an eighth of a pipeline more: plan time stays linear.
+            attempt = model.num_layers if made else held + model.num_layers // 8
+    return pipelines, batch
+
+
 def _form_pipelines(
     model: ModelSpec, cands: list[_Cand]
 ) -> tuple[list[list[tuple[_Cand, int, int]]], list[_Cand]]:
-    """Pipelines inside each region first (no cross-region hops), then across regions."""
+    """Pipelines inside each region first (no cross-region hops), then across regions.
+    Each region keeps whichever covering the objective values more: plain bin covering
+    makes the most pipelines, covering by quality the fastest ones."""
     by_region: dict[str, list[_Cand]] = {}
     for c in cands:
         by_region.setdefault(c.node.region, []).append(c)
     pipelines: list[list[tuple[_Cand, int, int]]] = []
     rest: list[_Cand] = []
     for region in sorted(by_region):
-        made, left = _bin_cover(model, by_region[region])
+        options = [_bin_cover(model, by_region[region]), _by_quality(model, by_region[region])]
+        made, left = max(options, key=lambda o: sum(_chain_value(model, c) for c in o[0]))
         pipelines += made
         rest += left
     if len(by_region) > 1:

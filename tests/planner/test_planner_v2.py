@@ -310,3 +310,27 @@ def test_every_pipeline_visits_each_of_its_regions_in_one_run(specs):
         chain = [regions[nid] for nid in sorted(pipe, key=lambda nid: p.holders[nid].start)]
         changes = sum(x != y for x, y in zip(chain, chain[1:], strict=False))
         assert changes <= len(set(chain)) - (chain[0] != chain[-1]), chain
+
+
+def test_fast_uplinks_serve_together_and_slow_ones_end_pipelines():
+    # Eight fibre cards and eight a size bigger on 5 Mb/s uplinks (26 ms a hand-off against
+    # 0.4; the sizes differ, so no two of them are the same shape to trade places). Bin
+    # covering seeds with the biggest cards and mixed them: pipelines that handed tokens on
+    # out of a slow uplink in the middle of fibre ones. Covering by quality first groups
+    # the fibre cards, with a slow card at the end, where nothing is handed on; the slow
+    # cards left over form their own pipeline.
+    model = replace(MODEL, hidden_size=4096)
+    per_layer = (MODEL.params_per_layer + 1024 * MODEL.kv_values_per_token_per_layer) * 2
+
+    def card(i: int, layers: float, mbps: float) -> NodeSpec:
+        gb = layers * per_layer / 0.9 / 1e9 + 0.02
+        return replace(node(i, gb, speed=0.5), dtype_bytes=2, upload_mbps=mbps)
+
+    nodes = [card(i, 5.5, 300.0) if i % 2 == 0 else card(i, 6.5, 5.0) for i in range(16)]
+    slow = {n.node_id for n in nodes if n.upload_mbps < 10}
+    p = plan([model], nodes, replicas=1)[model.name]
+    assert len(p.pipelines) == 5
+    for pipe in p.pipelines:
+        chain = sorted(pipe, key=lambda nid: p.holders[nid].start)
+        if not set(chain) <= slow:
+            assert not slow & set(chain[:-1]), chain
