@@ -836,20 +836,28 @@ def _by_quality(model: ModelSpec, pool: list[_Cand]) -> tuple[list[Chain], list[
     return pipelines, batch
 
 
+def _plan_value(model: ModelSpec, pipelines: Sequence[Chain]) -> float:
+    return sum(_chain_value(model, chain) for chain in pipelines)
+
+
 def _form_pipelines(
     model: ModelSpec, cands: list[_Cand]
 ) -> tuple[list[list[tuple[_Cand, int, int]]], list[_Cand]]:
     """Pipelines inside each region first (no cross-region hops), then across regions.
-    Each region keeps whichever covering the objective values more: plain bin covering
-    makes the most pipelines, covering by quality the fastest ones."""
+    Each region keeps plain bin covering, which makes the most pipelines, unless covering
+    by quality, which makes the fastest ones, is worth more to the objective (by more than
+    rounding: equal plans must not flip with a factor common to all pipelines, such as
+    equal availabilities)."""
     by_region: dict[str, list[_Cand]] = {}
     for c in cands:
         by_region.setdefault(c.node.region, []).append(c)
     pipelines: list[list[tuple[_Cand, int, int]]] = []
     rest: list[_Cand] = []
     for region in sorted(by_region):
-        options = [_bin_cover(model, by_region[region]), _by_quality(model, by_region[region])]
-        made, left = max(options, key=lambda o: sum(_chain_value(model, c) for c in o[0]))
+        made, left = _bin_cover(model, by_region[region])
+        fast, slow = _by_quality(model, by_region[region])
+        if _plan_value(model, fast) > _plan_value(model, made) * (1 + 1e-9):
+            made, left = fast, slow
         pipelines += made
         rest += left
     if len(by_region) > 1:
