@@ -622,16 +622,14 @@ def _layered(model: ModelSpec, chain: list[_Cand], caps: list[int]) -> Chain | N
     return out
 
 
-def _bin_cover(
-    model: ModelSpec, pool: list[_Cand]
-) -> tuple[list[list[tuple[_Cand, int, int]]], list[_Cand]]:
+def _bin_cover(model: ModelSpec, pool: list[_Cand]) -> tuple[list[Chain], list[_Cand]]:
     """As many pipelines as the pool covers: seed with the largest node, then complete it
     with the smallest node that does (least waste), else add the largest and go on."""
     n_layers = model.num_layers
     pool = sorted(pool, key=lambda c: (c.mid, c.both, -c.seconds, c.node_id))
     caps = [c.mid for c in pool]
     total = sum(caps)
-    pipelines: list[list[tuple[_Cand, int, int]]] = []
+    pipelines: list[Chain] = []
     while pool and total >= n_layers:
         members = [pool.pop()]
         caps.pop()
@@ -840,9 +838,7 @@ def _plan_value(model: ModelSpec, pipelines: Sequence[Chain]) -> float:
     return sum(_chain_value(model, chain) for chain in pipelines)
 
 
-def _form_pipelines(
-    model: ModelSpec, cands: list[_Cand]
-) -> tuple[list[list[tuple[_Cand, int, int]]], list[_Cand]]:
+def _form_pipelines(model: ModelSpec, cands: list[_Cand]) -> tuple[list[Chain], list[_Cand]]:
     """Pipelines inside each region first (no cross-region hops), then across regions.
     Each region keeps plain bin covering, which makes the most pipelines, unless covering
     by quality, which makes the fastest ones, is worth more to the objective (by more than
@@ -851,7 +847,7 @@ def _form_pipelines(
     by_region: dict[str, list[_Cand]] = {}
     for c in cands:
         by_region.setdefault(c.node.region, []).append(c)
-    pipelines: list[list[tuple[_Cand, int, int]]] = []
+    pipelines: list[Chain] = []
     rest: list[_Cand] = []
     for region in sorted(by_region):
         made, left = _bin_cover(model, by_region[region])
@@ -895,7 +891,7 @@ def _fallback_key(model: ModelSpec, chain: Chain) -> tuple[float, float]:
 def _place_chain(
     model: ModelSpec,
     model_plan: ModelPlan,
-    chain: list[tuple[_Cand, int, int]],
+    chain: Chain,
     used: dict[str, int],
 ) -> None:
     for cand, a, b in chain:
@@ -1178,7 +1174,7 @@ def _repair(
     if reached < n_layers:
         holes.append((reached, n_layers))
     region = by_id[survivors[0]].region
-    picks: list[tuple[_Cand, int, int]] = []
+    picks: Chain = []
     taken: set[str] = set()
     for a, b in holes:
         best = _hole_filler(model, idle, taken, region, a, b)
