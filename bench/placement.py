@@ -5,7 +5,7 @@ RTTs, heavy-tailed churn), then serves the same stream of sessions with its own 
 The performance model, the baselines and the upper bound are described in
 bench/placement_sim/ (README.md there). Run from the repository root:
 
-    .venv/bin/python bench/placement.py            # full run, about 2 minutes on 2 cores
+    .venv/bin/python bench/placement.py            # full run, about 2-4 minutes on 2 cores
     .venv/bin/python bench/placement.py --quick    # smaller swarms, about 10 seconds
 
 The last line is `planner vs parallax: X, vs petals: Y, vs bound: Z`: the minimum over
@@ -62,8 +62,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             "sess = sessions admitted; hops = mean hops per session; p50/p95 ms = time per "
             "token of the admitted sessions; GB/event = weights fetched per churn event; "
             "tok/s@end = served tokens/s after the churn trace; plan ms = CPU time of the "
-            "initial placement. The 'upper bound' row is what no placement and router can "
-            "serve more than in this performance model: the least of six ways of pricing "
+            "initial placement (the plan time table: the least CPU time of 3 runs of the "
+            "same plan, since one run's varies by 2x on a virtual machine). The 'upper "
+            "bound' row is what no placement and router can serve more than in this "
+            "performance model: the least of six ways of pricing "
             "sessions, two of them linear programs over regions, nodes and their batches, "
             "the last with every session in one placement (SciPy's HiGHS; the proof is in "
             "bench/placement_sim/README.md)."

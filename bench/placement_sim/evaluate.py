@@ -127,13 +127,27 @@ def plan_time_swarm(model: ModelShape, params: ServingParams, size: int, seed: i
     return Swarm.of(model, params, nodes)
 
 
+PLAN_TIME_REPEATS = 3
+
+
 def plan_time_s(
-    model: ModelShape, params: ServingParams, factory: SystemFactory, size: int, seed: int
+    model: ModelShape,
+    params: ServingParams,
+    factory: SystemFactory,
+    size: int,
+    seed: int,
+    repeats: int = PLAN_TIME_REPEATS,
 ) -> float:
-    """CPU seconds of the initial placement (this process's CPU time: on a shared machine
-    wall time mostly measures the neighbours; every system is timed the same way)."""
-    swarm = plan_time_swarm(model, params, size, seed)
-    system = factory(swarm, seed)
-    started = time.process_time()
-    system.start()
-    return time.process_time() - started
+    """CPU seconds of the initial placement, the least of `repeats` runs of the same plan
+    on a fresh swarm (this process's CPU time: on a shared machine wall time mostly
+    measures the neighbours; and on a virtual machine the same work took 0.55-1.3 s of CPU
+    from one run to the next, so the least, as `timeit` advises, is what the code costs).
+    Every system is timed the same way."""
+    best = float("inf")
+    for _ in range(repeats):
+        swarm = plan_time_swarm(model, params, size, seed)
+        system = factory(swarm, seed)
+        started = time.process_time()
+        system.start()
+        best = min(best, time.process_time() - started)
+    return best
