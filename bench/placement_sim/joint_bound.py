@@ -18,8 +18,10 @@ with the parts tied to the same nodes and regions:
     A session's crossings connect R, so they cost at least a lightest spanning tree of R.
   - Layer items (step 1 of upper_bound.py) come from nodes of R only: a class's sessions
     take at most cap_n items from n per visit, v[n, R] visits, at most `slots` visits to n
-    in all; a node serving b sessions runs every item at t_n(b), its whole batch's layer
-    time (step 1 charges a session only t_n(j) for its place j in the batch).
+    in all and at most one per session (v[n, R] counts the sessions that pass n; one that
+    came back would count once, its extra hop uncharged); a node serving b sessions runs
+    every item at t_n(b), its whole batch's layer time (step 1 charges a session only
+    t_n(j) for its place j in the batch).
   - Visits come whole: a session's visits hold >= L layers between them, so for any grain
     g their capacities in grains, rounded up, add up to >= ceil(L / g). Without that a
     session could make 6.67 visits of 12 layers for 80, where it makes 7, and so hop less
@@ -289,6 +291,11 @@ def _sessions(lp: _Program, shape: _Shape, var: Var) -> _Block:
     for ci in range(len(classes)):
         sessions = [y[hi, ci] for hi in range(len(homes))]
         members = [n for n in range(count) if ci in node_classes[n]]
+        # A session visits a node once: v[n, R] counts the sessions that pass n (one
+        # that came back would count once, its extra hop left uncharged), so a few fast
+        # nodes cannot give each of a few sessions more visits than there are nodes.
+        for n in members:
+            row_ub([(v[n, ci], 1.0)] + [(col, -1.0) for col in sessions], 0.0)
         # A class's sessions take L layer items each, from its own regions' nodes...
         row_ub(
             [(col, float(n_layers)) for col in sessions] + [(z[n, ci], -1.0) for n in members],

@@ -231,6 +231,28 @@ def test_the_joint_bound_counts_whole_visits():
     assert lp.solve(1)[0] == pytest.approx(one, rel=1e-9)
 
 
+def test_the_joint_bound_lets_a_session_visit_a_node_once():
+    # A fast card that holds 1 of 4 layers and a slow one that holds all 4. The best
+    # session runs a layer on the fast card and three on the slow one (98.2 ms). Counted
+    # in visits alone, it could also come back to the fast card four times: four fast
+    # layers and three 12 ms hops, 56 ms, and the LP said 74.9 ms.
+    s = swarm(node("f", gpu=gpu_holding(1.5, memory_gbps=1000.0)),
+              node("s", gpu=gpu_holding(4.5, memory_gbps=1.0)))  # fmt: skip
+    assert [s.capacity(n) for n in "fs"] == [1, 4]
+    fast, slow = (layer_time_s(s.nodes[n], TOY, EXACT, 1) for n in "fs")
+    hop = 0.020 / 2 + handoff_s(s.nodes["f"], TOY, 1)
+    best = 0.020 + fast + hop + 3 * slow + CLIENT_HEAD
+    assert best == pytest.approx(0.09822, abs=1e-5)
+    assert best < 0.020 + 4 * slow + CLIENT_HEAD  # the slow card alone
+    lp = joint_bound.SessionsLP(s, [HOME])
+    # The LP may still split the hop (a fraction of a visit to the slow card), not the
+    # fast card's one visit.
+    assert 0.094 < lp.solve(1)[0] <= best
+    system = TesseraSystem(s, replicas=2)
+    system.start()
+    assert 0 < saturate(system, [HOME]).tokens_per_s <= 1 / lp.solve(1)[0]
+
+
 def test_the_tiered_bound_keeps_every_session_in_one_placement():
     # A card that computes 22 ms a session and layer: way (e) lets the k-th of 4 sessions
     # pay only its batch's margin, 20 + 88 (2k - 1) ms, as if the first one ran alone at
