@@ -5,7 +5,7 @@ RTTs, heavy-tailed churn), then serves the same stream of sessions with its own 
 The performance model, the baselines and the upper bound are described in
 bench/placement_sim/ (README.md there). Run from the repository root:
 
-    .venv/bin/python bench/placement.py            # full run, about 2-4 minutes on 2 cores
+    .venv/bin/python bench/placement.py            # full run, about 4-8 minutes on 2 cores
     .venv/bin/python bench/placement.py --quick    # smaller swarms, about 10 seconds
 
 The last line is `planner vs parallax: X, vs petals: Y, vs bound: Z`: the minimum over

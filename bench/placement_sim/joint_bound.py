@@ -16,6 +16,8 @@ with the parts tied to the same nodes and regions:
     sender's nearest half (mostly m's own access line), charged on every visit to m but a
     session's first; and crossing[a, b], what a hop between regions a and b pays on top.
     A session's crossings connect R, so they cost at least a lightest spanning tree of R.
+    A session that begins and ends on the same node n, which cannot hold it alone, left n
+    and came back: it pays one more hop out of n and one more entry into n.
   - Layer items (step 1 of upper_bound.py) come from nodes of R only: a class's sessions
     take at most cap_n items from n per visit, v[n, R] visits, at most `slots` visits to n
     in all and at most one per session (v[n, R] counts the sessions that pass n; one that
@@ -163,11 +165,12 @@ class _Shape:
         self.regions = sorted({n.site.region for n in nodes})
         self.region_of = np.array([self.regions.index(n.site.region) for n in nodes])
         every = range(len(self.regions))
-        # merged: the sessions that touch two regions or more form one class, which
-        # may visit every region and pays the cheapest crossing (a relaxation: fewer
-        # columns, for the tiered LP that repeats them per tier).
-        self.mixed = len(self.regions) > 2 and merged
-        sizes = [1, len(self.regions)] if self.mixed else range(1, len(self.regions) + 1)
+        # merged: the sessions that touch three regions or more form one class, which
+        # may visit every region, touches at least three and pays the cheapest crossings
+        # of any three (a relaxation: fewer columns, for the tiered LP that repeats them
+        # per tier); one region and two keep their classes.
+        self.mixed = len(self.regions) > 3 and merged
+        sizes = [1, 2, len(self.regions)] if self.mixed else range(1, len(self.regions) + 1)
         self.classes = [frozenset(c) for size in sizes for c in itertools.combinations(every, size)]
         self.node_classes = [
             [ci for ci, cls in enumerate(self.classes) if self.region_of[n] in cls]
@@ -225,7 +228,10 @@ def _sessions(lp: _Program, shape: _Shape, var: Var) -> _Block:
     u = [var(c.access.rtt_ms / 1000.0, 1.0) for c in clients]
     crossings = [_tree_weight(shape.crossing, cls) for cls in classes]
     if shape.mixed:
-        crossings[-1] = min(shape.crossing[a, b] for a, b in itertools.combinations(classes[-1], 2))
+        crossings[-1] = min(
+            _tree_weight(shape.crossing, frozenset(three))
+            for three in itertools.combinations(classes[-1], 3)
+        )
     y = {
         (hi, ci): var(crossings[ci] + client_head_time_s(model, params), math.inf)
         for hi in range(len(homes))
@@ -286,6 +292,13 @@ def _sessions(lp: _Program, shape: _Shape, var: Var) -> _Block:
             row_ub([(z[n, ci], 1.0), (v[n, ci], -float(caps[n])), *lost], 0.0)
             row_ub([(e[n, ci], 1.0), (v[n, ci], -1.0)], 0.0)  # ends are visits
             row_ub([(first[n, ci], 1.0), (v[n, ci], -1.0)], 0.0)
+            if caps[n] < n_layers:
+                # A session that begins and ends on n, which cannot hold it alone, left
+                # n and came back: v - e does not count that hop out of n, nor the
+                # entry back in. At least first + e - v sessions did so, each paying
+                # n's nearest half, a hand-off and the entering charge.
+                back = var(shape.nearest[n] / 2 + shape.unit[n] + entering[n], math.inf)
+                row_ub([(first[n, ci], 1.0), (e[n, ci], 1.0), (v[n, ci], -1.0), (back, -1.0)], 0.0)
             if (n, ci) in h:
                 row_ub([(h[n, ci], 1.0), (e[n, ci], -1.0)], 0.0)
     for ci in range(len(classes)):
@@ -309,14 +322,21 @@ def _sessions(lp: _Program, shape: _Shape, var: Var) -> _Block:
             n_layers,
         )
         # ...visit each of them (the class is the regions a session touches; a merged
-        # class's sessions leave each region at least once)...
-        inside = shape.mixed and ci == len(classes) - 1
-        for r in classes[ci]:
-            row_ub(
-                [(col, 1.0) for col in sessions]
-                + [(v[n, ci], -1.0) for n in members if (region_of[n] == r) != inside],
-                0.0,
-            )
+        # class's sessions touch three at least, so they leave any two of them)...
+        if shape.mixed and ci == len(classes) - 1:
+            for pair in itertools.combinations(classes[ci], 2):
+                row_ub(
+                    [(col, 1.0) for col in sessions]
+                    + [(v[n, ci], -1.0) for n in members if region_of[n] not in pair],
+                    0.0,
+                )
+        else:
+            for r in classes[ci]:
+                row_ub(
+                    [(col, 1.0) for col in sessions]
+                    + [(v[n, ci], -1.0) for n in members if region_of[n] == r],
+                    0.0,
+                )
         # ...and begin and end exactly once, each time in one of them: where[hi, r] of
         # those from clients in homes[hi] do so in region r, and their legs cross the
         # backbone between the two there (half a round trip each way).
@@ -654,9 +674,10 @@ def tiered_bound_tokens_per_s(lp: SessionsLP) -> float:
     cost as way (e) prices it. The last tier, open above from the first edge at or past
     TIER_SPAN x B(1), serves 1 / lo a session. The LP maximises the sum over tiers; any
     real placement is a feasible point (each session in the tier of its time, T its
-    tier's real total), whose value is at least its served tokens/s. Multi-region
-    classes merge into one (`_Shape`) to keep the LP small: a relaxation, so still a
-    bound. Infinity when the LP does not solve.
+    tier's real total), whose value is at least its served tokens/s. The classes of
+    three regions or more merge into one (`_Shape`) to keep the LP small: it touches
+    three regions at least and pays the cheapest crossings of any three, a relaxation, so
+    still a bound. Infinity when the LP does not solve.
     """
     try:
         fastest = lp.solve(1)

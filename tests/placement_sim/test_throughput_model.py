@@ -1,6 +1,8 @@
 """The performance model on examples small enough to check by hand."""
 
+import itertools
 import math
+from collections import Counter
 from dataclasses import replace
 from types import SimpleNamespace
 
@@ -10,6 +12,7 @@ from placement_sim import joint_bound
 from placement_sim.gpus import GpuSpec
 from placement_sim.parallax import ParallaxSystem
 from placement_sim.petals_greedy import PetalsSystem
+from placement_sim.regions import Site
 from placement_sim.serving import saturate, throughput_of
 from placement_sim.swarm import Hop, handoff_s, layer_time_s, session_latency_s
 from placement_sim.tessera import TesseraSystem
@@ -20,7 +23,7 @@ from placement_sim.upper_bound import (
     max_sessions,
     upper_bound_tokens_per_s,
 )
-from placement_toy import EXACT, FAR, HOME, TOY, gpu_holding, node, swarm, toy_model
+from placement_toy import EXACT, FAR, HOME, LINE, TOY, gpu_holding, node, swarm, toy_model
 
 # One toy layer: 10,487,808 params -> 20,975,616 bytes; KV 2*8*128*2 = 4096 bytes per token;
 # mean context 256 tokens -> 1,048,576 KV bytes per session; flops per token
@@ -251,6 +254,48 @@ def test_the_joint_bound_lets_a_session_visit_a_node_once():
     system = TesseraSystem(s, replicas=2)
     system.start()
     assert 0 < saturate(system, [HOME]).tokens_per_s <= 1 / lp.solve(1)[0]
+
+
+def _four_regions():
+    """One node in each of four regions, each holding half of the 4 layers."""
+    regions = ("us-east", "us-west", "eu-west", "eu-central")
+    return swarm(*(node(n, site=Site(r, LINE), gpu=gpu_holding(2.5))
+                   for n, r in zip("abcd", regions, strict=True)))  # fmt: skip
+
+
+def _best_two_hop_routes(s, clients: int) -> float:
+    """What the best routes of `clients` home sessions serve, each on two of the nodes."""
+    pairs = list(itertools.permutations(sorted(s.nodes), 2))
+    best = 0.0
+    for combo in itertools.combinations_with_replacement(pairs, clients):
+        if max(Counter(n for pair in combo for n in pair).values()) > EXACT.slots:
+            continue
+        routes = [(HOME, [Hop(x, 0, 2), Hop(y, 2, 4)]) for x, y in combo]
+        best = max(best, throughput_of(s, routes)[0])
+    return best
+
+
+def test_the_joint_bound_charges_a_session_that_comes_back_to_its_first_node():
+    # Nodes that hold half the model, one per region. Counting a node once a session, a
+    # session could begin on a, visit b and end on a again with b's hop out charged and
+    # not a's: the LP said 42.9 ms, where the best session (a, then b) takes 87.9 ms.
+    s = _four_regions()
+    best = _best_two_hop_routes(s, 1)
+    assert 1 / best == pytest.approx(0.08795, abs=1e-5)
+    b1 = joint_bound.SessionsLP(s, [HOME]).solve(1)[0]
+    assert 0.07 < b1 <= 1 / best
+
+
+def test_the_tiered_bound_prices_two_regions_apart_from_three():
+    # Way (f) merges the classes of three regions or more into one (fewer columns), but a
+    # session on two regions pays their own crossing: a and b, 65 ms apart, not the 25 ms
+    # between eu-west and eu-central, which a merge of every class of two regions or more
+    # charged it (27.42 tok/s for two sessions).
+    s = _four_regions()
+    best = _best_two_hop_routes(s, 2)
+    assert best == pytest.approx(22.212, abs=1e-3)
+    tiered = joint_bound.tiered_bound_tokens_per_s(joint_bound.SessionsLP(s, [HOME] * 2))
+    assert best <= tiered < 27.0
 
 
 def test_the_tiered_bound_keeps_every_session_in_one_placement():
