@@ -5,8 +5,8 @@ RTTs, heavy-tailed churn), then serves the same stream of sessions with its own 
 The performance model, the baselines and the upper bound are described in
 bench/placement_sim/ (README.md there). Run from the repository root:
 
-    .venv/bin/python bench/placement.py            # full run, about 4-8 minutes on 2 cores
-    .venv/bin/python bench/placement.py --quick    # smaller swarms, about 10 seconds
+    .venv/bin/python bench/placement.py            # full run, about 5-9 minutes on 2 cores
+    .venv/bin/python bench/placement.py --quick    # smaller swarms, about 2 minutes
 
 The last line is `planner vs parallax: X, vs petals: Y, vs bound: Z`: the minimum over
 scenarios of Tessera's served tokens/s divided by each reference's.
@@ -32,6 +32,7 @@ from placement_sim.models import LLAMA2_70B  # noqa: E402
 from placement_sim.parallax import ParallaxSystem  # noqa: E402
 from placement_sim.petals_greedy import PetalsSystem  # noqa: E402
 from placement_sim.report import (  # noqa: E402
+    found_line,
     plan_time_table,
     ratio_table,
     ratios,
@@ -68,7 +69,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             "performance model: the least of six ways of pricing "
             "sessions, two of them linear programs over regions, nodes and their batches, "
             "the last with every session in one placement (SciPy's HiGHS; the proof is in "
-            "bench/placement_sim/README.md)."
+            "bench/placement_sim/README.md). The 'best found' row is a real plan below "
+            "it: the best plan of whole pipelines that a local search finds from Tessera's "
+            "when it knows this performance model exactly (and ignores how likely nodes are "
+            "to leave), served by Tessera's router; the best plan lies between the two "
+            "rows (bench/placement_sim/pipeline_search.py)."
         ),
     )
     parser.add_argument(
@@ -113,6 +118,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         action="store_true",
         help="also time 'tessera r=all' at 10,000 nodes (planner v1 is quadratic there: "
         "30-50 s on 2 cores)",
+    )
+    parser.add_argument(
+        "--skip-search",
+        action="store_true",
+        help="do not run the search for the 'best found' row (about 1 minute in all)",
     )
     parser.add_argument("-v", "--verbose", action="store_true", help="log progress")
     args = parser.parse_args(argv)
@@ -176,7 +186,7 @@ def main(argv: list[str] | None = None) -> int:
     systems = default_systems(args.replicas)
     results = []
     for scenario in scenarios:
-        result = run_scenario(scenario, params, systems, log=log.info)
+        result = run_scenario(scenario, params, systems, log=log.info, search=not args.skip_search)
         results.append(result)
         print()
         print(scenario_table(result))
@@ -191,6 +201,9 @@ def main(argv: list[str] | None = None) -> int:
     print("== served tokens/s ratios ==")
     print(ratio_table(results, [planner, "tessera r=all"]))
     print(f"({time.perf_counter() - started:.0f} s)")
+    found = found_line(results, planner)
+    if found:
+        print(found)
     print(summary_line(ratios(results, "tessera r=all"), prefix="planner (r=all)"))
     print(summary_line(ratios(results, planner)))
     return 0

@@ -13,6 +13,7 @@ from .gpus import GPUS, MIXES
 from .models import ModelShape
 from .parallax import ParallaxSystem
 from .petals_greedy import PetalsSystem
+from .pipeline_search import searched_served
 from .regions import REGIONS, Site, draw_access
 from .scenarios import Scenario
 from .serving import Served, saturate
@@ -57,6 +58,8 @@ class ScenarioResult:
     scenario: Scenario
     bound_tokens_per_s: float
     systems: tuple[SystemResult, ...]
+    # The best plan of whole pipelines the search found on this model (None: not run).
+    found: Served | None = None
 
     def by_name(self, name: str) -> SystemResult:
         return next(s for s in self.systems if s.name == name)
@@ -103,16 +106,22 @@ def run_scenario(
     params: ServingParams,
     systems: Sequence[tuple[str, SystemFactory]],
     log: Callable[[str], None] = lambda _: None,
+    search: bool = True,
 ) -> ScenarioResult:
     swarm = Swarm.of(scenario.model, params, scenario.build_nodes())
     clients = scenario.clients(client_count(swarm))
     bound = upper_bound_tokens_per_s(swarm, clients)
+    found = None
+    if search:
+        started = time.perf_counter()
+        found = searched_served(Swarm.of(scenario.model, params, scenario.build_nodes()), clients)
+        log(f"  {scenario.name}: search done in {time.perf_counter() - started:.1f} s")
     results = []
     for name, factory in systems:
         started = time.perf_counter()
         results.append(run_system(scenario, params, factory, clients))
         log(f"  {scenario.name}: {name} done in {time.perf_counter() - started:.1f} s")
-    return ScenarioResult(scenario, bound, tuple(results))
+    return ScenarioResult(scenario, bound, tuple(results), found)
 
 
 def plan_time_swarm(model: ModelShape, params: ServingParams, size: int, seed: int) -> Swarm:

@@ -31,8 +31,36 @@ def scenario_table(result: ScenarioResult) -> str:
             f"{_fmt(r.moved_per_event_bytes / 1e9, 2):>9} "
             f"{_fmt(r.after_churn.tokens_per_s):>10} {_fmt(r.plan_s * 1000, 1):>9}"
         )
+    found = result.found
+    if found is not None:
+        lines.append(
+            f"{'best found':<15} {'':>5} {_fmt(found.tokens_per_s):>9} {found.sessions:>5} "
+            f"{_fmt(found.mean_hops):>5} {_fmt(found.percentile_ms(50), 0):>8} "
+            f"{_fmt(found.percentile_ms(95), 0):>8}"
+        )
     lines.append(f"{'upper bound':<15} {'':>5} {_fmt(result.bound_tokens_per_s):>9}")
     return "\n".join(lines)
+
+
+def found_line(results: Sequence[ScenarioResult], planner: str) -> str | None:
+    """Where the best plan lies: between the best found by search and the bound; and how
+    close the planner comes to the first (None when the search did not run)."""
+    pairs = [
+        (
+            r.by_name(planner).served.tokens_per_s / r.found.tokens_per_s,
+            r.found.tokens_per_s / r.bound_tokens_per_s,
+        )
+        for r in results
+        if r.found is not None and r.found.tokens_per_s > 0 and r.bound_tokens_per_s > 0
+    ]
+    if not pairs:
+        return None
+    mine = min(p for p, _ in pairs)
+    found = [f for _, f in pairs]
+    return (
+        f"{planner} vs best found by search: {mine:.2f} at the least; best found vs bound: "
+        f"{min(found):.2f}-{max(found):.2f} (the best plan lies between the two)"
+    )
 
 
 def plan_time_table(times: Mapping[str, Mapping[int, float | None]], sizes: Sequence[int]) -> str:

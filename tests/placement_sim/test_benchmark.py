@@ -72,6 +72,9 @@ def test_no_system_beats_the_upper_bound(name):
         assert 0 < system.served.tokens_per_s <= result.bound_tokens_per_s, system.name
         assert system.served.sessions > 0
         assert system.moved_per_event_bytes >= 0
+    # The best found is a real plan too: served below the bound.
+    assert result.found is not None
+    assert 0 < result.found.tokens_per_s <= result.bound_tokens_per_s
 
 
 @pytest.mark.parametrize(
@@ -102,6 +105,8 @@ def test_no_system_beats_the_upper_bound_on_small_swarms(
     assert 0 < result.bound_tokens_per_s < float("inf")
     for system in result.systems:
         assert system.served.tokens_per_s <= result.bound_tokens_per_s, system.name
+    assert result.found is not None
+    assert result.found.tokens_per_s <= result.bound_tokens_per_s
 
 
 @settings(max_examples=25, deadline=None, derandomize=True)
@@ -122,6 +127,8 @@ def test_no_system_beats_the_upper_bound_on_random_small_swarms(
     result = run_scenario(scenario, ServingParams(kv_tokens=kv_tokens), default_systems(2))
     for system in result.systems:
         assert system.served.tokens_per_s <= result.bound_tokens_per_s, system.name
+    assert result.found is not None
+    assert result.found.tokens_per_s <= result.bound_tokens_per_s
 
 
 def test_the_command_prints_tables_and_the_summary_line_last():
@@ -146,6 +153,8 @@ def test_the_command_prints_tables_and_the_summary_line_last():
     ), lines[-1]
     assert any(line.startswith("parallax") for line in lines)
     assert any(line.startswith("upper bound") for line in lines)
+    assert any(line.startswith("best found") for line in lines)
+    assert any("vs best found by search" in line for line in lines)
 
 
 def test_the_command_names_a_wrong_scenario():
