@@ -118,7 +118,8 @@ def _layers(order: Sequence[Member], num_layers: int) -> list[int] | None:
 
 
 class PipelineSearch:
-    """The plan's pipelines, their values, and the moves between them."""
+    """How the search sees a swarm: its nodes with room for a layer, and what any set of
+    them is worth as one pipeline (cached: the moves value the same sets again and again)."""
 
     def __init__(self, swarm: Swarm, clients: Sequence[Site]) -> None:
         self.swarm = swarm
