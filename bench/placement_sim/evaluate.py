@@ -114,7 +114,7 @@ def run_scenario(
     found = None
     if search:
         started = time.perf_counter()
-        found = searched_served(Swarm.of(scenario.model, params, scenario.build_nodes()), clients)
+        found = searched_served(swarm, clients)  # reads the swarm, as the bound does
         log(f"  {scenario.name}: search done in {time.perf_counter() - started:.1f} s")
     results = []
     for name, factory in systems:
