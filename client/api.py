@@ -172,14 +172,12 @@ class GenerationResult:
 
 @dataclass(frozen=True)
 class _Held:
-    """A sampled token not yet yielded: the step it came from (its start position), the
-    sampler's state before the draw (to draw again after a rollback), and where the
-    driver's timings and fail-overs stood before and after the step (a held token comes
-    out after later steps ran: theirs are not its own)."""
+    """A sampled token not yet yielded: the step it came from (its start position), and
+    where the driver's timings and fail-overs stood before and after the step (a held
+    token comes out after later steps ran: theirs are not its own)."""
 
     position: int
     token: int
-    sampler_state: dict[str, Any]
     seen_timings: int
     seen_failovers: int
     timings_end: int
@@ -337,11 +335,11 @@ class AsyncClient:
             while True:
                 if not finished:
                     seen_timings, seen_failovers = len(driver.timings), len(driver.failovers)
-                    position, state = driver.length, sampler.state
+                    position = driver.length
                     logits = await driver.step(next_input, last_only=True, defer_checks=defer)
-                    token = sampler(logits[0])
+                    token = sampler(logits[0], driver.length)
                     ends = len(driver.timings), len(driver.failovers)
-                    held.append(_Held(position, token, state, seen_timings, seen_failovers, *ends))
+                    held.append(_Held(position, token, seen_timings, seen_failovers, *ends))
                     finished = last_one(token)
                 rollback = await driver.settle_deferred(wait=finished)
                 if rollback is not None:
@@ -351,8 +349,7 @@ class AsyncClient:
                         held.pop()
                     void = held.pop()
                     assert void.position == rollback.start_pos, "a settled token was rolled back"
-                    sampler.state = void.sampler_state
-                    token = sampler(rollback.logits[0])
+                    token = sampler(rollback.logits[0], driver.length)
                     held.append(
                         replace(
                             void,

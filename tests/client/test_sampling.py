@@ -1,4 +1,5 @@
-"""Sampling: greedy is argmax, temperature/top-p are seeded and stay inside the nucleus."""
+"""Sampling: greedy is argmax, temperature/top-p are seeded per position and stay inside the
+nucleus."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from hypothesis import strategies as st
 from hypothesis.extra.numpy import arrays
 
 from client.sampling import Sampler, SamplingParams, sample
+from protos.sampling import MAX_SEED, draw_at
 
 finite_logits = arrays(
     np.float32,
@@ -40,25 +42,44 @@ def test_sampled_token_is_in_range_and_in_the_nucleus(logits, temperature, top_p
 def test_same_seed_same_draws_different_seed_differs() -> None:
     logits = np.linspace(0.0, 1.0, 64, dtype=np.float32)
     params = SamplingParams(temperature=1.0, seed=123)
-    first = [Sampler(params)(logits) for _ in range(1)]
     one, two = Sampler(params), Sampler(params)
-    run_one = [one(logits) for _ in range(30)]
-    run_two = [two(logits) for _ in range(30)]
-    assert run_one == run_two and run_one[0] == first[0]
+    run_one = [one(logits, position) for position in range(30)]
+    run_two = [two(logits, position) for position in range(30)]
+    assert run_one == run_two
+    assert len(set(run_one)) > 5  # positions draw apart, not one token 30 times
     other = Sampler(SamplingParams(temperature=1.0, seed=124))
-    assert [other(logits) for _ in range(30)] != run_one
+    assert [other(logits, position) for position in range(30)] != run_one
+
+
+def test_a_draw_depends_on_its_position_only_not_on_earlier_draws() -> None:
+    # What lets a node that runs the ring, or a client after a rollback, draw the token
+    # a fresh run draws at that position.
+    logits = np.linspace(-2.0, 2.0, 100, dtype=np.float32)
+    params = SamplingParams(temperature=0.8, top_p=0.9, seed=7)
+    forward = [draw_at(logits, params, position) for position in range(40)]
+    backward = [draw_at(logits, params, position) for position in reversed(range(40))]
+    assert forward == backward[::-1]
+    assert Sampler(params)(logits, 17) == forward[17]
+
+
+def test_an_unseeded_sampler_picks_a_seed_it_can_hand_on() -> None:
+    logits = np.linspace(0.0, 1.0, 64, dtype=np.float32)
+    sampler = Sampler(SamplingParams(temperature=1.0))
+    assert sampler.params.seed is not None and 0 <= sampler.params.seed <= MAX_SEED
+    draws = [sampler(logits, position) for position in range(20)]
+    assert draws == [draw_at(logits, sampler.params, position) for position in range(20)]
 
 
 def test_tiny_top_p_is_greedy() -> None:
     logits = np.array([0.1, 3.0, 2.9, -1.0], dtype=np.float32)
     sampler = Sampler(SamplingParams(temperature=1.0, top_p=1e-6, seed=0))
-    assert {sampler(logits) for _ in range(50)} == {1}
+    assert {sampler(logits, position) for position in range(50)} == {1}
 
 
 def test_temperature_follows_the_distribution() -> None:
     logits = np.log(np.array([0.7, 0.2, 0.1], dtype=np.float64)).astype(np.float32)
     sampler = Sampler(SamplingParams(temperature=1.0, seed=5))
-    counts = np.bincount([sampler(logits) for _ in range(4000)], minlength=3) / 4000
+    counts = np.bincount([sampler(logits, p) for p in range(4000)], minlength=3) / 4000
     np.testing.assert_allclose(counts, [0.7, 0.2, 0.1], atol=0.03)
 
 
@@ -78,6 +99,8 @@ def test_infinite_logits_are_masked_and_all_bad_is_an_error() -> None:
         {"top_p": 1.5},
         {"temperature": np.nan},
         {"seed": -5},
+        {"seed": MAX_SEED + 1},
+        {"top_p": np.nan},
     ],
 )
 def test_bad_parameters_are_refused_by_name(params) -> None:

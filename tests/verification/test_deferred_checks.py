@@ -153,7 +153,7 @@ def sampled_reference(checkpoint: Path, params: SamplingParams, new_tokens: int)
     """Seeded sampling over the whole model's logits, one token at a time."""
     sampler, ids = Sampler(params), list(PROMPT)
     for _ in range(new_tokens):
-        ids.append(sampler(reference_logits(checkpoint, ids)[-1]))
+        ids.append(sampler(reference_logits(checkpoint, ids)[-1], len(ids)))
     return ids[len(PROMPT) :]
 
 
