@@ -34,7 +34,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from client import billing
 from client.channels import ChannelPool, open_channel
 from client.datasets import TokenDataset, load_dataset
-from client.driver import DriverConfig, PipelineDriver
+from client.driver import DriverConfig, PipelineDriver, RingPlan
 from client.errors import (
     CoordinatorError,
     CoordinatorUnavailable,
@@ -109,6 +109,10 @@ class GenerationResult:
     # and why pushing stopped when it did (None: it never stopped).
     pushed_steps: int = 0
     push_off: str | None = None
+    # Of those, steps a ring started (the last hop drew the token and sent it on) and the
+    # client adopted; why the ring stopped, if it did.
+    ring_steps: int = 0
+    ring_off: str | None = None
     # Deferred checks that rejected a primary and sent the generation back to a step.
     rollbacks: list[RollbackEvent] = field(default_factory=list)
 
@@ -166,6 +170,8 @@ class GenerationResult:
             "verification": self.verification.to_json() if self.verification else None,
             "pushed_steps": self.pushed_steps,
             "push_off": self.push_off,
+            "ring_steps": self.ring_steps,
+            "ring_off": self.ring_off,
             "rollbacks": [r.to_json() for r in self.rollbacks],
         }
 
@@ -271,8 +277,16 @@ class AsyncClient:
         seed: int | None = None,
         *,
         stop_at_eos: bool = True,
+        ring: bool = True,
     ) -> AsyncGenerator[GeneratedToken, None]:
-        """Yield generated tokens as they come; ``last_run`` holds the full record after."""
+        """Yield generated tokens as they come; ``last_run`` holds the full record after.
+
+        With ``ring`` (and ``DriverConfig.ring``), the node that ends the model samples each
+        next token itself and starts its step at once (client/driver.py, "Ring"): the
+        client's round trip leaves the token's critical path. The client still samples
+        every token itself from the signed logits and yields only its own draw; a ring
+        that drew another token is stopped and that step is sent again.
+        """
         if (prompt is None) == (token_ids is None):
             raise ValueError("pass exactly one of prompt= (text) or token_ids= (a list of ints)")
         if max_new_tokens < 1:
@@ -332,11 +346,22 @@ class AsyncClient:
                     stop_at_eos and token in handle.eos_ids
                 )
 
+            def ring_plan() -> RingPlan | None:
+                # The ring starts exactly the steps this generation still needs after the
+                # one now sent: one per token left to sample, less the token this step gives.
+                steps = max_new_tokens - len(result.token_ids) - len(held) - 1
+                if not ring or steps <= 0:
+                    return None
+                stop = tuple(sorted(handle.eos_ids)) if stop_at_eos else ()
+                return RingPlan(sampler.params, steps, stop)
+
             while True:
                 if not finished:
                     seen_timings, seen_failovers = len(driver.timings), len(driver.failovers)
                     position = driver.length
-                    logits = await driver.step(next_input, last_only=True, defer_checks=defer)
+                    logits = await driver.step(
+                        next_input, last_only=True, defer_checks=defer, ring=ring_plan()
+                    )
                     token = sampler(logits[0], driver.length)
                     ends = len(driver.timings), len(driver.failovers)
                     held.append(_Held(position, token, seen_timings, seen_failovers, *ends))
@@ -401,6 +426,7 @@ class AsyncClient:
             result.wall_s = time.monotonic() - began
             result.route = driver.route
             result.pushed_steps, result.push_off = driver.pushed_steps, driver.push_off
+            result.ring_steps, result.ring_off = driver.ring_steps, driver.ring_off
             if driver.verifier is not None:
                 await driver.verifier.finish()
             await driver.close()
@@ -698,10 +724,11 @@ class Client:
         The generation runs on the client's loop thread on its own: the next step starts as
         soon as a token is out, not when the caller asks for it, so a caller that takes its
         time with each token (printing, a UI) does not slow the pipeline. With
-        ``run_ahead=False`` each step starts only when the caller asks for its token (for
-        a caller that times tokens one by one while other work takes turns with it, as
-        bench/inference.py does). Leaving the loop early (``break``, an exception, Ctrl-C)
-        stops the generation and ends its session either way.
+        ``run_ahead=False`` each step starts only when the caller asks for its token, and
+        no ring runs (for a caller that times tokens one by one while other work takes
+        turns with it, as bench/inference.py's hop-by-hop comparison does). Leaving the
+        loop early (``break``, an exception, Ctrl-C) stops the generation and ends its
+        session either way.
         """
         stream = self._async.generate(
             model,
@@ -712,6 +739,8 @@ class Client:
             top_p=top_p,
             seed=seed,
             stop_at_eos=stop_at_eos,
+            # A ring computes the next token before the caller asks for it.
+            ring=run_ahead,
         )
         if not run_ahead:
             yield from self._on_demand(stream)

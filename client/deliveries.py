@@ -8,8 +8,9 @@ nodes without waiting for the client.
 
 A subscription is only useful once the node has registered it, so each one waits for the
 node's response headers, which it sends once the subscription is in place, before a step
-relies on it. Answers
-nobody waits for (a step the client already finished another way) are dropped.
+relies on it. An answer nobody waits for yet is kept, the newest ``EARLY_ANSWERS`` of
+them: a ring (client/driver.py) starts a step before the client asks for it, so its
+answers may come first.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections.abc import Callable
 
 import grpc
 
@@ -29,6 +31,12 @@ log = logging.getLogger(__name__)
 Key = tuple[int, int, int]  # (step, layer start, layer end)
 # A relayed call's signed answer and when it arrived (time.monotonic()).
 Answer = tuple[stage_pb2.ForwardResponse, float]
+# Answers kept per subscription before anyone waits for them: a ring runs ahead of the
+# client by a step or two; a stale answer (of a step done another way) ages out.
+EARLY_ANSWERS = 32
+# Told of each answer that came and that nobody took (node id, (step, start, end)): work
+# the node did, which its usage receipt counts (client/driver.py counts a ring's).
+Unclaimed = Callable[[str, Key], None]
 
 
 class DeliveryLost(Exception):
@@ -50,14 +58,18 @@ class Subscription:
         channels: ChannelPool,
         session_id: str,
         capability: client_api_pb2.SignedCapability,
+        on_unclaimed: Unclaimed | None = None,
     ) -> None:
         self.node_id = node_id
+        self._on_unclaimed = on_unclaimed
         self.address = address
         stub = stage_pb2_grpc.StageStub(channels.get(address))
         self._call = stub.Deliveries(
             stage_pb2.DeliveriesRequest(session_id=session_id, capability=capability)
         )
         self._waiting: dict[Key, asyncio.Future[Answer]] = {}
+        # Deliveries that came before anyone waited for them, oldest first.
+        self._early: dict[Key, Answer | DeliveryLost] = {}
         # Done when the node's headers came: the subscription is in place.
         self._ready: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._ended: DeliveryLost | None = None
@@ -85,19 +97,26 @@ class Subscription:
         """A future for the answer of the relayed call (step, layers); register it before
         the call can arrive."""
         future: asyncio.Future[Answer] = asyncio.get_running_loop().create_future()
-        if self._ended is not None:
+        key = (step, start, end)
+        early = self._early.pop(key, None)
+        if early is not None:
+            _settle(future, early)
+        elif self._ended is not None:
             future.set_exception(self._ended)
         else:
-            self._waiting[(step, start, end)] = future
+            self._waiting[key] = future
         return future
 
     def forget(self, step: int, start: int, end: int) -> None:
         """Stop waiting for an answer (the step went on without it)."""
+        self._unclaim((step, start, end))
         future = self._waiting.pop((step, start, end), None)
         if future is not None and not future.done():
             future.cancel()
 
     def close(self) -> None:
+        for key in list(self._early):
+            self._unclaim(key)
         self._call.cancel()
         self._reader.cancel()
         self._end(DeliveryLost(f"the subscription at node {self.node_id} was closed",
@@ -134,21 +153,30 @@ class Subscription:
 
     def _on(self, delivery: stage_pb2.Delivery) -> None:
         key = (delivery.step, delivery.layers.start, delivery.layers.end)
-        future = self._waiting.pop(key, None)
-        if future is None or future.done():
-            log.debug("node %s delivered step %d nobody waits for", self.node_id, delivery.step)
-            return
+        outcome: Answer | DeliveryLost
         if delivery.HasField("response"):
-            future.set_result((delivery.response, time.monotonic()))
-            return
-        code = _status(delivery.error_code)
-        future.set_exception(
-            DeliveryLost(
+            outcome = (delivery.response, time.monotonic())
+        else:
+            code = _status(delivery.error_code)
+            outcome = DeliveryLost(
                 f"{code.name if code else delivery.error_code}: {delivery.error_message}",
                 code,
                 self.node_id,
             )  # fmt: skip
-        )
+        future = self._waiting.pop(key, None)
+        if future is not None and not future.done():
+            _settle(future, outcome)
+            return
+        log.debug("node %s delivered step %d before anyone waited", self.node_id, delivery.step)
+        self._unclaim(key)  # a second answer to one call: the first one was not taken
+        self._early[key] = outcome
+        while len(self._early) > EARLY_ANSWERS:
+            self._unclaim(next(iter(self._early)))
+
+    def _unclaim(self, key: Key) -> None:
+        outcome = self._early.pop(key, None)
+        if outcome is not None and not isinstance(outcome, DeliveryLost) and self._on_unclaimed:
+            self._on_unclaimed(self.node_id, key)
 
     def _end(self, reason: DeliveryLost) -> None:
         if self._ended is None:
@@ -167,9 +195,12 @@ class Subscription:
 class Subscriptions:
     """One subscription per node of the session, opened when a pushed step first needs it."""
 
-    def __init__(self, channels: ChannelPool, session_id: str) -> None:
+    def __init__(
+        self, channels: ChannelPool, session_id: str, on_unclaimed: Unclaimed | None = None
+    ) -> None:
         self._channels = channels
         self._session_id = session_id
+        self._on_unclaimed = on_unclaimed
         self._by_node: dict[str, Subscription] = {}
 
     async def at(
@@ -185,8 +216,9 @@ class Subscriptions:
             if sub is not None:
                 sub.close()
             sub = self._by_node[node_id] = Subscription(
-                node_id, address, self._channels, self._session_id, capability
-            )
+                node_id, address, self._channels, self._session_id, capability,
+                self._on_unclaimed,
+            )  # fmt: skip
         await sub.ready(timeout_s)
         return sub
 
@@ -194,6 +226,13 @@ class Subscriptions:
         subs, self._by_node = list(self._by_node.values()), {}
         for sub in subs:
             sub.close()
+
+
+def _settle(future: asyncio.Future[Answer], outcome: Answer | DeliveryLost) -> None:
+    if isinstance(outcome, DeliveryLost):
+        future.set_exception(outcome)
+    else:
+        future.set_result(outcome)
 
 
 def _status(value: int) -> grpc.StatusCode | None:

@@ -125,6 +125,10 @@ def _demo(workdir: Path, tokens: int, kill_after: int, args: argparse.Namespace)
                 f"   {reference.pushed_steps} of {len(reference.token_ids)} steps pushed: each "
                 "node handed its output straight to the next; the client verified every answer"
             )
+            _say(
+                f"   {reference.ring_steps} of them started by the last node, which drew the "
+                "next token itself; the client drew the same token and checked it"
+            )
             _say(f"   output: {reference.text!r}")
             _say("   (the weights are random, so the text is noise; what matters is that it")
             _say("   comes out the same, token for token, through any route)")

@@ -20,6 +20,18 @@ signed. Anything unusual (a late or missing answer, an error, a digest that diff
 the push at that stage, and the step goes on from there hop by hop, with the fail-over and
 hedging below; a digest that differs ends pushing for the session.
 
+Ring (``DriverConfig.ring``, a pushed decode step given a ``RingPlan``): the node that
+ends the model also samples the next token itself (protos.sampling: the same draw for the
+same logits, seed and position) and starts the next step at the first hop, naming the
+route again: exo's ring, with the client off the token's critical path (3 transits a token
+through 3 stages instead of 4, and no client round trip). The client still gets every
+answer, samples its own token from the signed logits and yields only that. When it then
+steps that token, it adopts the step the ring started: the first hop's signed input
+digest must be that of the client's own token, else (a ring that drew another token, a
+late or missing answer, any fail-over, hedge or rollback) the ring ends for the session and
+the step is sent again as usual. The ring starts only as many steps as the client asked
+for and stops at an end-of-sequence id, so it computes nothing the client will not use.
+
 Consecutive stages whose primary is the same node run as one hop (one round trip instead
 of several; the node's capability grants it every one of them). When such a merged hop
 fails it is split back into its stages, each with its own alternates, before the replay.
@@ -58,6 +70,7 @@ from client.route_history import RouteHistory, Span, covers
 from client.step_reports import SendReport, StepReporter
 from client.verification import NodeRejected, PendingCheck, StageVerifier
 from protos import codec
+from protos.sampling import SamplingParams
 from protos.tessera.v1 import client_api_pb2, common_pb2, stage_pb2, stage_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -120,6 +133,28 @@ class DriverConfig:
     # rolls the generation back to that step): a checker slower than the primary no
     # longer holds up the pipeline. False settles every step's checks before the next.
     defer_checks: bool = True
+    # Let the node that ends the model sample and start the next step (module docstring).
+    ring: bool = True
+    # How long the client waits for the first answer of a step a ring started before it
+    # sends that step itself: max(this, deadline_factor x p95 of the first hop's steps).
+    ring_wait_floor_s: float = 1.0
+
+
+@dataclass(frozen=True)
+class RingPlan:
+    """What a ring needs to go on without the client: how to draw each token (a seed
+    is required when sampling at a temperature: the client must draw the same), how many
+    more steps it may start, and the tokens that end it."""
+
+    params: SamplingParams
+    steps: int
+    stop_ids: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.steps < 0:
+            raise ValueError(f"a ring's steps must be 0 or more, got {self.steps}")
+        if self.params.temperature > 0 and self.params.seed is None:
+            raise ValueError("a ring that samples at a temperature needs a seed")
 
 
 @dataclass(frozen=True)
@@ -135,6 +170,11 @@ class HopFailure(Exception):
     def __init__(self, reason: str, code: grpc.StatusCode | None = None) -> None:
         super().__init__(reason)
         self.code = code
+
+
+class RingMissed(HopFailure):
+    """The step a ring should have started did not come back as the client's own: the
+    client sends it itself, and blames no node."""
 
 
 @dataclass
@@ -181,6 +221,19 @@ class _Unsettled:
     call: _Request
     response: stage_pb2.ForwardResponse
     pending: PendingCheck
+
+
+@dataclass
+class _RingNext:
+    """The step a ring starts once the current one ends, and the route it goes round."""
+
+    step: int
+    start_pos: int
+    route: tuple[tuple[Span, str, str], ...]
+    # How many more steps the ring may start after that one.
+    steps_left: int
+    # Tokens the ring starts no step for: it ends there.
+    stop_ids: tuple[int, ...]
 
 
 @dataclass
@@ -257,10 +310,24 @@ class PipelineDriver:
         # Nodes a hedge found slow: never hedged on or asked to check again this session.
         self._demoted: set[str] = set()
         self.usage = UsageBook()  # tokens sent per hop and the nodes' usage receipts
-        self._subscriptions = Subscriptions(self._channels, self.session_id)
+        self._subscriptions = Subscriptions(
+            self._channels, self.session_id, on_unclaimed=self._unclaimed
+        )
         # Why this session stopped pushing steps (None: it pushes when it can).
         self.push_off: str | None = None if self.config.push else "turned off"
         self.pushed_steps = 0
+        # Why this session's steps no longer go round a ring (None: they may).
+        self.ring_off: str | None = None if self.config.ring else "turned off"
+        self.ring_steps = 0  # steps a ring started and the client adopted
+        self._last_push_s = 0.0  # how long the last step pushed through the whole route took
+        self._ring_next: _RingNext | None = None
+        # The last step number the ring now running may start (see _end_ring).
+        self._ring_last_step = 0
+        # Steps rings were allowed to start, and which of their calls (node, step, layers)
+        # the usage book counts already: a ring's call that the client did not adopt still
+        # ran, and the node's receipt counts it (_unclaimed).
+        self._ring_started: set[int] = set()
+        self._ring_counted: set[tuple[str, int, int, int]] = set()
         # Nodes whose subscription could not be opened, and the step from which to try
         # again: until then no step is pushed through them.
         self._unpushable: dict[str, int] = {}
@@ -301,6 +368,7 @@ class PipelineDriver:
         *,
         last_only: bool = False,
         defer_checks: bool = False,
+        ring: RingPlan | None = None,
     ) -> np.ndarray:
         """Run token ids through the pipeline and return float32 logits.
 
@@ -316,6 +384,11 @@ class PipelineDriver:
         must treat what it derives from these logits as provisional until
         ``settle_deferred`` has settled the step (``unsettled_from``), and start over from
         a ``Rollback`` it returns.
+
+        With ``ring`` (a step of one chunk, one sequence, ``last_only``) the last hop also
+        draws the next token and starts the next step, up to ``ring.steps`` of them in
+        all (module docstring): the caller then steps the token it draws itself, and the
+        driver adopts the step the ring started when it is that very one.
         """
         ids = self._check_tokens(token_ids)
         start = self._length if start_pos is None else start_pos
@@ -339,9 +412,11 @@ class PipelineDriver:
         outputs: list[np.ndarray] = []
         chunk = self._chunk_tokens(ids.shape[0], last_only)
         defer = defer_checks and ids.shape[1] <= chunk
+        if ids.shape[1] > chunk:
+            ring = None
         for offset in range(0, ids.shape[1], chunk):
             piece = ids[:, offset : offset + chunk]
-            logits = await self._walk(start + offset, piece, last_only, defer=defer)
+            logits = await self._walk(start + offset, piece, last_only, defer=defer, ring=ring)
             outputs.append(logits[:, -1] if last_only else logits)
         self._length = total
         self._history_clean = True
@@ -376,6 +451,7 @@ class PipelineDriver:
         self, entry: _Deferred, rejected: tuple[_Unsettled, HopFailure]
     ) -> Rollback:
         self._drop_deferred()
+        self._end_ring("a check sent the session back to an earlier step")
         length = entry.start_pos + int(entry.ids.shape[1])
         event = RollbackEvent(
             position=entry.start_pos,
@@ -461,7 +537,13 @@ class PipelineDriver:
     # ---- the walk -------------------------------------------------------------------
 
     async def _walk(
-        self, start_pos: int, ids: np.ndarray, last_only: bool, *, defer: bool = False
+        self,
+        start_pos: int,
+        ids: np.ndarray,
+        last_only: bool,
+        *,
+        defer: bool = False,
+        ring: RingPlan | None = None,
     ) -> np.ndarray:
         """One chunk of token ids through the whole route: its logits.
 
@@ -474,13 +556,18 @@ class PipelineDriver:
         """
         try:
             step = self._next_step()
+            ring_next, self._ring_next = self._ring_next, None
             if (
                 self.push_off is None
                 and len(self._slots) > 1
                 and all(self._unpushable.get(s.hop.node_id, 0) <= step for s in self._slots)
             ):
-                out, dtype = await self._push_through(start_pos, ids, step, last_only)
+                out, dtype = await self._push_through(
+                    start_pos, ids, step, last_only, ring, ring_next
+                )
             else:
+                if ring_next is not None:
+                    self._end_ring("the session goes on hop by hop")
                 out, dtype = await self._run_through(
                     0, self.shape.num_layers, start_pos, ids, "int64", step, last_only=last_only
                 )
@@ -493,20 +580,51 @@ class PipelineDriver:
         return out
 
     async def _push_through(
-        self, start_pos: int, ids: np.ndarray, step: int, last_only: bool
+        self,
+        start_pos: int,
+        ids: np.ndarray,
+        step: int,
+        last_only: bool,
+        ring: RingPlan | None = None,
+        ring_next: _RingNext | None = None,
     ) -> tuple[np.ndarray, str]:
         """One chunk pushed through the route (module docstring): its logits. Where the
-        push breaks off, the rest of the step goes hop by hop from that stage."""
+        push breaks off, the rest of the step goes hop by hop from that stage. With
+        ``ring`` the last hop also starts the next step; ``ring_next`` is the step a ring
+        started, which this one adopts when it is that very step."""
         slots = list(self._slots)
-        subscriptions = await self._subscribe(slots[1:], step)
+        adopt = ring_next is not None and (
+            (ring_next.step, ring_next.start_pos, ring_next.route, ids.shape)
+            == (step, start_pos, _route_of(slots), (1, 1))
+        )
+        if ring_next is not None and adopt and int(ids[0, 0]) in ring_next.stop_ids:
+            adopt = False  # the ring ended at this token by itself; a new one may start
+        elif ring_next is not None and not adopt:
+            self._end_ring(f"step {step} is not the one the ring started")
+        launch = (
+            ring
+            if not adopt
+            and ring is not None
+            and ring.steps > 0
+            and self.ring_off is None
+            and last_only
+            and ids.shape[0] == 1
+            else None
+        )
+        ringing = adopt or launch is not None
+        if launch is not None:
+            self._ring_last_step = step + launch.steps
+            self._ring_started.update(range(step + 1, self._ring_last_step + 1))
+        subscriptions = await self._subscribe(slots if ringing else slots[1:], step)
         if subscriptions is None:
+            self._end_ring("a node's subscription could not be had")
             return await self._run_through(
                 0, self.shape.num_layers, start_pos, ids, "int64", step, last_only=last_only
             )
+        first_subscription = subscriptions.pop(0) if ringing else None
         first = slots[0]
         self._history.record(first.span, start_pos, ids, "int64")
         call = self._request(first, start_pos, ids, "int64", step, False, last_only)
-        pushed = _pushed(call.request, slots[1:], last_only)
         answers = [
             sub.expect(step, s.span.start, s.span.end)
             for sub, s in zip(subscriptions, slots[1:], strict=True)
@@ -518,15 +636,21 @@ class PipelineDriver:
 
         failed_at = time.monotonic()
         try:
-            response, wall = await self._exchange(first, call, pushed)
+            if first_subscription is not None and adopt:
+                response, wall = await self._adopted(first, first_subscription, call)
+            else:
+                pushed = _pushed(call.request, slots, last_only, launch)
+                response, wall = await self._exchange(first, call, pushed)
             previous = failed_at + wall  # when the answer before the next one arrived
             x, dtype = await self._accept(first, call, response, wall)
         except (HopFailure, RequestRejected) as err:
             forget(0)
+            self._end_ring(f"the first hop failed: {err}")
             if isinstance(err, HopFailure):
                 return await self._resume_hop_by_hop(
-                    0, start_pos, ids, "int64", step, last_only, failure=(err, failed_at)
-                )
+                    0, start_pos, ids, "int64", step, last_only,
+                    failure=None if isinstance(err, RingMissed) else (err, failed_at),
+                )  # fmt: skip
             # Perhaps only the push was refused (a node that does not relay): the same call
             # hop by hop says whether the request itself is at fault.
             self._stop_pushing(f"node {first.hop.node_id} refused a pushed step: {err}")
@@ -535,6 +659,8 @@ class PipelineDriver:
             self._history.record(slot.span, start_pos, x, dtype)
             call = self._request(slot, start_pos, x, dtype, step, False, last_only)
             self._begin_call(slot, call)
+            if adopt:
+                self._ring_counted.add((slot.hop.node_id, step, slot.span.start, slot.span.end))
             wait_s, hedge = self._push_wait(slot, x)
             started = time.monotonic()
             try:
@@ -552,6 +678,7 @@ class PipelineDriver:
                 if call.pending is not None:
                     call.pending.cancel()
                 forget(k - 1)
+                self._end_ring(f"the push stopped at layers {slot.span}")
                 late = isinstance(err, TimeoutError)
                 log.info(
                     "step %d: push stopped at layers %s (node %s): %s", step, slot.span,
@@ -576,11 +703,64 @@ class PipelineDriver:
                 previous = answered
             except HopFailure as failure:  # an answer that cannot be used: a failed node
                 forget(k)
+                self._end_ring(f"node {slot.hop.node_id} failed")
                 return await self._resume_hop_by_hop(
                     k, start_pos, x, dtype, step, last_only, failure=(failure, answered)
                 )
         self.pushed_steps += 1  # through the whole route
+        self._last_push_s = time.monotonic() - failed_at
+        if adopt:
+            assert ring_next is not None
+            self.ring_steps += 1
+            left, stop_ids = ring_next.steps_left, ring_next.stop_ids
+        elif launch is not None:
+            left, stop_ids = launch.steps, launch.stop_ids
+        else:
+            left, stop_ids = 0, ()
+        if left > 0 and self.ring_off is None:
+            # The last hop is starting the next step as this one returns.
+            self._ring_next = _RingNext(
+                step + 1, start_pos + int(ids.shape[1]), _route_of(slots), left - 1, stop_ids
+            )
         return x, dtype
+
+    async def _adopted(
+        self, first: _Slot, subscription: Subscription, call: _Request
+    ) -> tuple[stage_pb2.ForwardResponse, float]:
+        """The first hop's answer to the step a ring started: (it, its wall time). Its
+        input must be the client's own token (the digest it signed says so)."""
+        request = call.request
+        # The wait is short: a missing answer may be the last hop's fault as much as the
+        # first's, so nobody is failed over for it; the client just sends the step itself.
+        # Until the first hop has decode times, the step before (that started the ring)
+        # says how slow the machines are now.
+        samples = first.decode_seconds
+        typical = percentile(samples, 95.0) if samples else self._last_push_s
+        wait_s = max(self.config.ring_wait_floor_s, self.config.deadline_factor * typical)
+        started = time.monotonic()
+        future = subscription.expect(request.step, first.span.start, first.span.end)
+        try:
+            try:
+                async with asyncio.timeout(wait_s):
+                    response, answered = await future
+            except TimeoutError:
+                subscription.forget(request.step, first.span.start, first.span.end)
+                raise RingMissed(f"the ring's step was not back within {wait_s:.2f} s") from None
+            except DeliveryLost as err:
+                raise RingMissed(f"the ring's step failed: {err}") from err
+            # It ran: counted, and (when drawn) checked, like any call.
+            self._begin_call(first, call)
+            span = first.span
+            self._ring_counted.add((first.hop.node_id, request.step, span.start, span.end))
+            if response.input_digest != self._history.input_digest(first.span):
+                raise RingMissed("the ring started this step with another token than the client's")
+        except RingMissed:
+            if call.pending is not None:
+                call.pending.cancel()
+            raise
+        # Never less than the node's compute time: the answer may have come before the
+        # client asked for it.
+        return response, max(answered - started, response.compute_ms / 1000.0)
 
     async def _resume_hop_by_hop(
         self,
@@ -641,6 +821,29 @@ class PipelineDriver:
             return deadline, False
         return delay, True
 
+    def _unclaimed(self, node_id: str, key: tuple[int, int, int]) -> None:
+        """A signed answer nobody took: if a ring ran it, the node did that work for this
+        session, and its receipt may count it."""
+        step, start, end = key
+        counted = (node_id, step, start, end)
+        if step in self._ring_started and counted not in self._ring_counted:
+            self._ring_counted.add(counted)
+            self.usage.sent(node_id, start, end, 1)  # a ring's step is one token
+
+    def _end_ring(self, reason: str) -> None:
+        """No step goes round a ring again this session: after anything unusual a ring's
+        steps may no longer be the ones the client needs.
+
+        The ring's steps may still be going round, even ahead of the client. The client's
+        own steps from now on are numbered past every step that ring may start, so each
+        node runs those and drops what is left of the ring as stale, and no answer of the
+        ring is ever taken for one of the client's."""
+        self._ring_next = None
+        self._step = max(self._step, self._ring_last_step)
+        if self.ring_off is None:
+            log.info("session %s: the ring stops: %s", self.session_id, reason)
+            self.ring_off = reason
+
     def _stop_pushing(self, reason: str) -> None:
         if self.push_off is None:
             log.warning("session %s goes on hop by hop: %s", self.session_id, reason)
@@ -672,6 +875,7 @@ class PipelineDriver:
         """Replace the node a check rejected, replay its span, and run every later span
         again from the corrected output (their caches roll back to ``start_pos``)."""
         entry, failure = rejected
+        self._end_ring(f"a check rejected node {entry.hop.node_id}")
         index = self._index_at(entry.span.start)
         slot = self._slots[index]
         if slot.span != entry.span or slot.hop.node_id != entry.hop.node_id:
@@ -1277,22 +1481,39 @@ async def _round_trip(
 
 
 def _pushed(
-    request: stage_pb2.ForwardRequest, rest: list[_Slot], last_only: bool
+    request: stage_pb2.ForwardRequest,
+    slots: list[_Slot],
+    last_only: bool,
+    ring: RingPlan | None = None,
 ) -> stage_pb2.ForwardRequest:
     """What goes on the wire for a pushed step's first call: the call plus the rest of the
-    route. Checks, signatures and evidence use the call as the hop itself runs it."""
+    route (and a ring round all of it). Checks, signatures and evidence use the call as
+    the hop itself runs it."""
     pushed = stage_pb2.ForwardRequest()
     pushed.CopyFrom(request)
     pushed.last_position_only = last_only  # passed on to the hop that ends there
-    pushed.relay_to.extend(
+    hops = [
         stage_pb2.RelayHop(
             node_id=s.hop.node_id,
             address=s.hop.address,
             layers=common_pb2.LayerRange(start=s.span.start, end=s.span.end),
         )
-        for s in rest
-    )
+        for s in slots
+    ]
+    pushed.relay_to.extend(hops[1:])
+    if ring is not None:
+        pushed.ring.route.extend(hops)
+        pushed.ring.steps = ring.steps
+        pushed.ring.temperature = ring.params.temperature
+        pushed.ring.top_p = ring.params.top_p
+        pushed.ring.seed = ring.params.seed or 0
+        pushed.ring.stop_token_ids.extend(ring.stop_ids)
+        pushed.ring.origin_step = request.step
     return pushed
+
+
+def _route_of(slots: list[_Slot]) -> tuple[tuple[Span, str, str], ...]:
+    return tuple((s.span, s.hop.node_id, s.hop.address) for s in slots)
 
 
 def _claims(capability: client_api_pb2.SignedCapability) -> client_api_pb2.CapabilityClaims:

@@ -18,6 +18,11 @@ the route (every hop checked against the capability first); a call that arrives 
 (``relayed``) is answered on the session's ``Deliveries`` stream here instead of on its
 own stream. The machinery (outgoing links, subscriptions) lives in ``node_agent.relay``. A
 hop to this very node (consecutive stages of the route here) is handed over in-process.
+
+Ring: a call with ``ring`` that ends the model also starts the next step. This node samples
+the next token from its logits (protos.sampling, the draw the client makes from the same
+signed logits) and relays that token to the ring's first hop, with the rest of the route
+and one step less, unless the ring has no steps left or the token ends the sequence.
 """
 
 from __future__ import annotations
@@ -52,9 +57,13 @@ from node_agent.shard_manager import (
 )
 from protos import codec, identity, output_check
 from protos.quoting import shown
+from protos.sampling import SamplingParams, draw_at
 from protos.tessera.v1 import client_api_pb2, common_pb2, stage_pb2, stage_pb2_grpc
 
 log = logging.getLogger(__name__)
+
+# End-of-sequence ids a ring may carry: models have one to a few.
+MAX_STOP_IDS = 64
 
 
 @dataclass(frozen=True)
@@ -170,10 +179,11 @@ class StageServicer(stage_pb2_grpc.StageServicer):
         # decode step is short enough to run inline.
         self._step_ms: dict[tuple[ShardKey, int, int], float] = {}
         # Push pipeline: the sessions' Deliveries subscribers here, the outgoing links, and
-        # per cache key the newest step any call ran with (older relayed calls are stale).
+        # per cache key the newest step any call ran with and the newest one the client sent
+        # itself (older relayed calls, and rings the client started before, are stale).
         self._deliveries = DeliveryHub(self.limits.relay)
         self._relay = RelayLinks(ctx.channel_options, self.limits.relay)
-        self._newest_step: dict[str, int] = {}
+        self._newest_step: dict[str, _StepsSeen] = {}
         self._relays_here: set[asyncio.Task[None]] = set()  # hand-offs to this node itself
 
     # ---- RPCs -----------------------------------------------------------------------
@@ -373,6 +383,8 @@ class StageServicer(stage_pb2_grpc.StageServicer):
         self._check_relay(claims, request, shard)
         array = self._decode_input(request, shard)
         batch, tokens = int(array.shape[0]), int(array.shape[1])
+        if request.HasField("ring"):
+            self._check_ring(claims, request, shard, batch)
         self._check_length(request, claims, shard, batch, tokens)
         shard.enter()
         try:
@@ -381,9 +393,10 @@ class StageServicer(stage_pb2_grpc.StageServicer):
             async with self._lock_for(session_key):
                 if self._is_stale(request, session_key):  # a direct step got in first
                     return None
-                self._newest_step[session_key] = max(
-                    request.step, self._newest_step.get(session_key, 0)
-                )
+                seen = self._newest_step.setdefault(session_key, _StepsSeen())
+                seen.step = max(seen.step, request.step)
+                if not request.relayed:
+                    seen.direct = max(seen.direct, request.step)
                 cache = self._cache_for(shard, session_key, request, claims, batch, tokens)
                 output, compute_ms = await self._compute(shard, start, end, array, cache, request)
                 cache_length = cache.length
@@ -396,6 +409,8 @@ class StageServicer(stage_pb2_grpc.StageServicer):
             # Queued before this node signs and answers, sent by the link's own writer task:
             # the next hop starts as early as possible and this answer does not wait for it.
             await self._relay_on(request, output, stream)
+        elif request.HasField("ring") and request.ring.steps > 0:
+            await self._ring_on(request, output, stream, tokens)
         digest = hashlib.sha256(output.data).digest()
         signature = self._ctx.private_key.sign(
             identity.output_payload(
@@ -446,19 +461,21 @@ class StageServicer(stage_pb2_grpc.StageServicer):
         check_grant(claims, self._ctx.node_id, request.model, start, end)
 
     def _is_stale(self, request: stage_pb2.ForwardRequest, session_key: str) -> bool:
-        """A relayed call not newer than a step this cache already ran: the client has
-        gone on without it (sent that step itself, or a later one)."""
+        """A relayed call not newer than a step this cache already ran, or one of a ring
+        older than a step the client has sent here since: the client has gone on without
+        it (sent that step itself, or a later one)."""
         if not request.relayed:
             return False
-        newest = self._newest_step.get(session_key)
-        if newest is None or request.step > newest:
+        seen = self._newest_step.get(session_key)
+        if seen is None:
             return False
-        log.debug(
-            "dropped stale relayed step %d of %s (step %d already ran)",
-            request.step,
-            session_key,
-            newest,
-        )
+        if request.step <= seen.step:
+            why = f"step {seen.step} already ran"
+        elif request.HasField("ring") and request.ring.origin_step < seen.direct:
+            why = f"its ring began at {request.ring.origin_step}, the client sent {seen.direct}"
+        else:
+            return False
+        log.debug("dropped stale relayed step %d of %s (%s)", request.step, session_key, why)
         return True
 
     def _check_relay(
@@ -478,15 +495,35 @@ class StageServicer(stage_pb2_grpc.StageServicer):
                 grpc.StatusCode.INVALID_ARGUMENT,
                 f"relay_to has {len(hops)} hops; this node relays along at most {limit}",
             )
-        previous = request.layers.end
+        previous = self._check_hops(claims, hops, request.layers.end, shard, "relay_to")
+        if request.last_position_only and previous != shard.num_layers:
+            raise StageError(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"last_position_only asks for logits, but relay_to ends at layer {previous}, "
+                f"before the model's last layer ({shard.num_layers}); set it only when the "
+                "last hop ends there",
+            )
+
+    def _check_hops(
+        self,
+        claims: client_api_pb2.CapabilityClaims,
+        hops: Sequence[stage_pb2.RelayHop],
+        first_start: int,
+        shard: LoadedShard,
+        field_name: str,
+    ) -> int:
+        """Hops must continue the layers from ``first_start`` without a gap, each one a hop
+        the capability grants (node id, address and layers): a client must not make a node
+        dial anywhere else. Returns the layer the last hop ends at."""
+        previous = first_start
         for index, hop in enumerate(hops):
             start, end = hop.layers.start, hop.layers.end
-            where = f"relay_to[{index}] ({hop.node_id or '?'} at {hop.address or '?'})"
+            where = f"{field_name}[{index}] ({hop.node_id or '?'} at {hop.address or '?'})"
             if start != previous:
                 raise StageError(
                     grpc.StatusCode.INVALID_ARGUMENT,
                     f"{where} starts at layer {start}, but the hop before it ends at "
-                    f"{previous}: relay hops must continue the layers without a gap",
+                    f"{previous}: hops must continue the layers without a gap",
                 )
             if start >= end or end > shard.num_layers:
                 raise StageError(
@@ -509,13 +546,60 @@ class StageServicer(stage_pb2_grpc.StageServicer):
                     "to the session's granted nodes",
                 )
             previous = end
-        if request.last_position_only and previous != shard.num_layers:
+        return previous
+
+    def _check_ring(
+        self,
+        claims: client_api_pb2.CapabilityClaims,
+        request: stage_pb2.ForwardRequest,
+        shard: LoadedShard,
+        batch: int,
+    ) -> None:
+        """A ring must go round the whole model through granted hops, draw one token at a
+        time from the last position's logits, and stay within the session's budget."""
+        ring = request.ring
+        limit = self.limits.relay.max_hops
+        if not ring.route or len(ring.route) > limit:
             raise StageError(
                 grpc.StatusCode.INVALID_ARGUMENT,
-                f"last_position_only asks for logits, but relay_to ends at layer {previous}, "
-                f"before the model's last layer ({shard.num_layers}); set it only when the "
-                "last hop ends there",
+                f"ring.route has {len(ring.route)} hops; a ring needs 1 to {limit}, the "
+                "session's whole route from layer 0",
             )
+        end = self._check_hops(claims, ring.route, 0, shard, "ring.route")
+        if end != shard.num_layers:
+            raise StageError(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"ring.route ends at layer {end}, before the model's last layer "
+                f"({shard.num_layers}): a ring must cover the whole model",
+            )
+        if not request.last_position_only or batch != 1:
+            raise StageError(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"a ring draws one token from the last position's logits: it needs "
+                f"last_position_only and a batch of 1 (got batch {batch})",
+            )
+        if ring.steps > claims.max_tokens:
+            raise StageError(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"ring.steps {ring.steps} exceeds the session's budget of {claims.max_tokens} "
+                "tokens",
+            )
+        if ring.origin_step > request.step:
+            raise StageError(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"ring.origin_step {ring.origin_step} is after this step ({request.step}): "
+                "it is the step the client started the ring with",
+            )
+        if len(ring.stop_token_ids) > MAX_STOP_IDS:
+            raise StageError(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"ring.stop_token_ids has {len(ring.stop_token_ids)} ids; at most "
+                f"{MAX_STOP_IDS} are accepted",
+            )
+        try:
+            _ring_params(ring)
+        except ValueError as err:
+            raise StageError(grpc.StatusCode.INVALID_ARGUMENT, f"ring: {err}") from err
 
     async def _relay_on(
         self,
@@ -524,7 +608,6 @@ class StageServicer(stage_pb2_grpc.StageServicer):
         stream: _StreamState,
     ) -> None:
         """Send this call's output (the very bytes it signs) on to relay_to[0]."""
-        assert stream.signed is not None  # the stream's claims came from it
         hop, rest = request.relay_to[0], request.relay_to[1:]
         onward = stage_pb2.ForwardRequest(
             session_id=request.session_id,
@@ -537,7 +620,49 @@ class StageServicer(stage_pb2_grpc.StageServicer):
             last_position_only=request.last_position_only,
             relay_to=rest,
             relayed=True,
+            ring=request.ring if request.HasField("ring") else None,
         )
+        await self._send_on(hop, onward, stream)
+
+    async def _ring_on(
+        self,
+        request: stage_pb2.ForwardRequest,
+        output: common_pb2.Tensor,
+        stream: _StreamState,
+        tokens: int,
+    ) -> None:
+        """Draw the next token from this call's logits and start its step at the ring's
+        first hop (checked in _check_ring), unless it ends the sequence."""
+        ring = request.ring
+        position = request.start_pos + tokens
+        try:
+            logits = np.frombuffer(output.data, dtype=np.float32)
+            token = draw_at(logits, _ring_params(ring), position)
+        except ValueError as err:  # logits with nothing finite: the client sees them too
+            log.warning("ring of %s stopped at step %d: %s", request.session_id, request.step, err)
+            return
+        if token in ring.stop_token_ids:
+            return
+        head = ring.route[0]
+        onward = stage_pb2.ForwardRequest(
+            session_id=request.session_id,
+            step=request.step + 1,
+            model=request.model,
+            layers=head.layers,
+            start_pos=position,
+            input=codec.encode(np.array([[token]], dtype=np.int64), "int64"),
+            last_position_only=True,
+            relay_to=ring.route[1:],
+            relayed=True,
+            ring=ring,
+        )
+        onward.ring.steps = ring.steps - 1
+        await self._send_on(head, onward, stream)
+
+    async def _send_on(
+        self, hop: stage_pb2.RelayHop, onward: stage_pb2.ForwardRequest, stream: _StreamState
+    ) -> None:
+        assert stream.signed is not None  # the stream's claims came from it
         if hop.node_id == self._ctx.node_id:
             self._relay_here(onward, stream)
         else:
@@ -859,6 +984,16 @@ class StageServicer(stage_pb2_grpc.StageServicer):
             self._expiry_task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._expiry_task
+
+
+@dataclass
+class _StepsSeen:
+    step: int = 0  # the newest step any call of this cache ran with
+    direct: int = 0  # the newest one the client sent itself (not relayed)
+
+
+def _ring_params(ring: stage_pb2.RingContinuation) -> SamplingParams:
+    return SamplingParams(temperature=ring.temperature, top_p=ring.top_p, seed=ring.seed)
 
 
 def _granted(grants: Sequence[common_pb2.LayerRange], start: int, end: int) -> bool:

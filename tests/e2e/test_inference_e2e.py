@@ -89,6 +89,8 @@ def test_pipeline_generation_equals_transformers(swarm, client, reference):
     assert not result.failovers
     # Every step went node to node (the push pipeline), each answer verified by the client.
     assert result.push_off is None and result.pushed_steps == NEW_TOKENS
+    # After the prefill, the last stage drew each token and started its step itself.
+    assert result.ring_off is None and result.ring_steps == NEW_TOKENS - 1
 
 
 @pytest.mark.parametrize("stage", [1, 0, 2], ids=["middle", "first", "last"])

@@ -10,7 +10,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class ForwardRequest(_message.Message):
-    __slots__ = ("capability", "session_id", "step", "model", "layers", "start_pos", "input", "last_position_only", "background", "relay_to", "relayed")
+    __slots__ = ("capability", "session_id", "step", "model", "layers", "start_pos", "input", "last_position_only", "background", "relay_to", "relayed", "ring")
     CAPABILITY_FIELD_NUMBER: _ClassVar[int]
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
@@ -22,6 +22,7 @@ class ForwardRequest(_message.Message):
     BACKGROUND_FIELD_NUMBER: _ClassVar[int]
     RELAY_TO_FIELD_NUMBER: _ClassVar[int]
     RELAYED_FIELD_NUMBER: _ClassVar[int]
+    RING_FIELD_NUMBER: _ClassVar[int]
     capability: _client_api_pb2.SignedCapability
     session_id: str
     step: int
@@ -33,7 +34,26 @@ class ForwardRequest(_message.Message):
     background: bool
     relay_to: _containers.RepeatedCompositeFieldContainer[RelayHop]
     relayed: bool
-    def __init__(self, capability: _Optional[_Union[_client_api_pb2.SignedCapability, _Mapping]] = ..., session_id: _Optional[str] = ..., step: _Optional[int] = ..., model: _Optional[str] = ..., layers: _Optional[_Union[_common_pb2.LayerRange, _Mapping]] = ..., start_pos: _Optional[int] = ..., input: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., last_position_only: _Optional[bool] = ..., background: _Optional[bool] = ..., relay_to: _Optional[_Iterable[_Union[RelayHop, _Mapping]]] = ..., relayed: _Optional[bool] = ...) -> None: ...
+    ring: RingContinuation
+    def __init__(self, capability: _Optional[_Union[_client_api_pb2.SignedCapability, _Mapping]] = ..., session_id: _Optional[str] = ..., step: _Optional[int] = ..., model: _Optional[str] = ..., layers: _Optional[_Union[_common_pb2.LayerRange, _Mapping]] = ..., start_pos: _Optional[int] = ..., input: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., last_position_only: _Optional[bool] = ..., background: _Optional[bool] = ..., relay_to: _Optional[_Iterable[_Union[RelayHop, _Mapping]]] = ..., relayed: _Optional[bool] = ..., ring: _Optional[_Union[RingContinuation, _Mapping]] = ...) -> None: ...
+
+class RingContinuation(_message.Message):
+    __slots__ = ("route", "steps", "temperature", "top_p", "seed", "stop_token_ids", "origin_step")
+    ROUTE_FIELD_NUMBER: _ClassVar[int]
+    STEPS_FIELD_NUMBER: _ClassVar[int]
+    TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
+    TOP_P_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    STOP_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    ORIGIN_STEP_FIELD_NUMBER: _ClassVar[int]
+    route: _containers.RepeatedCompositeFieldContainer[RelayHop]
+    steps: int
+    temperature: float
+    top_p: float
+    seed: int
+    stop_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    origin_step: int
+    def __init__(self, route: _Optional[_Iterable[_Union[RelayHop, _Mapping]]] = ..., steps: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., origin_step: _Optional[int] = ...) -> None: ...
 
 class RelayHop(_message.Message):
     __slots__ = ("node_id", "address", "layers")
