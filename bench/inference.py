@@ -14,6 +14,10 @@ In ONE run, on this machine, with the same weights, prompt and greedy decoding:
           stage its input and waits for its answer (DriverConfig(push=False)). The swarm
           run pushes steps instead: the nodes hand hidden states on to each other and each
           answers the client directly (client/driver.py), 4 transits a token, not 6.
+          Both step on demand, to take turns token by token, and so run no ring (the
+          last node drawing the next token itself, the driver's default when a caller lets
+          the generation run ahead): bench/push_pipeline.py --direct --full compares that
+          one generation by generation.
   pipes   for reference, the floor of any 3-process pipeline on this machine: the same
           three layer spans in three plain Python processes joined by multiprocessing
           pipes (no gRPC, no validation, no signatures, no fail-over). swarm/pipes shows
