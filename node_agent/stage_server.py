@@ -409,7 +409,8 @@ class StageServicer(stage_pb2_grpc.StageServicer):
             # Queued before this node signs and answers, sent by the link's own writer task:
             # the next hop starts as early as possible and this answer does not wait for it.
             await self._relay_on(request, output, stream)
-        elif request.HasField("ring") and request.ring.steps > 0:
+        elif request.HasField("ring") and request.ring.steps > 0 and end == shard.num_layers:
+            # The hop that ends the model (last_position_only, checked): its logits.
             await self._ring_on(request, output, stream, tokens)
         digest = hashlib.sha256(output.data).digest()
         signature = self._ctx.private_key.sign(

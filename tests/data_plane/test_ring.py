@@ -19,6 +19,7 @@ import grpc
 import numpy as np
 import pytest
 from data_plane.stage_harness import (
+    HIDDEN,
     MODEL,
     NUM_LAYERS,
     StageNode,
@@ -276,6 +277,30 @@ async def test_a_bad_ring_is_refused_before_computing(start_node, keys, case) ->
     assert (await sub2.next()).response.cache_length == len(PROMPT)
     await stream.close()
     await sub2.close()
+
+
+async def test_a_ring_on_a_hop_that_does_not_end_the_model_is_refused(start_node, keys) -> None:
+    # Only logits can be drawn from: a middle hop asked to run a ring is refused whatever
+    # else the call asks, and computes nothing.
+    nodes = await three_nodes(start_node)
+    middle = nodes[1]
+    p = pipeline(keys, nodes, "s-ring-middle")
+    hidden = codec.encode(np.zeros((1, len(PROMPT), HIDDEN), dtype=np.float32))
+    for last_position_only, message in (
+        (False, "needs last_position_only"),
+        (True, "set it only on the hop that ends there"),
+    ):
+        call = request(
+            p.session_id, 1, 2, 3, hidden, last_position_only=last_position_only, signed=p.signed
+        )
+        call.ring.CopyFrom(ring(p, steps=2))
+        stream = Stream(middle)
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await stream.send(call)
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert message in (err.value.details() or "")
+        await stream.close()
+    assert middle.manager.active_sessions() == 0
 
 
 # ---- client side: the driver adopts what the ring started ------------------------------------
