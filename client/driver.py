@@ -30,7 +30,8 @@ steps that token, it adopts the step the ring started: the first hop's signed in
 digest must be that of the client's own token, else (a ring that drew another token, a
 late or missing answer, any fail-over, hedge or rollback) the ring ends for the session and
 the step is sent again as usual. The ring starts only as many steps as the client asked
-for and stops at an end-of-sequence id, so it computes nothing the client will not use.
+for and stops at an end-of-sequence id, so it computes nothing the client will not use. A
+route of one node goes round a ring by itself (the only steps it pushes).
 
 Consecutive stages whose primary is the same node run as one hop (one round trip instead
 of several; the node's capability grants it every one of them). When such a merged hop
@@ -559,7 +560,8 @@ class PipelineDriver:
             ring_next, self._ring_next = self._ring_next, None
             if (
                 self.push_off is None
-                and len(self._slots) > 1
+                # One node serving the whole model pushes only to go round a ring by itself.
+                and (len(self._slots) > 1 or self._may_ring(ring, ring_next, ids, last_only))
                 and all(self._unpushable.get(s.hop.node_id, 0) <= step for s in self._slots)
             ):
                 out, dtype = await self._push_through(
@@ -601,16 +603,7 @@ class PipelineDriver:
             adopt = False  # the ring ended at this token by itself; a new one may start
         elif ring_next is not None and not adopt:
             self._end_ring(f"step {step} is not the one the ring started")
-        launch = (
-            ring
-            if not adopt
-            and ring is not None
-            and ring.steps > 0
-            and self.ring_off is None
-            and last_only
-            and ids.shape[0] == 1
-            else None
-        )
+        launch = ring if not adopt and self._may_ring(ring, None, ids, last_only) else None
         ringing = adopt or launch is not None
         if launch is not None:
             self._ring_last_step = step + launch.steps
@@ -820,6 +813,24 @@ class PipelineDriver:
         if delay is None or delay >= deadline:
             return deadline, False
         return delay, True
+
+    def _may_ring(
+        self,
+        ring: RingPlan | None,
+        ring_next: _RingNext | None,
+        ids: np.ndarray,
+        last_only: bool,
+    ) -> bool:
+        """Whether this step may start a ring, or adopt the one that started it."""
+        if ring_next is not None:
+            return True
+        return (
+            ring is not None
+            and ring.steps > 0
+            and self.ring_off is None
+            and last_only
+            and ids.shape[0] == 1
+        )
 
     def _unclaimed(self, node_id: str, key: tuple[int, int, int]) -> None:
         """A signed answer nobody took: if a ring ran it, the node did that work for this

@@ -495,3 +495,19 @@ async def test_a_node_killed_mid_ring_fails_over_and_the_ring_ends(
     assert driver.ring_off is not None
     assert 3 <= driver.ring_steps < NEW_TOKENS - 1
     await driver.close()
+
+
+async def test_one_node_serving_the_whole_model_goes_round_a_ring_by_itself(
+    start_node, keys, checkpoint
+) -> None:
+    # A model that fits one node: the node draws each token and starts the next step on
+    # itself, so the client's round trip leaves every token but the first.
+    node = await start_node([(0, NUM_LAYERS)], servicer_class=CountsCalls)
+    grant = session_grant(keys, [(0, NUM_LAYERS, node, [])])
+    driver = PipelineDriver(grant, MODEL)
+
+    assert await generate(driver, NEW_TOKENS) == reference_greedy(checkpoint, PROMPT, NEW_TOKENS)
+    assert driver.ring_off is None and driver.ring_steps == NEW_TOKENS - 1
+    assert (node.servicer.direct, node.servicer.relayed) == (1, NEW_TOKENS - 1)
+    await driver.close()
+    assert paid_nodes(driver) == {node.node_id}
