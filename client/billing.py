@@ -119,6 +119,20 @@ class UsageBook:
         if usage.receipt:
             self._receipts[(node_id, start, end)] = usage
 
+    def uncovered(self) -> list[_Key]:
+        """Where the newest receipt claims more than the driver and the verifier sent: what
+        ``countersign`` would leave unsigned as it stands."""
+        over = []
+        for key, usage in self._receipts.items():
+            receipt = ledger_pb2.UsageReceipt()
+            try:
+                receipt.ParseFromString(usage.receipt)
+            except Exception:  # malformed: never signed anyway, nothing to wait for
+                continue
+            if receipt.tokens > self._sent.get(key, 0) + self._checked.get(key, 0):
+                over.append(key)
+        return over
+
     def countersign(self, session_id: str, key: Ed25519PrivateKey) -> list[ledger_pb2.SignedUsage]:
         """Counter-sign every receipt that claims no more than the driver and the verifier
         sent; others are left out (and logged), so a node that inflates its count is not

@@ -114,9 +114,13 @@ class Subscription:
         if future is not None and not future.done():
             future.cancel()
 
-    def close(self) -> None:
+    def release_early(self) -> None:
+        """Nobody will take the answers kept so far: report them as unclaimed now."""
         for key in list(self._early):
             self._unclaim(key)
+
+    def close(self) -> None:
+        self.release_early()
         self._call.cancel()
         self._reader.cancel()
         self._end(DeliveryLost(f"the subscription at node {self.node_id} was closed",
@@ -221,6 +225,10 @@ class Subscriptions:
             )  # fmt: skip
         await sub.ready(timeout_s)
         return sub
+
+    def release_early(self) -> None:
+        for sub in self._by_node.values():
+            sub.release_early()
 
     def close(self) -> None:
         subs, self._by_node = list(self._by_node.values()), {}

@@ -514,6 +514,8 @@ class PipelineDriver:
     async def close(self) -> None:
         """End the session on every node that served it (best effort) and close streams."""
         self._drop_deferred()
+        if self.ring_off is not None and self._ring_started:
+            await self._await_ring_answers()
         for slot in self._slots:
             slot.close_stream()
         self._subscriptions.close()
@@ -831,6 +833,18 @@ class PipelineDriver:
             and last_only
             and ids.shape[0] == 1
         )
+
+    async def _await_ring_answers(self) -> None:
+        """A ring that ended early may have run steps whose answers are still on their
+        way: the nodes' receipts count those steps, which the usage book learns only from
+        the answers. Wait for them a little (never longer than ending the session may
+        take), so that no honest node's receipt is left unsigned."""
+        deadline = time.monotonic() + self.config.end_session_timeout_s
+        while True:
+            self._subscriptions.release_early()
+            if not self.usage.uncovered() or time.monotonic() >= deadline:
+                return
+            await asyncio.sleep(0.01)
 
     def _unclaimed(self, node_id: str, key: tuple[int, int, int]) -> None:
         """A signed answer nobody took: if a ring ran it, the node did that work for this

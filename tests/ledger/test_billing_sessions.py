@@ -338,6 +338,12 @@ def test_the_driver_countersigns_only_what_it_sent():
         identity.usage_countersign_payload(signed[0].receipt, 10),
     )
     assert book.countersign("another-session", client) == []
+    # What the driver waits for at the close of a session whose ring ended early: the
+    # receipts it would leave unsigned as it stands.
+    assert sorted(book.uncovered()) == [(other.node_id, 2, 4)]
+    book.sent(other.node_id, 2, 4, 1)  # the answer of a ring's step it had not adopted
+    assert book.uncovered() == []
+    assert len(book.countersign("s1", client)) == 2
 
 
 def test_the_driver_pays_a_node_that_also_checked_only_for_its_own_calls():
