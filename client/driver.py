@@ -28,10 +28,11 @@ through 3 stages instead of 4, and no client round trip). The client still gets 
 answer, samples its own token from the signed logits and yields only that. When it then
 steps that token, it adopts the step the ring started: the first hop's signed input
 digest must be that of the client's own token, else (a ring that drew another token, a
-late or missing answer, any fail-over, hedge or rollback) the ring ends for the session and
-the step is sent again as usual. The ring starts only as many steps as the client asked
-for and stops at an end-of-sequence id, so it computes nothing the client will not use. A
-route of one node goes round a ring by itself (the only steps it pushes).
+late or missing answer, any fail-over, hedge or rollback) the ring ends, the step is sent
+again as usual, and a new ring starts ``ring_retry_steps`` steps later. A ring starts only
+as many steps as the client asked for and stops at an end-of-sequence id, so it computes
+nothing the client will not use. A route of one node goes round a ring by itself (the only
+steps it pushes).
 
 Consecutive stages whose primary is the same node run as one hop (one round trip instead
 of several; the node's capability grants it every one of them). When such a merged hop
@@ -139,6 +140,9 @@ class DriverConfig:
     # How long the client waits for the first answer of a step a ring started before it
     # sends that step itself: max(this, deadline_factor x p95 of the first hop's steps).
     ring_wait_floor_s: float = 1.0
+    # After a ring ends early, the session's steps go without one for this many steps,
+    # then a new ring starts. 0: never again in the session.
+    ring_retry_steps: int = 32
 
 
 @dataclass(frozen=True)
@@ -317,8 +321,10 @@ class PipelineDriver:
         # Why this session stopped pushing steps (None: it pushes when it can).
         self.push_off: str | None = None if self.config.push else "turned off"
         self.pushed_steps = 0
-        # Why this session's steps no longer go round a ring (None: they may).
+        # Why this session's ring last ended early (None: it never did).
         self.ring_off: str | None = None if self.config.ring else "turned off"
+        # No new ring starts before this step (after one ended early).
+        self._ring_paused_until = 0
         self.ring_steps = 0  # steps a ring started and the client adopted
         self._last_push_s = 0.0  # how long the last step pushed through the whole route took
         self._ring_next: _RingNext | None = None
@@ -712,7 +718,7 @@ class PipelineDriver:
             left, stop_ids = launch.steps, launch.stop_ids
         else:
             left, stop_ids = 0, ()
-        if left > 0 and self.ring_off is None:
+        if left > 0 and self._ring_paused_until <= step:
             # The last hop is starting the next step as this one returns.
             self._ring_next = _RingNext(
                 step + 1, start_pos + int(ids.shape[1]), _route_of(slots), left - 1, stop_ids
@@ -829,7 +835,8 @@ class PipelineDriver:
         return (
             ring is not None
             and ring.steps > 0
-            and self.ring_off is None
+            and self.config.ring
+            and self._step >= self._ring_paused_until
             and last_only
             and ids.shape[0] == 1
         )
@@ -856,18 +863,26 @@ class PipelineDriver:
             self.usage.sent(node_id, start, end, 1)  # a ring's step is one token
 
     def _end_ring(self, reason: str) -> None:
-        """No step goes round a ring again this session: after anything unusual a ring's
-        steps may no longer be the ones the client needs.
+        """No step goes round this ring again: after anything unusual its steps may no
+        longer be the ones the client needs. A new one may start ``ring_retry_steps``
+        steps later.
 
         The ring's steps may still be going round, even ahead of the client. The client's
         own steps from now on are numbered past every step that ring may start, so each
         node runs those and drops what is left of the ring as stale, and no answer of the
         ring is ever taken for one of the client's."""
+        running = self._ring_next is not None or self._step < self._ring_last_step
         self._ring_next = None
         self._step = max(self._step, self._ring_last_step)
-        if self.ring_off is None:
-            log.info("session %s: the ring stops: %s", self.session_id, reason)
-            self.ring_off = reason
+        if not self.config.ring or not running:
+            return
+        retry = self.config.ring_retry_steps
+        self._ring_paused_until = self._step + retry + 1 if retry > 0 else 2**62
+        log.info(
+            "session %s: the ring stops (%s); %s", self.session_id, reason,
+            f"a new one may start in {retry} steps" if retry > 0 else "no other this session",
+        )  # fmt: skip
+        self.ring_off = reason
 
     def _stop_pushing(self, reason: str) -> None:
         if self.push_off is None:

@@ -319,6 +319,16 @@ class RingDrawsAnother(StageServicer):
         await super()._ring_on(request, forged, stream, tokens)
 
 
+class RingDrawsAnotherOnce(RingDrawsAnother):
+    """Draws another token the first time only, as after a glitch."""
+
+    async def _ring_on(self, request, output, stream, tokens):
+        if getattr(self, "glitched", False):
+            return await StageServicer._ring_on(self, request, output, stream, tokens)
+        self.glitched = True
+        await super()._ring_on(request, output, stream, tokens)
+
+
 class RingNeverStarts(StageServicer):
     """Never starts the ring's next step (as an older node, or one that drops it)."""
 
@@ -433,6 +443,24 @@ async def test_a_ring_that_draws_another_token_is_not_used(start_node, keys, che
     assert driver.push_off is None and driver.pushed_steps == NEW_TOKENS - 1
     await driver.close()
     # The ring's spoilt steps still ran on every node, and each is paid for them.
+    assert paid_nodes(driver) == {n.node_id for n in nodes}
+
+
+async def test_a_new_ring_starts_some_steps_after_one_ended_early(
+    start_node, keys, checkpoint
+) -> None:
+    nodes = await ring_nodes(start_node, RingDrawsAnotherOnce)
+    driver = ring_driver(keys, nodes, ring_retry_steps=3)
+
+    assert await generate(driver, NEW_TOKENS) == reference_greedy(checkpoint, PROMPT, NEW_TOKENS)
+    assert driver.ring_off is not None and "another token" in driver.ring_off
+    # The ring ended at the first step it started (the 2nd token's), which the client
+    # sent again; the 3rd to 5th tokens' steps went without a ring; the 6th token's step
+    # started a new one, which started the steps of the last 4.
+    assert driver.ring_steps == NEW_TOKENS - 6
+    assert nodes[0].servicer.relayed >= driver.ring_steps + 1  # the spoilt step ran too
+    assert driver.failovers == []
+    await driver.close()
     assert paid_nodes(driver) == {n.node_id for n in nodes}
 
 
