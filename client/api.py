@@ -726,7 +726,7 @@ class Client:
         time with each token (printing, a UI) does not slow the pipeline. With
         ``run_ahead=False`` each step starts only when the caller asks for its token, and
         no ring runs (for a caller that times tokens one by one while other work takes
-        turns with it, as bench/inference.py's hop-by-hop comparison does). Leaving the
+        turns with it, as bench/inference.py's swarm runs do). Leaving the
         loop early (``break``, an exception, Ctrl-C) stops the generation and ends its
         session either way.
         """

@@ -239,6 +239,12 @@ BAD_RINGS = [
         "ring: temperature must be >= 0",
     ),
     BadRing(
+        "a seed past what a draw takes",
+        lambda p: {"seed": 2**64 - 1},
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "ring: seed must be in [0, 9223372036854775807]",
+    ),
+    BadRing(
         "top_p of zero",
         lambda p: {"top_p": 0.0},
         grpc.StatusCode.INVALID_ARGUMENT,
