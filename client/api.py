@@ -346,14 +346,15 @@ class AsyncClient:
                     stop_at_eos and token in handle.eos_ids
                 )
 
+            ring_stops = tuple(sorted(handle.eos_ids)) if stop_at_eos else ()
+
             def ring_plan() -> RingPlan | None:
                 # The ring starts exactly the steps this generation still needs after the
                 # one now sent: one per token left to sample, less the token this step gives.
                 steps = max_new_tokens - len(result.token_ids) - len(held) - 1
                 if not ring or steps <= 0:
                     return None
-                stop = tuple(sorted(handle.eos_ids)) if stop_at_eos else ()
-                return RingPlan(sampler.params, steps, stop)
+                return RingPlan(sampler.params, steps, ring_stops)
 
             while True:
                 if not finished:

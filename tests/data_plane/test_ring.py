@@ -12,7 +12,7 @@ always equals the whole model's.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 import grpc
@@ -387,15 +387,18 @@ async def generate(
     new_tokens: int,
     params: SamplingParams = GREEDY,
     stop_ids: tuple[int, ...] = (),
+    after_token: Callable[[int], Awaitable[None]] | None = None,
 ) -> list[int]:
     """As Client.generate steps the driver: each step hands the ring the steps still to go,
-    and the client draws every token itself."""
+    and the client draws every token itself. ``after_token(n)`` runs once n tokens are out."""
     sampler = Sampler(params)
     inputs, out = list(PROMPT), []
     while True:
         plan = RingPlan(sampler.params, new_tokens - len(out) - 1, stop_ids)
         logits = await driver.step(inputs, last_only=True, ring=plan)
         out.append(sampler(logits[0], driver.length))
+        if after_token is not None:
+            await after_token(len(out))
         if len(out) == new_tokens:
             return out
         inputs = [out[-1]]
@@ -514,15 +517,12 @@ async def test_a_node_killed_mid_ring_fails_over_and_the_ring_ends(
     c = await start_node([(3, NUM_LAYERS)])
     grant = session_grant(keys, [(0, 2, a, []), (2, 3, b, [b_alt]), (3, NUM_LAYERS, c, [])])
     driver = PipelineDriver(grant, MODEL)
-    sampler, inputs, out = Sampler(GREEDY), list(PROMPT), []
-    while len(out) < NEW_TOKENS:
-        plan = RingPlan(GREEDY, NEW_TOKENS - len(out) - 1)
-        logits = await driver.step(inputs, last_only=True, ring=plan)
-        out.append(sampler(logits[0], driver.length))
-        inputs = [out[-1]]
-        if len(out) == 4:
+
+    async def kill_b(tokens: int) -> None:
+        if tokens == 4:
             await b.server.stop(0)
 
+    out = await generate(driver, NEW_TOKENS, after_token=kill_b)
     assert out == reference_greedy(checkpoint, PROMPT, NEW_TOKENS)
     [event] = driver.failovers
     assert (event.failed_node_id, event.replacement_node_ids) == (b.node_id, (b_alt.node_id,))
