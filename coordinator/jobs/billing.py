@@ -85,6 +85,9 @@ class JobBilling:
                 "the client; submit a new job to train again",
             )
         if held is not None:
+            # A new session supersedes the job's driver and spends its escrow, so only the
+            # key that escrowed it may open one: anyone can list job ids.
+            self._check_payer(job, request, held)
             self.ledger.add_prices(hold_id(job.id), prices, expires_ms + HOLD_GRACE_MS)
             return ledger_pb2.Quote(amount=int(held["amount"]), account=str(held["account"]))  # type: ignore[call-overload]
         amount = self.quote(job, stages)
@@ -112,6 +115,21 @@ class JobBilling:
         log.info("job %s: %d credit units escrowed from %s", job.id, amount, account)
         quote.account = account
         return quote
+
+    def _check_payer(
+        self,
+        job: JobRecord,
+        request: jobs_pb2.OpenTrainingSessionRequest,
+        held: dict[str, object],
+    ) -> None:
+        owner = held["client_key"]
+        if request.client_public_key != owner:
+            raise LedgerError(
+                grpc.StatusCode.PERMISSION_DENIED,
+                f"job {job.id} is paid from account {held['account']}; only that account's "
+                "client key can open its training session again (sign the request with it)",
+            )
+        self._client_of(request, int(held["amount"]))  # type: ignore[call-overload]
 
     def _client_of(self, request: jobs_pb2.OpenTrainingSessionRequest, amount: int) -> str:
         key = request.client_public_key

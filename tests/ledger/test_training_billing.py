@@ -16,6 +16,7 @@ import grpc
 import numpy as np
 import pytest
 from jobs.jobs_harness import JobsCoordinator, jc, start_jobs, tiny_model  # noqa: F401
+from support.hostile import refused
 
 from client import billing
 from coordinator.ledger.audit import audit
@@ -200,6 +201,51 @@ async def test_a_job_whose_escrow_expired_does_not_run_unpaid(market: JobsCoordi
     call = market.stub.OpenTrainingSession(_open_request(job.job_id, client))
     assert await _code(call) == grpc.StatusCode.FAILED_PRECONDITION
     assert session.quote.amount > 0 and audit(market.coordinator.ctx.db).ok
+
+
+async def test_only_the_paying_client_can_open_a_paid_job_again(market: JobsCoordinator) -> None:
+    """OpenTrainingSession supersedes the job's driver, so on a job whose escrow is open only
+    the key that escrowed it may call it: a stranger (signed with its own funded key, or
+    unsigned) taking over would cut the owner's driver off and run the owner's paid job."""
+    job = await _job(market)
+    owner = _funded(market, 10_000_000)
+    session = await market.stub.OpenTrainingSession(_open_request(job.job_id, owner))
+    stranger = _funded(market, 10_000_000)
+    details = await refused(
+        market.stub.OpenTrainingSession(_open_request(job.job_id, stranger)),
+        grpc.StatusCode.PERMISSION_DENIED,
+        billing.account_of(owner),
+    )
+    assert "client key" in details
+    await refused(
+        market.stub.OpenTrainingSession(_open_request(job.job_id)),
+        grpc.StatusCode.PERMISSION_DENIED,
+        billing.account_of(owner),
+    )
+    # The owner's key with the request altered after signing, or a stale stamp: refused.
+    altered = _open_request(job.job_id, owner)
+    altered.max_price = 1
+    await refused(
+        market.stub.OpenTrainingSession(altered), grpc.StatusCode.UNAUTHENTICATED, "not signed"
+    )
+    stale = jobs_pb2.OpenTrainingSessionRequest(job_id=job.job_id)
+    billing.sign_open_training(stale, owner)
+    stale.request_unix_ms -= 3_600_000
+    stale.client_signature = owner.sign(identity.open_training_payload(stale))
+    await refused(market.stub.OpenTrainingSession(stale), grpc.StatusCode.UNAUTHENTICATED, "clock")
+
+    # Nothing moved: the owner's driver still drives, nobody else paid or was charged.
+    ledger = _ledger(market)
+    assert ledger.client_balance(billing.account_of(stranger)).escrowed == 0
+    report = jobs_pb2.ReportStepRequest(
+        job_id=job.job_id, capability=session.capability, step=0, loss=1.0
+    )
+    await market.stub.ReportStep(report)
+    # Still serving: the owner resumes its own job, on the same escrow.
+    resumed = await market.stub.OpenTrainingSession(_open_request(job.job_id, owner))
+    assert resumed.quote.amount == session.quote.amount
+    assert ledger.client_balance(billing.account_of(owner)).escrowed == session.quote.amount
+    assert audit(market.coordinator.ctx.db).ok
 
 
 async def test_a_free_job_needs_no_key(jc: JobsCoordinator) -> None:  # noqa: F811
