@@ -16,7 +16,7 @@ from jobs.jobs_harness import JobsCoordinator, submit_request
 from support.hostile import huge, refused
 
 from protos import codec
-from protos.tessera.v1 import jobs_pb2
+from protos.tessera.v1 import client_api_pb2, jobs_pb2
 
 HUGE = huge("j")
 
@@ -68,3 +68,72 @@ async def test_submit_refuses_huge_names_briefly_and_records_nothing(start_jobs)
     assert job.state == jobs_pb2.JOB_STATE_QUEUED
     listed = await jc.stub.ListJobs(jobs_pb2.ListJobsRequest(limit=2**32 - 1))
     assert [j.job_id for j in listed.jobs] == [job.job_id]
+
+
+async def test_driver_calls_refuse_foreign_forged_and_oversized_input_and_keep_the_job(
+    jc: JobsCoordinator,
+) -> None:
+    """FinishJob and ReportStageFailure, which only a job's current driver may call: another
+    job's genuine capability, a forged or missing one, texts past their 4096-character
+    limit, impossible stages and states, and a message over the size limit."""
+    dataset = await jc.upload(np.arange(400, dtype=np.int32) % 60)
+    ours, theirs = [await jc.submit(dataset.id) for _ in range(2)]
+    session, foreign = [
+        await jc.stub.OpenTrainingSession(jobs_pb2.OpenTrainingSessionRequest(job_id=j.job_id))
+        for j in (ours, theirs)
+    ]
+    forged = client_api_pb2.SignedCapability(claims=session.capability.claims, signature=b"\0" * 64)
+    stage = session.hops[1]
+
+    def finish(capability=session.capability, **fields) -> jobs_pb2.FinishJobRequest:
+        fields.setdefault("state", jobs_pb2.JOB_STATE_FAILED)
+        return jobs_pb2.FinishJobRequest(job_id=ours.job_id, capability=capability, **fields)
+
+    def failure(capability=session.capability, **fields) -> jobs_pb2.StageFailureRequest:
+        fields.setdefault("stage", 1)
+        fields.setdefault("node_id", stage.node_id)
+        return jobs_pb2.StageFailureRequest(job_id=ours.job_id, capability=capability, **fields)
+
+    for build, call in ((finish, jc.stub.FinishJob), (failure, jc.stub.ReportStageFailure)):
+        await refused(call(build(foreign.capability)), grpc.StatusCode.PERMISSION_DENIED, "not job")
+        await refused(call(build(forged)), grpc.StatusCode.UNAUTHENTICATED, "not signed")
+        await refused(call(build(None)), grpc.StatusCode.UNAUTHENTICATED, "not signed")
+    cases = [
+        (jc.stub.FinishJob, finish(error=HUGE), grpc.StatusCode.INVALID_ARGUMENT, "4096"),
+        (jc.stub.FinishJob, finish(state=9999), grpc.StatusCode.INVALID_ARGUMENT, "DONE"),
+        (jc.stub.ReportStageFailure, failure(cause=HUGE), grpc.StatusCode.INVALID_ARGUMENT, "4096"),
+        (
+            jc.stub.ReportStageFailure,
+            failure(stage=2**32 - 1),
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "no stage",
+        ),
+        (
+            jc.stub.ReportStageFailure,
+            failure(node_id=HUGE),
+            grpc.StatusCode.INVALID_ARGUMENT,
+            stage.node_id,
+        ),
+        (
+            jc.stub.FinishJob,
+            finish(error="x" * (codec.MAX_MESSAGE_BYTES + 10)),
+            grpc.StatusCode.RESOURCE_EXHAUSTED,
+            "",
+        ),
+    ]
+    for call, request, code, words in cases:
+        details = await refused(call(request), code, words)
+        assert "\x1b" not in details and "\n" not in details  # quoted, never raw
+
+    # Both jobs are as they were: running, on the same stages, never re-planned.
+    for job, opened in ((ours, session), (theirs, foreign)):
+        info = await jc.stub.GetJob(jobs_pb2.JobRef(job_id=job.job_id))
+        assert info.state == jobs_pb2.JOB_STATE_RUNNING and info.replans == 0
+        assert [s.node_id for s in info.stages] == [h.node_id for h in opened.hops]
+    # Still serving: our driver reports a step and pauses the job.
+    report = jobs_pb2.ReportStepRequest(
+        job_id=ours.job_id, capability=session.capability, step=0, loss=2.0
+    )
+    await jc.stub.ReportStep(report)
+    paused = await jc.stub.FinishJob(finish(state=jobs_pb2.JOB_STATE_PAUSED))
+    assert paused.state == jobs_pb2.JOB_STATE_PAUSED and paused.step == 1
