@@ -169,6 +169,33 @@ async def test_malformed_public_key(harness: Harness) -> None:
     await assert_still_serving(harness)
 
 
+async def test_get_challenge_refuses_oversized_keys_and_outlasts_a_flood(harness: Harness) -> None:
+    stub = harness.coordinator_stub
+    # A megabyte of key is refused by its length, which is all the message repeats.
+    details = await expect_error(
+        stub.GetChallenge(coordinator_pb2.ChallengeRequest(public_key=b"k" * 1_000_000)),
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "32-byte",
+        "1000000 bytes",
+    )
+    assert len(details) < 500
+    await expect_error(
+        stub.GetChallenge(coordinator_pb2.ChallengeRequest()), grpc.StatusCode.INVALID_ARGUMENT
+    )
+    oversized = coordinator_pb2.ChallengeRequest(public_key=b"k" * (codec.MAX_MESSAGE_BYTES + 10))
+    await expect_error(stub.GetChallenge(oversized), grpc.StatusCode.RESOURCE_EXHAUSTED)
+    # A flood of challenges, some for a victim's own key: the store stays bounded (the
+    # oldest are forgotten), and the victim's challenge asked afterwards registers.
+    harness.registry.challenges = ChallengeStore(ttl_s=60.0, max_pending=50)
+    victim = harness.node("victim")
+    flood = [identity.public_key_bytes(identity.generate_private_key()) for _ in range(150)]
+    for key in flood + [victim.public_key] * 50:
+        await stub.GetChallenge(coordinator_pb2.ChallengeRequest(public_key=key))
+    assert len(harness.registry.challenges) == 50
+    assert (await victim.register()).node_id == victim.node_id
+    await assert_still_serving(harness)
+
+
 def caps(**overrides):
     return good_capabilities(**overrides)
 
