@@ -1,0 +1,169 @@
+"""ClientApi.OpenSession and ReportStepTimes over real gRPC on a priced swarm: malformed,
+oversized and hostile requests (signatures by another key, another client's account,
+timings of nodes the session was never routed to, more reports than the session has
+tokens).
+
+Anyone can call OpenSession, and a paid open escrows the signing client's credits. Each
+refusal carries the right status and a short message, nothing is escrowed or measured,
+and the coordinator goes on serving. The in-process coordinator with fake stage nodes is
+the jobs tests' (tests/jobs/jobs_harness.py).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+
+import grpc
+import pytest
+from jobs.jobs_harness import MODEL, JobsCoordinator, start_jobs, tiny_model  # noqa: F401
+from support.hostile import huge, refused
+
+from client import billing
+from coordinator.sessions import MAX_STEP_TIMES
+from protos import codec, identity
+from protos.tessera.v1 import client_api_pb2, client_api_pb2_grpc
+
+PRICE = 1000  # credit units per 1k token-layers, every node
+MAX_LENGTH = 16
+
+
+@pytest.fixture
+async def market(
+    start_jobs: Callable[..., Awaitable[JobsCoordinator]],  # noqa: F811 - the fixture
+) -> JobsCoordinator:
+    served = await start_jobs(nodes=0, replicas=1)
+    for index in range(3):
+        await served.add_node(f"n{index}", price_per_1k_token_layers_units=PRICE)
+    await served.ready(replicas=1)
+    return served
+
+
+def api(served: JobsCoordinator) -> client_api_pb2_grpc.ClientApiStub:
+    return client_api_pb2_grpc.ClientApiStub(served.channel)
+
+
+def funded(served: JobsCoordinator, amount: int = 10_000_000):
+    key = identity.generate_private_key()
+    served.coordinator.ctx.ledger.ledger.grant(billing.account_of(key), amount, "g1")
+    return key
+
+
+def escrowed(served: JobsCoordinator, key) -> int:
+    return served.coordinator.ctx.ledger.ledger.client_balance(billing.account_of(key)).escrowed
+
+
+def signed_open(key, **fields: object) -> client_api_pb2.OpenSessionRequest:
+    fields.setdefault("model", MODEL)
+    fields.setdefault("max_length", MAX_LENGTH)
+    request = client_api_pb2.OpenSessionRequest(**fields)  # type: ignore[arg-type]
+    billing.sign_open(request, key)
+    return request
+
+
+async def test_open_session_refuses_malformed_oversized_and_hostile_requests(
+    market: JobsCoordinator,
+) -> None:
+    client, stranger = funded(market), identity.generate_private_key()
+    by_stranger = signed_open(client)
+    by_stranger.client_signature = stranger.sign(identity.open_session_payload(by_stranger))
+    altered = signed_open(client)
+    altered.max_length = MAX_LENGTH + 1  # after signing
+    cases = [
+        (signed_open(client, max_length=0), grpc.StatusCode.INVALID_ARGUMENT, "max_length"),
+        (signed_open(client, max_length=2**32 - 1), grpc.StatusCode.INVALID_ARGUMENT, "between"),
+        (signed_open(client, prefer="sideways"), grpc.StatusCode.INVALID_ARGUMENT, "prefer"),
+        (
+            client_api_pb2.OpenSessionRequest(model=MODEL, max_length=8, account=huge("a")),
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "account",
+        ),
+        (signed_open(client, model=huge("m")), grpc.StatusCode.INVALID_ARGUMENT, "model name"),
+        (by_stranger, grpc.StatusCode.UNAUTHENTICATED, "not signed"),
+        (altered, grpc.StatusCode.UNAUTHENTICATED, "not signed"),
+        (
+            # Another client's account named with this key: nobody pays for someone else.
+            client_api_pb2.OpenSessionRequest(
+                model=MODEL,
+                max_length=8,
+                account=billing.account_of(stranger),
+                client_public_key=identity.public_key_bytes(client),
+            ),
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "not the account",
+        ),
+        (
+            client_api_pb2.OpenSessionRequest(
+                model=MODEL, max_length=8, client_public_key=huge("k").encode()
+            ),
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "32-byte",
+        ),
+        (
+            client_api_pb2.OpenSessionRequest(model=MODEL, max_length=8),
+            grpc.StatusCode.FAILED_PRECONDITION,
+            "client key",
+        ),
+        (
+            client_api_pb2.OpenSessionRequest(model="m" * (codec.MAX_MESSAGE_BYTES + 10)),
+            grpc.StatusCode.RESOURCE_EXHAUSTED,
+            "",
+        ),
+    ]
+    for request, code, words in cases:
+        details = await refused(api(market).OpenSession(request, timeout=10), code, words)
+        assert "\x1b" not in details and "\n" not in details  # quoted, never raw
+    assert escrowed(market, client) == 0
+
+    # Still serving: a good open escrows its quote.
+    grant = await api(market).OpenSession(signed_open(client))
+    assert escrowed(market, client) == grant.quote.amount > 0
+
+
+async def test_report_step_times_refuses_bad_and_oversized_reports(
+    market: JobsCoordinator,
+) -> None:
+    client = funded(market)
+    grant = await api(market).OpenSession(signed_open(client))
+    stage = grant.stages[0]
+    node_id = stage.primary.node_id
+    placement = market.coordinator.ctx.planner
+
+    def step(**fields: object) -> client_api_pb2.StepTime:
+        values: dict[str, object] = dict(node_id=node_id, layers=stage.layers, tokens=1)
+        values["wall_ms"] = 5.0
+        values.update(fields)
+        return client_api_pb2.StepTime(**values)  # type: ignore[arg-type]
+
+    def report(*steps: client_api_pb2.StepTime) -> client_api_pb2.StepTimesReport:
+        return client_api_pb2.StepTimesReport(
+            session_id=grant.session_id, capability=grant.capability, steps=list(steps)
+        )
+
+    cases = [
+        (report(step(wall_ms=float("nan"))), grpc.StatusCode.INVALID_ARGUMENT, "wall_ms"),
+        (report(step(wall_ms=-1.0)), grpc.StatusCode.INVALID_ARGUMENT, "wall_ms"),
+        (report(step(tokens=0)), grpc.StatusCode.INVALID_ARGUMENT, "tokens"),
+        (report(step(tokens=MAX_LENGTH + 1)), grpc.StatusCode.INVALID_ARGUMENT, "tokens"),
+        (
+            report(step(layers=client_api_pb2.RouteStage().layers)),
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "not granted",
+        ),
+        (report(step(node_id=huge("n"))), grpc.StatusCode.PERMISSION_DENIED, "route"),
+        (
+            report(*[step()] * (MAX_STEP_TIMES + 1)),
+            grpc.StatusCode.RESOURCE_EXHAUSTED,
+            f"at most {MAX_STEP_TIMES}",
+        ),
+        # More calls to one node than the session has tokens: one client cannot drown a
+        # node's measured speed.
+        (report(*[step()] * (MAX_LENGTH + 1)), grpc.StatusCode.RESOURCE_EXHAUSTED, "budget"),
+    ]
+    for request, code, words in cases:
+        details = await refused(api(market).ReportStepTimes(request, timeout=10), code, words)
+        assert "\x1b" not in details and "\n" not in details  # quoted, never raw
+    assert placement.speed(node_id).samples == 0, "a refused report counts nothing"
+
+    # Still serving: a good report is taken.
+    ack = await api(market).ReportStepTimes(report(step(), step()))
+    assert ack.accepted == 2 and placement.speed(node_id).samples == 2
