@@ -10,26 +10,12 @@ from __future__ import annotations
 
 import grpc
 from support.coordinator_harness import Harness
-from support.hostile import refused
+from support.hostile import refused, unknown_field, varint
 
 from protos import codec
 from protos.tessera.v1 import client_api_pb2
 
 METHOD = "/tessera.v1.ClientApi/ListNodes"
-
-
-def _varint(value: int) -> bytes:
-    out = bytearray()
-    while True:
-        byte, value = value & 0x7F, value >> 7
-        out.append(byte | (0x80 if value else 0))
-        if not value:
-            return bytes(out)
-
-
-def _unknown_field(number: int, payload: bytes) -> bytes:
-    """A length-delimited field the message does not define."""
-    return _varint(number << 3 | 2) + _varint(len(payload)) + payload
 
 
 def _raw(harness: Harness) -> grpc.aio.UnaryUnaryMultiCallable:
@@ -47,13 +33,13 @@ async def test_list_nodes_takes_odd_but_valid_bytes_and_refuses_oversized(
     node = await harness.registered_node("lister")  # registered, not attached: offline
     raw = _raw(harness)
     # include_offline as the largest varint there is: any non-zero bool is true.
-    absurd = b"\x08" + _varint(2**64 - 1)
+    absurd = b"\x08" + varint(2**64 - 1)
     assert [n.node_id for n in (await raw(absurd, timeout=10)).nodes] == [node.node_id]
     # A megabyte of unknown fields (with control characters) is ignored, as protobuf says.
-    padded = _unknown_field(99, b"\x00\r\n\x1b[2J" * 200_000) + b"\x08\x01"
+    padded = unknown_field(99, b"\x00\r\n\x1b[2J" * 200_000) + b"\x08\x01"
     assert [n.node_id for n in (await raw(padded, timeout=10)).nodes] == [node.node_id]
     # Over the 64 MiB message limit: refused by gRPC before the coordinator sees it.
-    oversized = _unknown_field(99, b"x" * (codec.MAX_MESSAGE_BYTES + 10))
+    oversized = unknown_field(99, b"x" * (codec.MAX_MESSAGE_BYTES + 10))
     await refused(raw(oversized, timeout=10), grpc.StatusCode.RESOURCE_EXHAUSTED, "")
 
     # Still serving, through the ordinary stub too.

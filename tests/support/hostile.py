@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import grpc
 import pytest
-from google.protobuf.descriptor import ServiceDescriptor
+from google.protobuf.descriptor import MethodDescriptor, ServiceDescriptor
 
 
 def huge(prefix: str) -> str:
@@ -29,6 +29,15 @@ async def refused(call: object, code: grpc.StatusCode, words: str) -> str:
     return details
 
 
+def _shape(method: MethodDescriptor) -> str:
+    """The name of the channel's callable for ``method``: unary_unary, stream_stream..."""
+    return (
+        ("stream" if method.client_streaming else "unary")
+        + "_"
+        + ("stream" if method.server_streaming else "unary")
+    )
+
+
 GARBAGE = b"\xff\xff\xff"  # no protobuf message of any type parses from these bytes
 
 
@@ -42,10 +51,7 @@ async def every_method_refuses_garbage(
     for service in services:
         for method in service.methods:
             path = f"/{service.full_name}/{method.name}"
-            shape = ("stream" if method.client_streaming else "unary") + "_" + (
-                "stream" if method.server_streaming else "unary"
-            )
-            call = getattr(channel, shape)(path, request_serializer=None)
+            call = getattr(channel, _shape(method))(path, request_serializer=None)
             request = iter([GARBAGE]) if method.client_streaming else GARBAGE
             details = await refused(
                 call(request, metadata=metadata, timeout=10),
@@ -53,3 +59,54 @@ async def every_method_refuses_garbage(
                 "not a valid protobuf message",
             )
             assert "Unexpected" not in details, (path, details)
+
+
+def varint(value: int) -> bytes:
+    """``value`` as a protobuf varint."""
+    out = bytearray()
+    while True:
+        byte, value = value & 0x7F, value >> 7
+        out.append(byte | (0x80 if value else 0))
+        if not value:
+            return bytes(out)
+
+
+def unknown_field(number: int, payload: bytes) -> bytes:
+    """A length-delimited field numbered ``number``, which the message does not define:
+    protobuf parses and ignores it."""
+    return varint(number << 3 | 2) + varint(len(payload)) + payload
+
+
+def oversized_message(limit: int) -> bytes:
+    """One message of more than ``limit`` bytes that any message type parses: an unknown
+    field numbered past every field the protos define."""
+    return unknown_field(9999, b"x" * (limit + 10))
+
+
+def methods_of(services: list[ServiceDescriptor]) -> list[MethodDescriptor]:
+    """Every method of ``services``, for tests parametrized one method at a time."""
+    return [method for service in services for method in service.methods]
+
+
+def method_id(method: MethodDescriptor) -> str:
+    return f"{method.containing_service.name}.{method.name}"
+
+
+async def method_refuses_oversized(
+    channel: grpc.aio.Channel,
+    method: MethodDescriptor,
+    limit: int,
+    metadata: tuple[tuple[str, str], ...] = (),
+) -> None:
+    """Send ``method`` (in its call shape) one message over ``limit`` bytes, which the
+    channel must allow sending: it must answer RESOURCE_EXHAUSTED before any servicer reads
+    it, saying how large the message was."""
+    path = f"/{method.containing_service.full_name}/{method.name}"
+    call = getattr(channel, _shape(method))(path, request_serializer=None)
+    message = oversized_message(limit)
+    request = iter([message]) if method.client_streaming else message
+    await refused(
+        call(request, metadata=metadata, timeout=10),
+        grpc.StatusCode.RESOURCE_EXHAUSTED,
+        "larger than max",
+    )
