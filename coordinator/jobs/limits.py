@@ -22,5 +22,8 @@ class JobLimits:
     max_seq_len: int = 1 << 20
     max_micro_batches: int = 1024
     max_list: int = 1000
+    # Open WatchJob streams, all jobs together: each is a bus subscription that every
+    # published event is matched against, so their number must not grow without end.
+    max_watchers: int = 1000
     # Refuse an upload that would leave less than this free on the store's disk.
     min_free_bytes: int = 256 << 20

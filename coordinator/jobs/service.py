@@ -110,6 +110,7 @@ class Jobs:
         # lock, and so does collecting unreferenced blobs: neither can undo the other.
         self._blob_lock = asyncio.Lock()
         self._exporting: set[str] = set()
+        self.watchers = 0  # open WatchJob streams
 
     async def start(self) -> None:
         self.blobs.clear_incoming()
@@ -326,6 +327,20 @@ class Jobs:
 
     # ---- watching -----------------------------------------------------------------------
 
+    def take_watcher(self) -> None:
+        """Count one more WatchJob stream, or refuse it past the limit; the caller gives
+        the slot back with `release_watcher` when the stream ends, however it ends."""
+        if self.watchers >= self.limits.max_watchers:
+            raise StoreError(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"{self.watchers} WatchJob streams are open on this coordinator, its limit; "
+                "close one, or poll GetJob instead",
+            )
+        self.watchers += 1
+
+    def release_watcher(self) -> None:
+        self.watchers -= 1
+
     async def watch(self, job_id: str) -> AsyncIterator[jobs_pb2.JobEvent]:
         job = self.manager.require_job(job_id)
         subscription = self.ctx.bus.subscribe(events_topic(job.id))
@@ -432,8 +447,12 @@ class JobsServicer(jobs_pb2_grpc.JobsServicer):
 
     async def WatchJob(self, request: jobs_pb2.JobRef, context: Any) -> Any:
         await _answer(context, lambda: self.manager.require_job(request.job_id))
-        async for event in self.jobs.watch(request.job_id):
-            yield event
+        await _answer(context, self.jobs.take_watcher)
+        try:
+            async for event in self.jobs.watch(request.job_id):
+                yield event
+        finally:
+            self.jobs.release_watcher()
 
     async def OpenTrainingSession(self, request: Any, context: Any) -> Any:
         return await _answer(context, lambda: self.manager.open_session(request.job_id, request))

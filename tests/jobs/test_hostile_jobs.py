@@ -13,8 +13,10 @@ from __future__ import annotations
 import grpc
 import numpy as np
 from jobs.jobs_harness import JobsCoordinator, submit_request
+from support.coordinator_harness import wait_until
 from support.hostile import huge, refused
 
+from coordinator.jobs.limits import JobLimits
 from protos import codec
 from protos.tessera.v1 import client_api_pb2, jobs_pb2
 
@@ -137,3 +139,31 @@ async def test_driver_calls_refuse_foreign_forged_and_oversized_input_and_keep_t
     await jc.stub.ReportStep(report)
     paused = await jc.stub.FinishJob(finish(state=jobs_pb2.JOB_STATE_PAUSED))
     assert paused.state == jobs_pb2.JOB_STATE_PAUSED and paused.step == 1
+
+
+async def test_watch_streams_are_capped_and_a_closed_one_frees_its_slot(
+    start_jobs,
+) -> None:
+    """Every open WatchJob stream is a bus subscription that each published event visits:
+    a client opening streams without end would slow every job's progress, so past the
+    limit a new one is refused, and closing one lets the next in."""
+    jc: JobsCoordinator = await start_jobs(nodes=0)
+    jc.set_limits(JobLimits(max_watchers=2))
+    dataset = await jc.upload(np.arange(400, dtype=np.int32) % 60)
+    job = await jc.submit(dataset.id, output_model="tiny-tuned")
+    ref = jobs_pb2.JobRef(job_id=job.job_id)
+    watchers = [jc.stub.WatchJob(ref) for _ in range(2)]
+    for watcher in watchers:
+        assert (await watcher.read()).kind == "snapshot"
+    details = await refused(jc.stub.WatchJob(ref), grpc.StatusCode.RESOURCE_EXHAUSTED, "GetJob")
+    assert "2 WatchJob streams" in details
+
+    watchers.pop().cancel()
+    await wait_until(lambda: jc.jobs.watchers == 1, what="the cancelled stream to end")
+    # Still serving: the slot is taken again, and the other watcher still gets events.
+    again = jc.stub.WatchJob(ref)
+    assert (await again.read()).kind == "snapshot"
+    assert (await jc.stub.GetJob(ref)).state == jobs_pb2.JOB_STATE_QUEUED
+    for watcher in (*watchers, again):
+        watcher.cancel()
+    await wait_until(lambda: jc.jobs.watchers == 0, what="every stream to end")
