@@ -176,6 +176,9 @@ async def test_hostile_disputes_are_refused_and_ban_no_one(job) -> None:
     assert banned(jc) == []
     trust = jc.coordinator.ctx.verifier.reputation
     assert all(trust.record(n.node_id).failures == 0 for n in jc.nodes)
+    # Still serving: the sound dispute is judged.
+    verdict = await report(dispute(jc, session))
+    assert verdict.outcome == Outcome.UNRESOLVED and banned(jc) == []
 
 
 def agreement(jc: JobsCoordinator, session, step: int) -> verification_pb2.TrainingAgreement:
@@ -228,3 +231,39 @@ async def test_agreements_earn_both_nodes_trust_once_and_a_dispute_resets_it(job
     verdict = await stub(jc).ReportTrainingDispute(dispute(jc, reopened, step=5))
     assert verdict.outcome == Outcome.UNRESOLVED
     assert [trust.probability(n) for n in pair] == [1.0, 1.0]
+
+
+async def test_malformed_agreements_are_refused_and_earn_no_trust(job) -> None:
+    jc, session = job
+    report = stub(jc).ReportTrainingChecks
+
+    def checks(*agreements: verification_pb2.TrainingAgreement) -> verification_pb2.TrainingChecks:
+        return verification_pb2.TrainingChecks(
+            job_id=session.job_id, capability=session.capability, agreements=list(agreements)
+        )
+
+    one_node = agreement(jc, session, 0)
+    one_node.checker.CopyFrom(one_node.primary)
+    step_kind = agreement(jc, session, 1)
+    step_kind.kind = KIND.OPTIMIZER_STEP  # not a result two nodes compute alike
+    unknown_kind = agreement(jc, session, 2)
+    unknown_kind.kind = 99  # type: ignore[assignment]
+    other_inputs = agreement(jc, session, 3)
+    other_inputs.checker.input_digest = b"\x01" * 32
+    outside = agreement(jc, session, 4)
+    outside.layers.end += 2**31  # layers the job's capability never granted
+    cases = [
+        (one_node, grpc.StatusCode.INVALID_ARGUMENT, "two nodes of different operators"),
+        (step_kind, grpc.StatusCode.INVALID_ARGUMENT, "forward, backward or norm"),
+        (unknown_kind, grpc.StatusCode.INVALID_ARGUMENT, "forward, backward or norm"),
+        (other_inputs, grpc.StatusCode.INVALID_ARGUMENT, "one input"),
+        (outside, grpc.StatusCode.PERMISSION_DENIED, "no key for layers"),
+    ]
+    for bad, code, words in cases:
+        # Alone, and after a sound agreement: one bad entry refuses the whole report.
+        for request in (checks(bad), checks(agreement(jc, session, 9), bad)):
+            await refused(report, request, code, words)
+    trust = jc.coordinator.ctx.verifier.reputation
+    assert all(trust.record(n.node_id).consecutive == 0 for n in jc.nodes)
+    # Still serving: the sound agreement, refused only for its company above, counts once.
+    assert (await report(checks(agreement(jc, session, 9)))).accepted == 1
