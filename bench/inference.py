@@ -418,7 +418,9 @@ def checker_work(run: Run) -> str:
     return (
         f"checkers computed {stats.checker_layer_tokens / pipeline:.0%} of the pipeline's "
         f"layer-positions beside it, {stats.catch_up_layer_tokens / stats.checker_layer_tokens:.0%}"
-        " of that catching their caches up to the checked calls"
+        " of that catching their caches up to the checked calls; those catch-ups audited "
+        f"{stats.audited_layer_tokens / pipeline:.0%} of the pipeline's layer-positions "
+        f"(steps without a check of their own), {len(stats.findings)} finding(s)"
     )
 
 

@@ -333,6 +333,7 @@ class AsyncClient:
         decoder = handle.tokenizer.stream(prompt_ids) if handle.tokenizer else None
         began = time.monotonic()
         result.finish_reason = "error"
+        completed = False
         try:
             next_input: list[int] = list(prompt_ids)
             defer = self.driver_config.defer_checks
@@ -423,6 +424,7 @@ class AsyncClient:
                 next_input = [token]
             if decoder is not None and result.text is not None:
                 result.text += decoder.flush()
+            completed = True
         finally:
             result.wall_s = time.monotonic() - began
             result.route = driver.route
@@ -433,6 +435,10 @@ class AsyncClient:
             await driver.close()
             result.close_request = self._close_request(driver, grant)
             result.settlement = await self._end_session(result.close_request)
+        if completed and driver.verifier is not None and driver.verifier.proven_wrong():
+            # An audit that settled only as the session closed: the text is whole, not sound.
+            result.finish_reason = "error"
+            driver.raise_if_tainted()
 
     async def generate_all(self, model: str, **kwargs: Any) -> GenerationResult:
         """Run ``generate`` to the end and return its record."""

@@ -65,7 +65,7 @@ import numpy as np
 from client.billing import UsageBook
 from client.channels import ChannelPool
 from client.deliveries import DeliveryLost, Subscription, Subscriptions
-from client.errors import PipelineError, RequestRejected
+from client.errors import OutputTainted, PipelineError, RequestRejected
 from client.hedging import HedgeEvent, hedge_delay, percentile, race
 from client.records import FailoverEvent, HopRecord, Receipt, RollbackEvent, StageTiming
 from client.route_history import RouteHistory, Span, covers
@@ -397,6 +397,7 @@ class PipelineDriver:
         all (module docstring): the caller then steps the token it draws itself, and the
         driver adopts the step the ring started when it is that very one.
         """
+        self.raise_if_tainted()
         ids = self._check_tokens(token_ids)
         start = self._length if start_pos is None else start_pos
         if not 0 <= start <= self._length:
@@ -430,6 +431,16 @@ class PipelineDriver:
         if last_only:
             return outputs[-1]
         return outputs[0] if len(outputs) == 1 else np.concatenate(outputs, axis=1)
+
+    def raise_if_tainted(self) -> None:
+        """Raise OutputTainted when an audit proved that a node's unchecked answer, still in
+        this session's history, was wrong (client/verification.py): going on would build
+        on it, and rolling back cannot take back what the caller has already seen."""
+        finding = self.verifier.proven_wrong() if self.verifier is not None else None
+        if finding is not None and finding.start_pos < self._length:
+            raise OutputTainted(
+                finding.node_id, finding.layer_start, finding.layer_end, finding.start_pos
+            )
 
     def unsettled_from(self) -> int | None:
         """The start position of the oldest step whose checks were deferred and have not

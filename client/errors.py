@@ -54,3 +54,19 @@ class RequestRejected(TesseraError):
 
 class PipelineError(TesseraError):
     """The pipeline could not be completed even after trying every fail-over option."""
+
+
+class OutputTainted(PipelineError):
+    """A node was proven, after the fact, to have computed a step wrong that no sampled
+    check had covered: the session's history from that position on holds its output."""
+
+    def __init__(self, node_id: str, layer_start: int, layer_end: int, position: int) -> None:
+        super().__init__(
+            f"node {node_id} was proven to have computed layers [{layer_start}, {layer_end}) "
+            f"wrong from position {position} of this session on (a checker's catch-up "
+            "replayed that step, and the coordinator's arbiter confirmed it; the node is "
+            f"banned now). What was generated from position {position} on may be wrong: "
+            "generate again, and the coordinator will route around that node"
+        )
+        self.node_id = node_id
+        self.position = position

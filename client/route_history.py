@@ -159,6 +159,19 @@ class RouteHistory:
         digests = self._boundary(span).digests
         return digests[-1] if digests else b""
 
+    def digest_after(self, span: Span, length: int) -> bytes | None:
+        """The input-prefix digest after the first ``length`` positions recorded for
+        ``span`` (b"" for none; None past what was recorded)."""
+        digests = self._boundary(span).digests
+        if not 0 <= length <= len(digests):
+            return None
+        return digests[length - 1] if length else b""
+
+    def following(self, span: Span) -> Span | None:
+        """The hop after ``span`` in the route (None for the last): its input is
+        ``span``'s output."""
+        return next((s for s in self._spans if s.start == span.end), None)
+
     def replay_input(self, span: Span) -> tuple[int, np.ndarray, str]:
         """(0, everything sent to ``span`` so far in position order, wire dtype)."""
         history = self._boundary(span)

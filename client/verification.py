@@ -18,6 +18,15 @@ another node: the client never keeps a wrong output, and greedy output equals an
 run. (Client.generate lets the pipeline run ahead of the checks and holds each token back
 until the checks it depends on have settled; a rejection rolls the generation back to the
 step it concerned: client/driver.py.)
+
+A catch-up is also an audit. The checker replays the positions it missed, so its answer
+holds its own output for each of them, and the client holds the primary's signed output
+for the same positions (the next hop's input). Every earlier step that had no check of its
+own is compared there too, at no extra compute. A mismatch is settled like a check's: the
+checker runs that very step again, and the two signed answers go to the arbiter. A primary
+proven wrong that way is banned like any other, but the tokens that followed its answer
+may have been yielded already; the driver stops the generation with ``OutputTainted``
+instead of going on from a history it knows is wrong (docs/verification.md, "Audits").
 """
 
 from __future__ import annotations
@@ -92,6 +101,44 @@ class NodeRejected(Exception):
     """The node's reply cannot be used: bad signature, or it lost an arbitration."""
 
 
+@dataclass(frozen=True)
+class _SignedStep:
+    """A primary's signed answer for one step of a hop that is not the model's last: what
+    an audit compares a checker's catch-up with, and the evidence if they disagree (the
+    output itself is the next hop's input, kept in the route history)."""
+
+    node_id: str
+    step: int
+    start_pos: int
+    end_pos: int
+    input_digest: bytes
+    output_sha256: bytes
+    signature: bytes
+
+
+@dataclass(frozen=True)
+class AuditFinding:
+    """A catch-up disagreed with a primary's earlier answer that had no check of its own,
+    and the arbiter ruled (``outcome``: PRIMARY_WRONG, CHECKER_WRONG or UNRESOLVED)."""
+
+    node_id: str
+    layer_start: int
+    layer_end: int
+    step: int
+    start_pos: int
+    end_pos: int
+    outcome: str
+
+    def to_json(self) -> dict[str, object]:
+        return {
+            "node_id": self.node_id,
+            "layers": [self.layer_start, self.layer_end],
+            "step": self.step,
+            "positions": [self.start_pos, self.end_pos],
+            "outcome": self.outcome,
+        }
+
+
 @dataclass
 class VerificationStats:
     """What this session's verification did, per node and in total."""
@@ -112,6 +159,10 @@ class VerificationStats:
     # calls themselves, are most of what checking costs.
     checker_layer_tokens: int = 0
     catch_up_layer_tokens: int = 0
+    # Layer-positions of primaries' unchecked steps that a catch-up compared (audits), and
+    # what the audits found (nothing, on an honest swarm).
+    audited_layer_tokens: int = 0
+    findings: list[AuditFinding] = field(default_factory=list)
 
     def to_json(self) -> dict[str, object]:
         risk = self.risk
@@ -126,6 +177,8 @@ class VerificationStats:
             "assumed_corruption": risk.assumed_corruption if risk else None,
             "checker_layer_tokens": self.checker_layer_tokens,
             "catch_up_layer_tokens": self.catch_up_layer_tokens,
+            "audited_layer_tokens": self.audited_layer_tokens,
+            "audit_findings": [f.to_json() for f in self.findings],
         }
 
 
@@ -164,6 +217,13 @@ class StageVerifier:
         # Per span: (primary, checker or None) drawn for the span's next call.
         self._drawn: dict[Span, tuple[str, HopRecord | None]] = {}
         self.stats = VerificationStats()
+        # Per hop: the primaries' signed answers an audit may compare (docstring), and the
+        # steps that had a check of their own (an audit leaves those to it).
+        self._signed_steps: dict[Span, list[_SignedStep]] = {}
+        self._model = ""
+        self._checked_steps: set[tuple[Span, int]] = set()
+        # Re-runs of a step an audit found wrong: the session's end waits for their verdicts.
+        self._rechecks: set[asyncio.Task[None]] = set()
         # Told (node, layer start, layer end, tokens) of every check sent: the checker's
         # usage receipt counts them, and the client does not pay for them (client/billing).
         self.on_check_sent: Callable[[str, int, int, int], None] | None = None
@@ -210,6 +270,7 @@ class StageVerifier:
             task = self._queue(check, lambda: self._run_checker(check, span, request, history))
             pending = PendingCheck(self, check, task)
             self.stats.check_steps.append(request.step)
+            self._checked_steps.add((span, request.step))
         upcoming = self._draw(hop, alternates)
         self._drawn[span] = (hop.node_id, upcoming)
         if upcoming is not None and upcoming != checker:
@@ -281,7 +342,33 @@ class StageVerifier:
         if replay:
             return None
         self.stats.calls[hop.node_id] = self.stats.calls.get(hop.node_id, 0) + 1
+        self._keep_signed(hop.node_id, request, response)
         return pending
+
+    def _keep_signed(
+        self,
+        node_id: str,
+        request: stage_pb2.ForwardRequest,
+        response: stage_pb2.ForwardResponse,
+    ) -> None:
+        if request.last_position_only or len(response.output.shape) != 3:
+            return  # logits: no hop takes them as input, so the client keeps none to compare
+        self._model = request.model
+        span = Span(request.layers.start, request.layers.end)
+        start = request.start_pos
+        kept = [r for r in self._signed_steps.get(span, []) if r.start_pos < start]
+        kept.append(
+            _SignedStep(
+                node_id=node_id,
+                step=response.step,
+                start_pos=start,
+                end_pos=start + int(response.output.shape[1]),
+                input_digest=response.input_digest,
+                output_sha256=hashlib.sha256(response.output.data).digest(),
+                signature=response.signature,
+            )
+        )
+        self._signed_steps[span] = kept
 
     async def settle(
         self,
@@ -330,7 +417,13 @@ class StageVerifier:
 
     async def _end_checker_sessions(self) -> None:
         for task in list(self._tasks):
-            task.cancel()
+            if task not in self._rechecks:
+                task.cancel()
+        if self._rechecks:
+            # An audit's verdict is what bans a node that cheated unchecked: worth a wait.
+            await asyncio.wait(list(self._rechecks), timeout=self._timeout_s)
+            for task in list(self._rechecks):
+                task.cancel()
         streams, self._streams = self._streams, {}
         request = stage_pb2.EndSessionRequest(
             session_id=self.session_id, capability=self._capability
@@ -413,10 +506,9 @@ class StageVerifier:
         for attempt in range(2):
             synced = 0 if attempt else self._synced.get(key, 0)
             try:
+                messages = self._catch_up(span, synced, request, history)
                 async with asyncio.timeout(self._timeout_s):
-                    answer = await self._send(
-                        checker, self._catch_up(span, synced, request, history), checks=1
-                    )
+                    answers = await self._send(checker, messages, checks=1)
             except grpc.aio.AioRpcError as err:
                 self._close_stream(checker.node_id)
                 # Its cache expired since the last check: catch up from position 0 once.
@@ -427,7 +519,9 @@ class StageVerifier:
                 self._close_stream(checker.node_id)
                 raise NodeRejected(f"checker {checker.node_id} did not answer") from None
             self._synced[key] = request.start_pos + request.input.shape[1]
+            answer = answers[-1]
             self._check_signature(checker.node_id, request, answer)
+            self._audit(checker, messages[:-1], answers[:-1], history)
             return answer
         raise AssertionError("unreachable")
 
@@ -446,7 +540,7 @@ class StageVerifier:
             return
         try:
             async with asyncio.timeout(self._timeout_s):
-                await self._send(checker, messages)
+                answers = await self._send(checker, messages)
         except Exception as err:  # a broken stream surfaces in several shapes
             # The check that needed it catches up from position 0 on a new stream.
             log.info("checker %s could not catch up: %s", checker.node_id, err)
@@ -454,20 +548,21 @@ class StageVerifier:
             self._synced.pop(key, None)
             return
         self._synced[key] = request.start_pos + request.input.shape[1]
+        self._audit(checker, messages, answers, history)
 
     async def _send(
         self, checker: HopRecord, messages: list[stage_pb2.ForwardRequest], *, checks: int = 0
-    ) -> stage_pb2.ForwardResponse:
+    ) -> list[stage_pb2.ForwardResponse]:
         """Write each message on the checker's stream (kept for the session, like the
-        driver's own) and read its answer; the last answer comes back. All but the last
-        ``checks`` messages are catch-ups."""
+        driver's own) and read its answer; the answers come back in order. All but the
+        last ``checks`` messages are catch-ups."""
         stream = self._streams.get(checker.node_id)
         if stream is None:
             stub = stage_pb2_grpc.StageStub(self._channels.get(checker.address))
             stream = self._streams[checker.node_id] = _CheckerStream(
                 checker.address, stub.Forward()
             )
-        answer: stage_pb2.ForwardResponse | None = None
+        answers: list[stage_pb2.ForwardResponse] = []
         for n, message in enumerate(messages):
             shape, layers = message.input.shape, message.layers
             work = int(shape[0]) * int(shape[1]) * (layers.end - layers.start)
@@ -484,9 +579,8 @@ class StageVerifier:
             read = await stream.call.read()
             if read is grpc.aio.EOF:
                 raise NodeRejected(f"checker {checker.node_id} ended the stream")
-            answer = read
-        assert answer is not None
-        return answer
+            answers.append(read)
+        return answers
 
     def _close_stream(self, node_id: str) -> None:
         stream = self._streams.pop(node_id, None)
@@ -537,13 +631,33 @@ class StageVerifier:
         checked: stage_pb2.ForwardResponse,
         history: RouteHistory,
     ) -> None:
-        stats = self.stats
-        stats.checked[hop.node_id] = stats.checked.get(hop.node_id, 0) + 1
-        stats.pairs.append((hop.node_id, checker.node_id))
-        a, b = self._grants[hop.node_id], self._grants[checker.node_id]
-        limit = output_check.pair_tolerance(
-            (a.device_kind, a.compute_dtype), (b.device_kind, b.compute_dtype)
+        outcome = await self._judge(hop.node_id, checker, request, response, checked, history)
+        if outcome is None or outcome == Outcome.CHECKER_WRONG:
+            return
+        # The primary lost, or nobody could tell: use neither answer; fail over instead.
+        raise NodeRejected(
+            f"node {hop.node_id} disagreed with checker {checker.node_id} on layers "
+            f"[{request.layers.start}, {request.layers.end}); arbitration: "
+            f"{Outcome.Name(outcome)}"
         )
+
+    async def _judge(
+        self,
+        node_id: str,
+        checker: HopRecord,
+        request: stage_pb2.ForwardRequest,
+        response: stage_pb2.ForwardResponse,
+        checked: stage_pb2.ForwardResponse,
+        history: RouteHistory,
+    ) -> int | None:
+        """Compare two signed answers to ``request``; None when they agree, else the
+        arbiter's outcome (a checker proven wrong, or one nobody could judge, is not
+        asked again). Raises NodeRejected when the primary signed for an input history the
+        client never sent."""
+        stats = self.stats
+        stats.checked[node_id] = stats.checked.get(node_id, 0) + 1
+        stats.pairs.append((node_id, checker.node_id))
+        limit = self._tolerance(node_id, checker.node_id)
         error = output_check.relative_error(
             codec.decode(response.output, finite=False),
             response.output.dtype,
@@ -551,7 +665,7 @@ class StageVerifier:
             checked.output.dtype,
         )
         comparison = verification_pb2.Comparison(
-            primary=_signed(hop.node_id, request, response, with_output=error > limit),
+            primary=_signed(node_id, request, response, with_output=error > limit),
             checker=_signed(checker.node_id, request, checked, with_output=error > limit),
             agreed=error <= limit,
         )
@@ -559,12 +673,12 @@ class StageVerifier:
             self._pending.append(comparison)
             if len(self._pending) >= self._report_every and self._reporter is not None:
                 await self._report_quietly()
-            return
+            return None
         stats.mismatches += 1
         log.warning(
             "mismatch on layers [%d, %d) at step %d: %s vs %s, relative error %.3g > %.3g",
             request.layers.start, request.layers.end, request.step,
-            hop.node_id, checker.node_id, error, limit,
+            node_id, checker.node_id, error, limit,
         )  # fmt: skip
         span = Span(request.layers.start, request.layers.end)
         chunks = history.inputs(span, 0, request.start_pos)
@@ -573,22 +687,150 @@ class StageVerifier:
         if output_check.prefix_digest([*prefix, (input_array, request.input.dtype)]) != (
             response.input_digest
         ):
-            raise NodeRejected(f"node {hop.node_id} signed for an input history we never sent")
+            raise NodeRejected(f"node {node_id} signed for an input history we never sent")
         comparison.prefix.extend(codec.encode(array, dtype) for array, dtype in prefix)
         comparison.input.CopyFrom(request.input)
         comparison.last_position_only = request.last_position_only
         self._pending.append(comparison)
         outcome = await self._arbitrate()
-        if outcome == Outcome.CHECKER_WRONG:
-            self._unfit_checkers.add(checker.node_id)
-            return
-        # The primary lost, or nobody could tell: use neither answer; fail over instead.
         if outcome != Outcome.PRIMARY_WRONG:
             self._unfit_checkers.add(checker.node_id)
-        raise NodeRejected(
-            f"node {hop.node_id} disagreed with checker {checker.node_id} (relative error "
-            f"{error:.3g} > {limit:.3g}); arbitration: {Outcome.Name(outcome)}"
+        return outcome
+
+    def _tolerance(self, primary: str, checker: str) -> float:
+        a, b = self._grants[primary], self._grants[checker]
+        return output_check.pair_tolerance(
+            (a.device_kind, a.compute_dtype), (b.device_kind, b.compute_dtype)
         )
+
+    # ---- audits: a catch-up compared with the steps it replays ----------------------
+
+    def _audit(
+        self,
+        checker: HopRecord,
+        messages: list[stage_pb2.ForwardRequest],
+        answers: list[stage_pb2.ForwardResponse],
+        history: RouteHistory,
+    ) -> None:
+        """Compare each catch-up answer with the primaries' signed answers for the steps it
+        replayed that had no check of their own; a step that disagrees is run again on the
+        checker, as a check, after the work queued on its stream."""
+        for message, answer in zip(messages, answers, strict=True):
+            span = Span(message.layers.start, message.layers.end)
+            following = history.following(span)
+            if message.last_position_only or following is None:
+                continue  # the model's last hop: its catch-up answers one position's logits
+            start = message.start_pos
+            end = start + int(message.input.shape[1])
+            try:
+                self._check_signature(checker.node_id, message, answer)
+                replayed = codec.decode(answer.output, finite=False)
+            except (NodeRejected, codec.TensorError) as err:
+                log.info("checker %s: catch-up answer not usable for an audit: %s",
+                         checker.node_id, err)  # fmt: skip
+                continue
+            if answer.input_digest != history.digest_after(span, end) or list(
+                replayed.shape[:2]
+            ) != [message.input.shape[0], end - start]:
+                continue  # its cache holds another history: nothing to compare with
+            for step in self._signed_steps.get(span, []):
+                if (
+                    step.node_id == checker.node_id
+                    or not start <= step.start_pos < step.end_pos <= end
+                    or (span, step.step) in self._checked_steps
+                    or step.input_digest != history.digest_after(span, step.end_pos)
+                ):
+                    continue
+                primary = _kept_output(history, following, step)
+                if primary is None:
+                    continue  # the history moved on (a rollback or replay): not this answer
+                error = output_check.relative_error(
+                    primary[0],
+                    primary[1],
+                    replayed[:, step.start_pos - start : step.end_pos - start],
+                    answer.output.dtype,
+                )
+                self.stats.audited_layer_tokens += (step.end_pos - step.start_pos) * (
+                    span.end - span.start
+                )
+                if error <= self._tolerance(step.node_id, checker.node_id):
+                    continue
+                log.warning(
+                    "audit: checker %s's catch-up disagrees with %s on layers %s at positions "
+                    "[%d, %d) (relative error %.3g); running that step again on the checker",
+                    checker.node_id, step.node_id, span, step.start_pos, step.end_pos, error,
+                )  # fmt: skip
+                self._checked_steps.add((span, step.step))  # judged once
+                task = self._queue(
+                    checker,
+                    lambda step=step, span=span: self._recheck(checker, span, step, history),
+                )
+                self._rechecks.add(task)  # type: ignore[arg-type]
+                task.add_done_callback(self._rechecks.discard)  # type: ignore[arg-type]
+
+    async def _recheck(
+        self, checker: HopRecord, span: Span, step: _SignedStep, history: RouteHistory
+    ) -> None:
+        """Run a step an audit doubted again on the checker, exactly as the primary ran it,
+        and settle the two signed answers like a check's."""
+        following = history.following(span)
+        primary = _kept_output(history, following, step) if following else None
+        chunks = history.inputs(span, step.start_pos, step.end_pos)
+        if primary is None or sum(int(a.shape[1]) for _, a, _ in chunks) != (
+            step.end_pos - step.start_pos
+        ):
+            return  # rolled back meanwhile: the step is gone from this session
+        array = np.concatenate([a for _, a, _ in chunks], axis=1)
+        request = stage_pb2.ForwardRequest(
+            session_id=self.session_id,
+            step=step.step,
+            model=self._model,
+            layers=common_pb2.LayerRange(start=span.start, end=span.end),
+            start_pos=step.start_pos,
+            input=codec.encode(array, chunks[0][2]),
+            background=True,
+        )
+        claimed = stage_pb2.ForwardResponse(
+            step=step.step,
+            output=codec.encode(*primary),
+            input_digest=step.input_digest,
+            signature=step.signature,
+        )
+        key = (checker.node_id, span)
+        try:
+            async with asyncio.timeout(self._timeout_s):
+                # Its cache goes back to the step's start (start_pos below its length).
+                (checked,) = await self._send(checker, [request], checks=1)
+            self._synced[key] = step.end_pos
+            self._check_signature(checker.node_id, request, checked)
+            if checked.input_digest != step.input_digest:
+                return  # it ran another history: no evidence either way
+            outcome = await self._judge(step.node_id, checker, request, claimed, checked, history)
+        except Exception as err:  # a broken stream surfaces in many shapes; NodeRejected
+            log.warning("audit of %s on layers %s at positions [%d, %d) not settled: %s",
+                        step.node_id, span, step.start_pos, step.end_pos, err)  # fmt: skip
+            self._close_stream(checker.node_id)
+            self._synced.pop(key, None)
+            return
+        if outcome is None:
+            return  # the step itself agrees: the catch-up's difference was its batching
+        finding = AuditFinding(
+            node_id=step.node_id,
+            layer_start=span.start,
+            layer_end=span.end,
+            step=step.step,
+            start_pos=step.start_pos,
+            end_pos=step.end_pos,
+            outcome=Outcome.Name(outcome),
+        )
+        self.stats.findings.append(finding)
+        log.warning("audit of node %s on layers %s at positions [%d, %d): %s",
+                    step.node_id, span, step.start_pos, step.end_pos, finding.outcome)  # fmt: skip
+
+    def proven_wrong(self) -> AuditFinding | None:
+        """The first audit that proved a primary wrong, if any: the session's history from
+        its position on holds that node's wrong output."""
+        return next((f for f in self.stats.findings if f.outcome == "PRIMARY_WRONG"), None)
 
     async def _arbitrate(self) -> int:
         if self._reporter is None:
@@ -656,6 +898,23 @@ def _joined(chunks: list[tuple[int, np.ndarray, str]]) -> list[tuple[int, np.nda
         (g[0][0], np.concatenate([a for _, a, _ in g], axis=1) if len(g) > 1 else g[0][1], g[0][2])
         for g in groups
     ]
+
+
+def _kept_output(
+    history: RouteHistory, following: Span, step: _SignedStep
+) -> tuple[np.ndarray, str] | None:
+    """The output ``step``'s node signed, as the next hop's input history still holds it;
+    None when that history no longer holds exactly those bytes."""
+    chunks = history.inputs(following, step.start_pos, step.end_pos)
+    if not chunks or len({dtype for _, _, dtype in chunks}) != 1:
+        return None
+    array = np.concatenate([a for _, a, _ in chunks], axis=1)
+    dtype = chunks[0][2]
+    if array.shape[1] != step.end_pos - step.start_pos:
+        return None
+    if hashlib.sha256(codec.encode(array, dtype).data).digest() != step.output_sha256:
+        return None
+    return array, dtype
 
 
 def independent(account_a: str, account_b: str) -> bool:

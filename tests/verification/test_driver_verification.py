@@ -180,6 +180,9 @@ async def test_checkers_catch_up_on_skipped_positions_without_false_alarms(
     checked_work = sum(positions[step] * 2 for step in stats.check_steps)
     assert stats.catch_up_layer_tokens > 0
     assert stats.checker_layer_tokens == checked_work + stats.catch_up_layer_tokens
+    # Every catch-up is an audit too: the steps it replayed that had no check of their own
+    # were compared with what their primaries signed, and all of them agreed.
+    assert stats.audited_layer_tokens > 0 and not stats.findings
     await driver.close()
 
 

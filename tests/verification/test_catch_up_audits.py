@@ -1,0 +1,212 @@
+"""Audits: a checker's catch-up compared with the unchecked steps it replays.
+
+Real stage servers on loopback. The client's draws are scripted (no check until the test
+arms them, then a check at every draw), so the step a node corrupts is one that no check
+was drawn for: only the audit of a later check's catch-up can see it. The verification
+report goes to an arbiter built from the coordinator's own parts: its evidence checks
+(`coordinator/verifier/evidence.py`) and its data-plane runner on a fourth, honest node
+(`coordinator/verifier/stage_runner.py`); the verdict follows what that node computes.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Awaitable, Callable
+
+import numpy as np
+import pytest
+from data_plane.stage_harness import (
+    MODEL,
+    CoordinatorKeys,
+    StageNode,
+    reference_greedy,
+    session_grant,
+)
+from data_plane.test_driver import PROMPT, greedy
+from verification.test_driver_verification import keyed
+
+from client.channels import ChannelPool
+from client.driver import PipelineDriver
+from client.errors import OutputTainted
+from client.verification import StageVerifier
+from coordinator.verifier import evidence
+from coordinator.verifier.stage_runner import StageRunner
+from node_agent import failpoints
+from protos import codec, output_check
+from protos.tessera.v1 import client_api_pb2, common_pb2, verification_pb2
+
+NEW_TOKENS = 12
+Outcome = verification_pb2.Verdict.Outcome
+
+
+class Armed(random.Random):
+    """Draws no check until ``armed``, then a check at every draw."""
+
+    armed = False
+
+    def random(self) -> float:
+        return 0.0 if self.armed else 0.99
+
+
+class CorruptsOneCall(failpoints.Failpoints):
+    """The node's corrupt failpoint on one output only, its ``target``-th (every output
+    when ``target`` is None); like the failpoint, before the node signs it."""
+
+    def __init__(self, target: int | None) -> None:
+        super().__init__(failpoints.parse("corrupt=1.0,seed=3"))
+        self.target = target
+
+    def _tamper(self, values: np.ndarray, request_input: common_pb2.Tensor) -> np.ndarray | None:
+        if self.target is not None and self.calls != self.target:
+            return None
+        return super()._tamper(values, request_input)
+
+
+Reporter = Callable[
+    [verification_pb2.VerificationReport], Awaitable[verification_pb2.ReportVerdict]
+]
+
+
+def arbiter(
+    keys: CoordinatorKeys, node: StageNode, mismatches: list[evidence.Mismatch]
+) -> Reporter:
+    """What the coordinator does with a report: every comparison's evidence checked, and
+    each mismatch's input prefix run on ``node``, whose answer decides."""
+    runner = StageRunner(keys.key)
+
+    async def report(
+        request: verification_pb2.VerificationReport,
+    ) -> verification_pb2.ReportVerdict:
+        claims = client_api_pb2.CapabilityClaims.FromString(request.capability.claims)
+        verdicts = []
+        for comparison in request.comparisons:
+            primary, checker = evidence.check_comparison(claims, comparison)
+            if comparison.agreed:
+                continue
+            mismatch = evidence.check_mismatch(comparison, primary, checker)
+            mismatches.append(mismatch)
+            layers = comparison.primary.layers
+            run = await runner.run(
+                node.node_id, node.address, MODEL, layers.start, layers.end,
+                [*comparison.prefix, comparison.input],
+            )  # fmt: skip
+            truth = run.response.output
+            assert list(truth.shape) == list(mismatch.primary_output.shape)
+            right = tuple(
+                output_check.relative_error(codec.decode(truth), truth.dtype, out, "float32")
+                <= mismatch.tolerance
+                for out in (mismatch.primary_output, mismatch.checker_output)
+            )
+            outcome = {
+                (False, True): Outcome.PRIMARY_WRONG,
+                (True, False): Outcome.CHECKER_WRONG,
+            }.get(right, Outcome.UNRESOLVED)
+            verdicts.append(verification_pb2.Verdict(outcome=outcome, arbiter_node_id=node.node_id))
+        return verification_pb2.ReportVerdict(verdicts=verdicts)
+
+    return report
+
+
+async def swarm(
+    start_node: Callable[..., Awaitable[StageNode]],
+    keys: CoordinatorKeys,
+    *,
+    primary_corrupts: int | None = None,
+    checker_corrupts: bool = False,
+) -> tuple[PipelineDriver, Armed, StageNode, StageNode, list[evidence.Mismatch]]:
+    """Layers [0, 2) on a primary with one independent replica (its only checker), layers
+    [2, 4) on one node (never checked: no replica), and an arbiter outside the session."""
+    primary, checker, last, judge = [
+        await start_node([(0, 2)]),
+        await start_node([(0, 2)]),
+        await start_node([(2, 4)]),
+        await start_node([(0, 2)]),
+    ]
+    if primary_corrupts is not None:
+        primary.servicer._failpoints = CorruptsOneCall(primary_corrupts)
+    if checker_corrupts:
+        checker.servicer._failpoints = CorruptsOneCall(None)
+    nodes = [primary, checker, last]
+    accounts = {n.node_id: f"op-{i}" for i, n in enumerate(nodes)}
+    grant = keyed(
+        keys, session_grant(keys, [(0, 2, primary, [checker]), (2, 4, last, [])]), nodes,
+        accounts, 0.5,
+    )  # fmt: skip
+    draws = Armed()
+    mismatches: list[evidence.Mismatch] = []
+    channels = ChannelPool()
+    verifier = StageVerifier(
+        grant.session_id, channels, arbiter(keys, judge, mismatches), rng=draws
+    )
+    driver = PipelineDriver(grant, MODEL, channels=channels, verifier=verifier)
+    return driver, draws, primary, checker, mismatches
+
+
+async def test_a_corrupted_step_nobody_checked_is_found_by_a_later_catch_up(
+    start_node, keys
+) -> None:
+    # Calls of the primary: 1 the prompt, 2 and 3 the first decode steps. Call 3 is
+    # corrupted while no check is drawn; the first check comes after token 4.
+    driver, draws, cheater, _, mismatches = await swarm(start_node, keys, primary_corrupts=3)
+
+    async def arm() -> None:
+        draws.armed = True
+
+    with pytest.raises(OutputTainted) as raised:
+        await greedy(driver, PROMPT, NEW_TOKENS, after_step={4: arm})
+    stats = driver.verifier.stats
+    corrupted = len(PROMPT) + 1  # the position call 3 computed
+    assert raised.value.node_id == cheater.node_id
+    assert raised.value.position == corrupted
+    assert f"position {corrupted}" in str(raised.value) and "generate again" in str(raised.value)
+    [finding] = stats.findings
+    assert (finding.node_id, finding.layer_start, finding.layer_end) == (cheater.node_id, 0, 2)
+    assert (finding.start_pos, finding.end_pos, finding.outcome) == (
+        corrupted,
+        corrupted + 1,
+        "PRIMARY_WRONG",
+    )
+    # The evidence was the step itself, signed by both nodes: the coordinator's checks
+    # accepted it (they raise otherwise) and the arbiter's run sided with the checker.
+    [mismatch] = mismatches
+    assert mismatch.comparison.primary.node_id == cheater.node_id
+    assert mismatch.comparison.primary.step == finding.step
+    assert len(mismatch.comparison.prefix) >= 1  # the history before the step, as signed
+    assert stats.audited_layer_tokens > 0
+    await driver.close()
+
+
+async def test_an_honest_swarm_is_audited_without_a_finding(start_node, keys, checkpoint) -> None:
+    driver, draws, *_, mismatches = await swarm(start_node, keys)
+
+    async def arm() -> None:
+        draws.armed = True
+
+    tokens = await greedy(driver, PROMPT, NEW_TOKENS, after_step={4: arm})
+    assert tokens == reference_greedy(checkpoint, PROMPT, NEW_TOKENS)
+    stats = driver.verifier.stats
+    # The first check's catch-up replayed the prompt and the unchecked decode steps: every
+    # position of layers [0, 2) before it, two layers each.
+    assert stats.audited_layer_tokens >= (len(PROMPT) + 4) * 2
+    assert not stats.findings and not mismatches and not driver.failovers
+    await driver.close()
+
+
+async def test_a_checker_whose_catch_up_lies_cannot_stop_a_generation(
+    start_node, keys, checkpoint
+) -> None:
+    driver, draws, primary, checker, mismatches = await swarm(
+        start_node, keys, checker_corrupts=True
+    )
+
+    async def arm() -> None:
+        draws.armed = True
+
+    tokens = await greedy(driver, PROMPT, NEW_TOKENS, after_step={4: arm})
+    assert tokens == reference_greedy(checkpoint, PROMPT, NEW_TOKENS)
+    stats = driver.verifier.stats
+    assert mismatches, "the lying checker's answers were taken to the arbiter"
+    assert all(f.outcome == "CHECKER_WRONG" for f in stats.findings)
+    assert primary.node_id in {h.node_id for h in driver.route}
+    assert not [f for f in driver.failovers if f.failed_node_id == primary.node_id]
+    await driver.close()
