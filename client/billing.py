@@ -23,6 +23,7 @@ from protos.tessera.v1 import client_api_pb2, jobs_pb2, ledger_pb2
 log = logging.getLogger(__name__)
 
 KEY_ENV = "TESSERA_CLIENT_KEY"
+NONCE_BYTES = 16  # OpenSessionRequest.nonce
 
 
 def default_key_path() -> Path:
@@ -70,6 +71,7 @@ def sign_open(request: client_api_pb2.OpenSessionRequest, key: Ed25519PrivateKey
     request.client_public_key = identity.public_key_bytes(key)
     request.account = account_of(key)
     request.request_unix_ms = int(time.time() * 1000)
+    request.nonce = os.urandom(NONCE_BYTES)  # the coordinator accepts each signed open once
     request.client_signature = key.sign(identity.open_session_payload(request))
 
 
@@ -80,6 +82,7 @@ def sign_open_training(
     account (docs/ledger.md, "Jobs")."""
     request.client_public_key = identity.public_key_bytes(key)
     request.request_unix_ms = int(time.time() * 1000)
+    request.nonce = os.urandom(NONCE_BYTES)
     request.client_signature = key.sign(identity.open_training_payload(request))
 
 

@@ -295,7 +295,7 @@ class JobRunner:
         if failure.restore_at_most is not None:
             request.restore_at_most = failure.restore_at_most
         session = await self._with_patience(
-            "re-planning the failed stage", self.api.stub.ReportStageFailure, request
+            "re-planning the failed stage", self.api.stub.ReportStageFailure, lambda: request
         )
         self._session = session
         index = session.replaced_stage
@@ -320,11 +320,17 @@ class JobRunner:
         return step
 
     async def _open_session(self) -> jobs_pb2.TrainingSession:
-        request = jobs_pb2.OpenTrainingSessionRequest(job_id=self.job_id, max_price=self.max_price)
-        if self.key is not None:
-            billing.sign_open_training(request, self.key)
+        def signed() -> jobs_pb2.OpenTrainingSessionRequest:
+            # Signed anew for every attempt: the coordinator accepts a signed open only once.
+            request = jobs_pb2.OpenTrainingSessionRequest(
+                job_id=self.job_id, max_price=self.max_price
+            )
+            if self.key is not None:
+                billing.sign_open_training(request, self.key)
+            return request
+
         self._session = await self._with_patience(
-            "opening the training session", self.api.stub.OpenTrainingSession, request
+            "opening the training session", self.api.stub.OpenTrainingSession, signed
         )
         if not self._seeded:
             # A resumed job: what earlier runners settled counts as sent (the nodes'
@@ -335,13 +341,14 @@ class JobRunner:
             self._seeded = True
         return self._session
 
-    async def _with_patience(self, what: str, method: Any, request: Any) -> Any:
-        """Call, retrying while the coordinator has no node for a stage yet (UNAVAILABLE)."""
+    async def _with_patience(self, what: str, method: Any, request: Callable[[], Any]) -> Any:
+        """Call with ``request()``, retrying while the coordinator has no node for a stage
+        yet (UNAVAILABLE)."""
         deadline = time.monotonic() + REPLAN_PATIENCE_S
         delay = 0.5
         while True:
             try:
-                return await method(request, timeout=30.0)
+                return await method(request(), timeout=30.0)
             except grpc.aio.AioRpcError as err:
                 if err.code() != grpc.StatusCode.UNAVAILABLE or time.monotonic() > deadline:
                     raise CoordinatorError(what, err.code(), err.details() or "") from err

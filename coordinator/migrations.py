@@ -17,8 +17,13 @@ import sqlite_utils
 from coordinator.jobs.schema import MIGRATION_NAME as JOBS_MIGRATION
 from coordinator.jobs.schema import create_jobs_tables
 from coordinator.ledger.schema import MIGRATION_NAME as LEDGER_MIGRATION
+from coordinator.ledger.schema import NONCES_MIGRATION_NAME as LEDGER_NONCES_MIGRATION
 from coordinator.ledger.schema import PERIODIC_MIGRATION_NAME as LEDGER_PERIODIC_MIGRATION
-from coordinator.ledger.schema import create_ledger_tables, create_periodic_settlement_tables
+from coordinator.ledger.schema import (
+    create_ledger_tables,
+    create_nonce_table,
+    create_periodic_settlement_tables,
+)
 from coordinator.model_store.schema import MIGRATION_NAME as MODEL_STORE_MIGRATION
 from coordinator.model_store.schema import create_model_store_tables
 from coordinator.verifier.reputation import create_tables as create_verifier_tables
@@ -83,6 +88,7 @@ MIGRATIONS: list[Migration] = [
     Migration(4, JOBS_MIGRATION, create_jobs_tables),
     Migration(5, "verifier: reputation, evidence, canaries", create_verifier_tables),
     Migration(6, LEDGER_PERIODIC_MIGRATION, create_periodic_settlement_tables),
+    Migration(7, LEDGER_NONCES_MIGRATION, create_nonce_table),
 ]
 
 

@@ -17,7 +17,7 @@ import grpc
 
 from coordinator.jobs.repository import JobRecord, StageRecord
 from coordinator.ledger.amounts import INT64_MAX, LedgerError, quote_amount
-from coordinator.ledger.billing import HOLD_GRACE_MS, check_fresh
+from coordinator.ledger.billing import HOLD_GRACE_MS, accept_once, check_fresh, check_nonce
 from coordinator.ledger.book import Ledger, NodeQuote, SettlementResult
 from coordinator.ledger.receipts import verify_usage
 from coordinator.model_store.errors import StoreError
@@ -145,6 +145,7 @@ class JobBilling:
                 f"client_public_key must be a raw {identity.PUBLIC_KEY_BYTES}-byte Ed25519 key",
             )
         check_fresh(request.request_unix_ms)
+        check_nonce(request.nonce)
         if not identity.verify(
             key, request.client_signature, identity.open_training_payload(request)
         ):
@@ -152,6 +153,7 @@ class JobBilling:
                 grpc.StatusCode.UNAUTHENTICATED,
                 "the open request is not signed by its client_public_key",
             )
+        accept_once(self.ledger, request.nonce)
         return identity.client_account(key)
 
     def settled(self, job_id: str) -> list[ledger_pb2.UsageReceipt]:

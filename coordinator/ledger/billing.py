@@ -27,6 +27,9 @@ log = logging.getLogger("tessera.ledger")
 # A signed query or open request older (or newer) than this is refused: a captured one
 # cannot be replayed later.
 FRESHNESS_MS = 300_000
+# Signed open requests also carry this many random bytes, accepted once (accept_once): a
+# request captured while its stamp is fresh cannot be sent again either.
+NONCE_BYTES = 16
 # A hold outlives its session's capability by this much, for a close that is under way.
 HOLD_GRACE_MS = 600_000
 
@@ -72,6 +75,7 @@ class Billing:
                 f"({account}); leave account empty",
             )
         check_fresh(request.request_unix_ms)
+        check_nonce(request.nonce)
         if not identity.verify(
             key, request.client_signature, identity.open_session_payload(request)
         ):
@@ -79,6 +83,7 @@ class Billing:
                 grpc.StatusCode.UNAUTHENTICATED,
                 "the open request is not signed by its client_public_key",
             )
+        accept_once(self.ledger, request.nonce)
         return account
 
     def open(
@@ -166,6 +171,26 @@ def _settlement(result: SettlementResult) -> ledger_pb2.Settlement:
         fee=result.fee,
         closed=result.closed,
     )
+
+
+def check_nonce(nonce: bytes) -> None:
+    if len(nonce) != NONCE_BYTES:
+        raise LedgerError(
+            grpc.StatusCode.INVALID_ARGUMENT,
+            f"a signed open request needs a nonce of {NONCE_BYTES} random bytes (got "
+            f"{len(nonce)}), new for every request: update the client",
+        )
+
+
+def accept_once(ledger: Ledger, nonce: bytes) -> None:
+    """Refuse a signed request seen before. Called once its signature has verified, so a
+    stranger cannot spend the nonces of requests a client has not sent yet."""
+    if not ledger.first_use(nonce, 2 * FRESHNESS_MS):
+        raise LedgerError(
+            grpc.StatusCode.ALREADY_EXISTS,
+            "this signed open request was accepted once already (its nonce was seen): a "
+            "replay is refused; sign a new request, with a new nonce, for every attempt",
+        )
 
 
 def check_fresh(unix_ms: int) -> None:

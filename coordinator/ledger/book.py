@@ -265,6 +265,18 @@ class Ledger:
                 )
         return self._balance(client_account(client_id))
 
+    def first_use(self, nonce: bytes, keep_ms: int) -> bool:
+        """Record a signed request's nonce: False when it was seen in the last ``keep_ms``
+        (a replay). Older nonces are dropped: their requests' stamps are stale anyway."""
+        now = self._clock()
+        with self.db.atomic():
+            self.db.execute("DELETE FROM ledger_request_nonces WHERE seen_ms < ?", [now - keep_ms])
+            inserted = self.db.execute(
+                "INSERT OR IGNORE INTO ledger_request_nonces (nonce, seen_ms) VALUES (?, ?)",
+                [nonce, now],
+            )
+        return inserted.rowcount == 1
+
     def deposit_stake(self, operator: str, amount: int, request_id: str) -> None:
         """Move released earnings of `operator` into its slashable stake."""
         _check_name(operator, "operator")

@@ -121,3 +121,20 @@ _PERIODIC_STATEMENTS = (
 def create_periodic_settlement_tables(db: sqlite_utils.Database) -> None:
     for statement in _PERIODIC_STATEMENTS:
         db.execute(statement)
+
+
+NONCES_MIGRATION_NAME = "ledger: nonces of signed open requests (replay guard)"
+
+
+def create_nonce_table(db: sqlite_utils.Database) -> None:
+    # A signed open request is accepted once: its nonce is kept while its stamp could still
+    # pass the freshness check, so a coordinator restart does not reopen the window.
+    db.execute(
+        """
+        CREATE TABLE ledger_request_nonces (
+            nonce BLOB PRIMARY KEY,
+            seen_ms INTEGER NOT NULL
+        )
+        """
+    )
+    db.execute("CREATE INDEX ledger_request_nonces_seen ON ledger_request_nonces (seen_ms)")

@@ -119,6 +119,47 @@ async def test_open_session_refuses_malformed_oversized_and_hostile_requests(
     assert escrowed(market, client) == grant.quote.amount > 0
 
 
+async def test_a_signed_open_is_accepted_once(market: JobsCoordinator) -> None:
+    """A captured open request, replayed while its stamp is still fresh, would escrow the
+    client's credits again: its nonce makes the same signed bytes good for one session."""
+    client = funded(market)
+    request = signed_open(client)
+    grant = await api(market).OpenSession(request)
+    held = escrowed(market, client)
+    assert held == grant.quote.amount > 0
+    details = await refused(
+        api(market).OpenSession(request, timeout=10), grpc.StatusCode.ALREADY_EXISTS, "replay"
+    )
+    assert "new nonce" in details
+    # Another request with that nonce, signed by the client: still the one nonce, refused.
+    again = signed_open(client, max_length=MAX_LENGTH - 1)
+    again.nonce = request.nonce
+    again.client_signature = client.sign(identity.open_session_payload(again))
+    await refused(api(market).OpenSession(again, timeout=10), grpc.StatusCode.ALREADY_EXISTS, "")
+    # A request without a nonce (an old client), or with a short one, is told what to do.
+    for nonce in (b"", b"\x01" * 8):
+        bare = signed_open(client)
+        bare.nonce = nonce
+        bare.client_signature = client.sign(identity.open_session_payload(bare))
+        await refused(
+            api(market).OpenSession(bare, timeout=10),
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "update the client",
+        )
+    # A stranger cannot spend a nonce the client has not used yet: refused as unsigned, and
+    # the client's request with that nonce still opens a session.
+    fresh = signed_open(client)
+    forged = signed_open(identity.generate_private_key())
+    forged.client_public_key, forged.account = fresh.client_public_key, fresh.account
+    forged.nonce = fresh.nonce
+    await refused(
+        api(market).OpenSession(forged, timeout=10), grpc.StatusCode.UNAUTHENTICATED, "not signed"
+    )
+    second = await api(market).OpenSession(fresh)
+    assert second.session_id != grant.session_id
+    assert escrowed(market, client) == held + second.quote.amount
+
+
 async def test_report_step_times_refuses_bad_and_oversized_reports(
     market: JobsCoordinator,
 ) -> None:

@@ -37,6 +37,24 @@ def ledger(tmp_path: Path, clock: Clock) -> Ledger:
     db.close()
 
 
+def test_a_nonce_is_accepted_once_while_it_could_be_fresh_even_across_a_restart(
+    tmp_path: Path, ledger: Ledger, clock: Clock
+) -> None:
+    assert ledger.first_use(b"n" * 16, keep_ms=600_000)
+    assert not ledger.first_use(b"n" * 16, keep_ms=600_000)
+    assert ledger.first_use(b"m" * 16, keep_ms=600_000)
+    # A restarted coordinator reads the same file: the replay is still refused.
+    clock.ms += 599_000
+    again = open_database(tmp_path / "coordinator.db")
+    assert not Ledger(again, clock_ms=clock).first_use(b"n" * 16, keep_ms=600_000)
+    again.close()
+    # Past the window the stamp of any request that used it is stale, so it is dropped.
+    clock.ms += 2_000
+    assert ledger.first_use(b"n" * 16, keep_ms=600_000)
+    (kept,) = ledger.db.execute("SELECT COUNT(*) FROM ledger_request_nonces").fetchone()
+    assert kept == 1
+
+
 @pytest.mark.parametrize("amount", [0, -1, -(2**63), 2**63, 2**80, 1.5, True, "5", None])
 def test_grants_refuse_amounts_that_are_not_positive_int64(ledger: Ledger, amount: object) -> None:
     with pytest.raises(LedgerError) as err:

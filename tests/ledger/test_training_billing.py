@@ -209,7 +209,8 @@ async def test_only_the_paying_client_can_open_a_paid_job_again(market: JobsCoor
     unsigned) taking over would cut the owner's driver off and run the owner's paid job."""
     job = await _job(market)
     owner = _funded(market, 10_000_000)
-    session = await market.stub.OpenTrainingSession(_open_request(job.job_id, owner))
+    first = _open_request(job.job_id, owner)
+    session = await market.stub.OpenTrainingSession(first)
     stranger = _funded(market, 10_000_000)
     details = await refused(
         market.stub.OpenTrainingSession(_open_request(job.job_id, stranger)),
@@ -233,6 +234,9 @@ async def test_only_the_paying_client_can_open_a_paid_job_again(market: JobsCoor
     stale.request_unix_ms -= 3_600_000
     stale.client_signature = owner.sign(identity.open_training_payload(stale))
     await refused(market.stub.OpenTrainingSession(stale), grpc.StatusCode.UNAUTHENTICATED, "clock")
+    # The owner's own signed open, captured and sent again: accepted once only, or a
+    # stranger who saw it could take the job over while its stamp is fresh.
+    await refused(market.stub.OpenTrainingSession(first), grpc.StatusCode.ALREADY_EXISTS, "replay")
 
     # Nothing moved: the owner's driver still drives, nobody else paid or was charged.
     ledger = _ledger(market)

@@ -100,7 +100,7 @@ class RouteStage(_message.Message):
     def __init__(self, layers: _Optional[_Union[_common_pb2.LayerRange, _Mapping]] = ..., primary: _Optional[_Union[Hop, _Mapping]] = ..., alternates: _Optional[_Iterable[_Union[Hop, _Mapping]]] = ..., checkers: _Optional[_Iterable[_Union[Hop, _Mapping]]] = ...) -> None: ...
 
 class OpenSessionRequest(_message.Message):
-    __slots__ = ("model", "max_length", "account", "max_price", "prefer", "client_public_key", "request_unix_ms", "client_signature")
+    __slots__ = ("model", "max_length", "account", "max_price", "prefer", "client_public_key", "request_unix_ms", "client_signature", "nonce")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     MAX_LENGTH_FIELD_NUMBER: _ClassVar[int]
     ACCOUNT_FIELD_NUMBER: _ClassVar[int]
@@ -109,6 +109,7 @@ class OpenSessionRequest(_message.Message):
     CLIENT_PUBLIC_KEY_FIELD_NUMBER: _ClassVar[int]
     REQUEST_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
     CLIENT_SIGNATURE_FIELD_NUMBER: _ClassVar[int]
+    NONCE_FIELD_NUMBER: _ClassVar[int]
     model: str
     max_length: int
     account: str
@@ -117,7 +118,8 @@ class OpenSessionRequest(_message.Message):
     client_public_key: bytes
     request_unix_ms: int
     client_signature: bytes
-    def __init__(self, model: _Optional[str] = ..., max_length: _Optional[int] = ..., account: _Optional[str] = ..., max_price: _Optional[int] = ..., prefer: _Optional[str] = ..., client_public_key: _Optional[bytes] = ..., request_unix_ms: _Optional[int] = ..., client_signature: _Optional[bytes] = ...) -> None: ...
+    nonce: bytes
+    def __init__(self, model: _Optional[str] = ..., max_length: _Optional[int] = ..., account: _Optional[str] = ..., max_price: _Optional[int] = ..., prefer: _Optional[str] = ..., client_public_key: _Optional[bytes] = ..., request_unix_ms: _Optional[int] = ..., client_signature: _Optional[bytes] = ..., nonce: _Optional[bytes] = ...) -> None: ...
 
 class CapabilityClaims(_message.Message):
     __slots__ = ("session_id", "model", "grants", "issued_unix_ms", "expires_unix_ms", "max_tokens", "account")

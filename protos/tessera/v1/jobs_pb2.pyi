@@ -207,18 +207,20 @@ class JobEvent(_message.Message):
     def __init__(self, kind: _Optional[str] = ..., job: _Optional[_Union[JobInfo, _Mapping]] = ..., step: _Optional[int] = ..., loss: _Optional[float] = ..., tokens_per_s: _Optional[float] = ..., json: _Optional[str] = ...) -> None: ...
 
 class OpenTrainingSessionRequest(_message.Message):
-    __slots__ = ("job_id", "client_public_key", "client_signature", "request_unix_ms", "max_price")
+    __slots__ = ("job_id", "client_public_key", "client_signature", "request_unix_ms", "max_price", "nonce")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     CLIENT_PUBLIC_KEY_FIELD_NUMBER: _ClassVar[int]
     CLIENT_SIGNATURE_FIELD_NUMBER: _ClassVar[int]
     REQUEST_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
     MAX_PRICE_FIELD_NUMBER: _ClassVar[int]
+    NONCE_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     client_public_key: bytes
     client_signature: bytes
     request_unix_ms: int
     max_price: int
-    def __init__(self, job_id: _Optional[str] = ..., client_public_key: _Optional[bytes] = ..., client_signature: _Optional[bytes] = ..., request_unix_ms: _Optional[int] = ..., max_price: _Optional[int] = ...) -> None: ...
+    nonce: bytes
+    def __init__(self, job_id: _Optional[str] = ..., client_public_key: _Optional[bytes] = ..., client_signature: _Optional[bytes] = ..., request_unix_ms: _Optional[int] = ..., max_price: _Optional[int] = ..., nonce: _Optional[bytes] = ...) -> None: ...
 
 class TrainingSession(_message.Message):
     __slots__ = ("job_id", "model", "hops", "capability", "restore_step", "restore", "job", "replaced_stage", "quote", "settled", "checkers")
