@@ -47,6 +47,7 @@ from client.records import FailoverEvent, HopRecord, RollbackEvent, StageTiming
 from client.sampling import Sampler, SamplingParams
 from client.tokenizer import TextTokenizer, load_tokenizer
 from client.verification import StageVerifier, VerificationStats
+from protos import identity
 from protos.tessera.v1 import (
     client_api_pb2,
     client_api_pb2_grpc,
@@ -459,7 +460,10 @@ class AsyncClient:
         else:
             dataset = load_dataset(Path(data), handle.tokenizer)
         info = await self.jobs_api.upload_dataset(dataset)
-        return await self.jobs_api.submit(model, info.id, spec), dataset
+        # A job with a key is owned by it: nobody else can open its session and cut its
+        # runner off (job ids are listed for all to see).
+        owner = identity.public_key_bytes(self.key) if self.key is not None else b""
+        return await self.jobs_api.submit(model, info.id, spec, owner), dataset
 
     async def run_job(
         self,

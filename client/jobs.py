@@ -148,7 +148,11 @@ class JobsApi:
             ) from err
         return tokens_from_chunks(chunks)
 
-    async def submit(self, model: str, dataset_id: str, spec: TrainSpec) -> jobs_pb2.JobInfo:
+    async def submit(
+        self, model: str, dataset_id: str, spec: TrainSpec, owner: bytes = b""
+    ) -> jobs_pb2.JobInfo:
+        """Submit a job; ``owner`` (a client public key) is then the only key whose signed
+        open starts its sessions, a resume included."""
         request = jobs_pb2.SubmitJobRequest(
             model=model,
             dataset_id=dataset_id,
@@ -159,6 +163,7 @@ class JobsApi:
             checkpoint_every=spec.checkpoint_every,
             output_model=spec.output_model,
             account=spec.account,
+            owner_public_key=owner,
         )
         return await self.call("submitting the job", self.stub.SubmitJob, request)
 

@@ -103,8 +103,9 @@ def add_training_commands(commands: Any) -> None:
         type=Path,
         default=None,
         metavar="PATH",
-        help=f"client key that pays for a priced job (default: ${billing.KEY_ENV} or "
-        "~/.tessera/client.key when it exists; `tessera balance` creates it)",
+        help=f"client key that owns the job, and pays for it where nodes ask a price: only "
+        f"this key can open the job's sessions, --resume included (default: ${billing.KEY_ENV}"
+        " or ~/.tessera/client.key, created on first use)",
     )
     train.add_argument(
         "--max-price",
@@ -147,8 +148,8 @@ def train_command(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
             parser.error(f"train needs {', '.join(missing)} (or --resume JOB_ID)")
     if args.max_price < 0:
         parser.error("--max-price must be 0 (no cap) or more")
-    key_path = args.key or billing.default_key_path()
-    key = billing.load_key(key_path) if args.key or key_path.exists() else None
+    # The key owns the job: without one, anyone who lists the job ids could take it over.
+    key = billing.load_key(args.key or billing.default_key_path(), create=args.key is None)
     with Client(
         args.coordinator, account=args.account, key=key, max_price=args.max_price
     ) as client:

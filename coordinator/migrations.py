@@ -15,7 +15,8 @@ from dataclasses import dataclass
 import sqlite_utils
 
 from coordinator.jobs.schema import MIGRATION_NAME as JOBS_MIGRATION
-from coordinator.jobs.schema import create_jobs_tables
+from coordinator.jobs.schema import OWNER_MIGRATION_NAME as JOBS_OWNER_MIGRATION
+from coordinator.jobs.schema import add_job_owner, create_jobs_tables
 from coordinator.ledger.schema import MIGRATION_NAME as LEDGER_MIGRATION
 from coordinator.ledger.schema import NONCES_MIGRATION_NAME as LEDGER_NONCES_MIGRATION
 from coordinator.ledger.schema import PERIODIC_MIGRATION_NAME as LEDGER_PERIODIC_MIGRATION
@@ -89,6 +90,7 @@ MIGRATIONS: list[Migration] = [
     Migration(5, "verifier: reputation, evidence, canaries", create_verifier_tables),
     Migration(6, LEDGER_PERIODIC_MIGRATION, create_periodic_settlement_tables),
     Migration(7, LEDGER_NONCES_MIGRATION, create_nonce_table),
+    Migration(8, JOBS_OWNER_MIGRATION, add_job_owner),
 ]
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Sequence
+from typing import cast
 
 import grpc
 
@@ -84,10 +85,19 @@ class JobBilling:
                 f"job {job.id}'s escrow is {held['state']} and the unused part went back to "
                 "the client; submit a new job to train again",
             )
+        # A new session supersedes the job's driver (and spends a paid job's escrow), so a
+        # job with an owner, or an escrow, opens only for that key: anyone can list job ids.
+        payer = cast(bytes, held["client_key"]) if held is not None else b""
+        for key, what in ((job.owner_key, "belongs to"), (payer, "is paid from")):
+            if key and request.client_public_key != key:
+                raise LedgerError(
+                    grpc.StatusCode.PERMISSION_DENIED,
+                    f"job {job.id} {what} account {identity.client_account(key)}; only that "
+                    "account's client key can open its training session (sign the request "
+                    "with it)",
+                )
+        signer = self._signer(request) if request.client_public_key else ""
         if held is not None:
-            # A new session supersedes the job's driver and spends its escrow, so only the
-            # key that escrowed it may open one: anyone can list job ids.
-            self._check_payer(job, request, held)
             self.ledger.add_prices(hold_id(job.id), prices, expires_ms + HOLD_GRACE_MS)
             return ledger_pb2.Quote(amount=int(held["amount"]), account=str(held["account"]))  # type: ignore[call-overload]
         amount = self.quote(job, stages)
@@ -103,42 +113,28 @@ class JobBilling:
         quote = ledger_pb2.Quote(amount=amount)
         if amount == 0:
             return quote
-        account = self._client_of(request, amount)
-        self.ledger.open_hold(
-            hold_id(job.id),
-            account,
-            amount,
-            prices,
-            expires_ms + HOLD_GRACE_MS,
-            request.client_public_key,
-        )
-        log.info("job %s: %d credit units escrowed from %s", job.id, amount, account)
-        quote.account = account
-        return quote
-
-    def _check_payer(
-        self,
-        job: JobRecord,
-        request: jobs_pb2.OpenTrainingSessionRequest,
-        held: dict[str, object],
-    ) -> None:
-        owner = held["client_key"]
-        if request.client_public_key != owner:
-            raise LedgerError(
-                grpc.StatusCode.PERMISSION_DENIED,
-                f"job {job.id} is paid from account {held['account']}; only that account's "
-                "client key can open its training session again (sign the request with it)",
-            )
-        self._client_of(request, int(held["amount"]))  # type: ignore[call-overload]
-
-    def _client_of(self, request: jobs_pb2.OpenTrainingSessionRequest, amount: int) -> str:
-        key = request.client_public_key
-        if not key:
+        if not signer:
             raise LedgerError(
                 grpc.StatusCode.FAILED_PRECONDITION,
                 f"this job costs up to {amount} credit units; open it with a client key "
                 "(`tessera balance` creates ~/.tessera/client.key and shows the account)",
             )
+        self.ledger.open_hold(
+            hold_id(job.id),
+            signer,
+            amount,
+            prices,
+            expires_ms + HOLD_GRACE_MS,
+            request.client_public_key,
+        )
+        log.info("job %s: %d credit units escrowed from %s", job.id, amount, signer)
+        quote.account = signer
+        return quote
+
+    def _signer(self, request: jobs_pb2.OpenTrainingSessionRequest) -> str:
+        """The account of the key that signed ``request``, once the signature, the stamp
+        and the one-time nonce have passed."""
+        key = request.client_public_key
         if len(key) != identity.PUBLIC_KEY_BYTES:
             raise LedgerError(
                 grpc.StatusCode.INVALID_ARGUMENT,

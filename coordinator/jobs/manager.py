@@ -172,6 +172,11 @@ class JobManager:
                 )
         if len(request.account) > MAX_ACCOUNT_CHARS:
             raise invalid(f"account names are at most {MAX_ACCOUNT_CHARS} characters")
+        if len(request.owner_public_key) not in (0, identity.PUBLIC_KEY_BYTES):
+            raise invalid(
+                f"owner_public_key must be a raw {identity.PUBLIC_KEY_BYTES}-byte Ed25519 key "
+                "(or empty: a job anyone may open)"
+            )
         now = _now_ms()
         job = JobRecord(
             id="j" + secrets.token_hex(8),
@@ -187,6 +192,7 @@ class JobManager:
             state="queued",
             created_ms=now,
             updated_ms=now,
+            owner_key=request.owner_public_key,
         )
         self.repo.put_job(job)
         log.info(

@@ -68,6 +68,7 @@ class JobRecord:
     replans: int = 0
     created_ms: int = 0
     updated_ms: int = 0
+    owner_key: bytes = b""  # the client key that may open the job's sessions (b"": anyone)
 
     def with_(self, **changes: Any) -> JobRecord:
         return replace(self, **changes)
@@ -96,7 +97,7 @@ _JOB_COLUMNS = (
     "id", "model", "dataset_id", "hyper", "steps", "batch_size", "seq_len",
     "checkpoint_every", "output_model", "account", "state", "step", "last_loss",
     "tokens_per_s", "checkpoint_step", "stages_json", "error", "session_issued_ms",
-    "replans", "created_ms", "updated_ms",
+    "replans", "created_ms", "updated_ms", "owner_key",
 )  # fmt: skip
 
 
@@ -239,6 +240,7 @@ def _job(row: tuple[Any, ...]) -> JobRecord:
     values = dict(zip(_JOB_COLUMNS, row, strict=True))
     stages = tuple(StageRecord(**s) for s in json.loads(values.pop("stages_json")))
     values["hyper"] = bytes(values["hyper"])
+    values["owner_key"] = bytes(values["owner_key"])
     return JobRecord(**values, stages=stages)
 
 

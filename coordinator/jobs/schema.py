@@ -13,6 +13,7 @@ from typing import Any
 from coordinator.model_store.schema import connection_of
 
 MIGRATION_NAME = "jobs: datasets, jobs, losses and checkpoints"
+OWNER_MIGRATION_NAME = "jobs: the client key that owns a job"
 
 _STATEMENTS = (
     """
@@ -95,3 +96,8 @@ def create_jobs_tables(db: Any) -> None:
     conn = connection_of(db)
     for statement in _STATEMENTS:
         conn.execute(statement)
+
+
+def add_job_owner(db: Any) -> None:
+    # Empty for the jobs submitted before: nobody owns them, as before.
+    connection_of(db).execute("ALTER TABLE jobs ADD COLUMN owner_key BLOB NOT NULL DEFAULT x''")

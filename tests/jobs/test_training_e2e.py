@@ -26,6 +26,7 @@ import pytest
 from support.checkpoints import TINY_SHAPE, make_checkpoint, transformers_greedy, write_safetensors
 from support.waiting import wait_for
 
+from client import billing
 from client.api import AsyncClient, Client
 from client.datasets import TokenDataset
 from client.jobs import JobEvent, TrainSpec
@@ -162,8 +163,12 @@ def test_kill_9_of_a_stage_node_resumes_from_the_last_consistent_checkpoint(
         assert loss == pytest.approx(reference[step], rel=1e-5), step
 
 
-def test_a_killed_runner_is_resumed_with_tessera_train_resume(swarm, dataset, reference) -> None:
+def test_a_killed_runner_is_resumed_with_tessera_train_resume(
+    swarm, dataset, reference, tmp_path, monkeypatch
+) -> None:
     heal(swarm)
+    # Both runs use one client key, which the first creates: it owns the job.
+    monkeypatch.setenv(billing.KEY_ENV, str(tmp_path / "client.key"))
     cli = [sys.executable, "-m", "client.cli", "train", "--coordinator", swarm.address]
     runner = subprocess.Popen(
         [*cli, "--model", MODEL, "--data", str(dataset[1]), "--steps", str(SPEC.steps),

@@ -259,6 +259,45 @@ async def test_a_free_job_needs_no_key(jc: JobsCoordinator) -> None:  # noqa: F8
     assert _ledger(jc).hold(f"job:{job.job_id}") is None
 
 
+async def test_a_job_with_an_owner_opens_only_for_its_owner_even_when_free(
+    jc: JobsCoordinator,  # noqa: F811
+) -> None:
+    """Job ids are listed for all to see, and a new session cuts the job's runner off: a job
+    submitted with a client key (the client always sends one when it has a key) opens only
+    for an open that key signed, once per signed request."""
+    owner, stranger = identity.generate_private_key(), identity.generate_private_key()
+    dataset = await jc.upload(TOKENS)
+    job = await jc.submit(
+        dataset.id, steps=STEPS, batch_size=BATCH,
+        owner_public_key=identity.public_key_bytes(owner),
+    )  # fmt: skip
+    for request in (_open_request(job.job_id, stranger), _open_request(job.job_id)):
+        await refused(
+            jc.stub.OpenTrainingSession(request),
+            grpc.StatusCode.PERMISSION_DENIED,
+            billing.account_of(owner),
+        )
+    # The owner's key named but the request signed by another: refused as unsigned.
+    forged = _open_request(job.job_id, stranger)
+    forged.client_public_key = identity.public_key_bytes(owner)
+    await refused(
+        jc.stub.OpenTrainingSession(forged), grpc.StatusCode.UNAUTHENTICATED, "not signed"
+    )
+    first = _open_request(job.job_id, owner)
+    session = await jc.stub.OpenTrainingSession(first)
+    assert session.quote.amount == 0 and session.hops  # free: nothing escrowed
+    await refused(jc.stub.OpenTrainingSession(first), grpc.StatusCode.ALREADY_EXISTS, "replay")
+    # The owner resumes with a new signed open; the first runner's capability is superseded.
+    resumed = await jc.stub.OpenTrainingSession(_open_request(job.job_id, owner))
+    assert resumed.capability.signature != session.capability.signature
+    # An owner key of the wrong size is refused at submit.
+    await refused(
+        jc.submit(dataset.id, steps=STEPS, batch_size=BATCH, owner_public_key=b"k" * 5),
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "owner_public_key",
+    )
+
+
 async def test_nodes_without_a_training_price_get_the_coordinators_default(
     start_jobs: Callable[..., Awaitable[JobsCoordinator]],  # noqa: F811 - the fixture
 ) -> None:

@@ -87,7 +87,7 @@ class DatasetInfo(_message.Message):
     def __init__(self, id: _Optional[str] = ..., name: _Optional[str] = ..., num_tokens: _Optional[int] = ..., max_token_id: _Optional[int] = ..., example_len: _Optional[int] = ..., shards: _Optional[_Iterable[_Union[DatasetShard, _Mapping]]] = ..., created_unix_ms: _Optional[int] = ...) -> None: ...
 
 class SubmitJobRequest(_message.Message):
-    __slots__ = ("model", "dataset_id", "hyper", "steps", "batch_size", "seq_len", "checkpoint_every", "output_model", "account")
+    __slots__ = ("model", "dataset_id", "hyper", "steps", "batch_size", "seq_len", "checkpoint_every", "output_model", "account", "owner_public_key")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     DATASET_ID_FIELD_NUMBER: _ClassVar[int]
     HYPER_FIELD_NUMBER: _ClassVar[int]
@@ -97,6 +97,7 @@ class SubmitJobRequest(_message.Message):
     CHECKPOINT_EVERY_FIELD_NUMBER: _ClassVar[int]
     OUTPUT_MODEL_FIELD_NUMBER: _ClassVar[int]
     ACCOUNT_FIELD_NUMBER: _ClassVar[int]
+    OWNER_PUBLIC_KEY_FIELD_NUMBER: _ClassVar[int]
     model: str
     dataset_id: str
     hyper: _training_pb2.TrainingHyper
@@ -106,7 +107,8 @@ class SubmitJobRequest(_message.Message):
     checkpoint_every: int
     output_model: str
     account: str
-    def __init__(self, model: _Optional[str] = ..., dataset_id: _Optional[str] = ..., hyper: _Optional[_Union[_training_pb2.TrainingHyper, _Mapping]] = ..., steps: _Optional[int] = ..., batch_size: _Optional[int] = ..., seq_len: _Optional[int] = ..., checkpoint_every: _Optional[int] = ..., output_model: _Optional[str] = ..., account: _Optional[str] = ...) -> None: ...
+    owner_public_key: bytes
+    def __init__(self, model: _Optional[str] = ..., dataset_id: _Optional[str] = ..., hyper: _Optional[_Union[_training_pb2.TrainingHyper, _Mapping]] = ..., steps: _Optional[int] = ..., batch_size: _Optional[int] = ..., seq_len: _Optional[int] = ..., checkpoint_every: _Optional[int] = ..., output_model: _Optional[str] = ..., account: _Optional[str] = ..., owner_public_key: _Optional[bytes] = ...) -> None: ...
 
 class JobRef(_message.Message):
     __slots__ = ("job_id",)
