@@ -32,7 +32,9 @@ instead of going on from a history it knows is wrong (docs/verification.md, "Aud
 from __future__ import annotations
 
 import asyncio
+import bisect
 import hashlib
+import itertools
 import logging
 import random
 from collections.abc import Awaitable, Callable
@@ -356,7 +358,10 @@ class StageVerifier:
         self._model = request.model
         span = Span(request.layers.start, request.layers.end)
         start = request.start_pos
-        kept = [r for r in self._signed_steps.get(span, []) if r.start_pos < start]
+        kept = self._signed_steps.setdefault(span, [])
+        # A step at an earlier position rolled the session back: what was kept from there on
+        # is gone from the history too.
+        del kept[bisect.bisect_left(kept, start, key=lambda r: r.start_pos) :]
         kept.append(
             _SignedStep(
                 node_id=node_id,
@@ -368,7 +373,6 @@ class StageVerifier:
                 signature=response.signature,
             )
         )
-        self._signed_steps[span] = kept
 
     async def settle(
         self,
@@ -733,7 +737,13 @@ class StageVerifier:
                 replayed.shape[:2]
             ) != [message.input.shape[0], end - start]:
                 continue  # its cache holds another history: nothing to compare with
-            for step in self._signed_steps.get(span, []):
+            kept = self._signed_steps.get(span, [])
+            # Kept in position order: only the steps inside this answer's positions, so a
+            # long session's audits do not rescan its whole history.
+            first = bisect.bisect_left(kept, start, key=lambda r: r.start_pos)
+            for step in itertools.islice(kept, first, None):
+                if step.start_pos >= end:
+                    break
                 if (
                     step.node_id == checker.node_id
                     or not start <= step.start_pos < step.end_pos <= end
