@@ -11,12 +11,13 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import grpc
 from google.protobuf import json_format
 
-from client import billing
+from client import billing, cli_args
 from client.api import COORDINATOR_ENV, Client, default_coordinator
 from client.driver import DriverConfig
-from client.errors import TesseraError
+from client.errors import CoordinatorError, TesseraError
 from client.jobs_cli import add_training_commands as _add_training_commands
 from client.jobs_cli import jobs_command, train_command
 from protos.tessera.v1 import client_api_pb2, node_pb2
@@ -60,7 +61,12 @@ def build_parser() -> argparse.ArgumentParser:
         "nodes",
         help="list the swarm's nodes",
         description="List the nodes registered with the coordinator: id, name, state, "
-        "device, usable memory, measured matmul TFLOPS and when it was last heard from.",
+        "device, usable memory, measured matmul TFLOPS, memory bandwidth, when it was last "
+        "heard from, how often it leaves (departures per hour online) and its trust (the "
+        "share of its checked results that were right).",
+        epilog="examples:\n  tessera nodes --coordinator coord.example.org:7000\n"
+        "  tessera nodes --all --json     # offline and banned ones too, for scripts",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     _add_coordinator(nodes)
     nodes.add_argument("--all", action="store_true", help="include offline and banned nodes")
@@ -70,7 +76,8 @@ def build_parser() -> argparse.ArgumentParser:
         "models",
         help="list the models the swarm serves",
         description="List imported models, their size and whether every layer has a "
-        "ready replica right now.",
+        "ready replica right now. A model is imported with `tessera-coordinator models add`.",
+        epilog="example: tessera models --coordinator coord.example.org:7000",
     )
     _add_coordinator(models)
     models.add_argument("--json", action="store_true", help="print JSON for scripts")
@@ -88,22 +95,46 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--model", required=True, help="model name (see `tessera models`)")
     prompt = gen.add_mutually_exclusive_group(required=True)
     prompt.add_argument("--prompt", help="prompt text (needs a model with a tokenizer)")
-    prompt.add_argument("--token-ids", help="prompt as comma-separated token ids, e.g. 1,15,27")
-    gen.add_argument(
-        "--max-new-tokens", type=int, required=True, help="how many tokens to generate at most"
+    prompt.add_argument(
+        "--token-ids",
+        type=cli_args.token_ids,
+        metavar="IDS",
+        help="prompt as comma-separated token ids, e.g. 1,15,27 (for a model without a tokenizer)",
     )
     gen.add_argument(
-        "--temperature", type=float, default=0.0, help="0 = greedy (default); higher = more random"
+        "--max-new-tokens",
+        type=cli_args.positive_int,
+        required=True,
+        metavar="N",
+        help="how many tokens to generate at most (1 or more; fewer when an end-of-sequence "
+        "token comes first)",
     )
     gen.add_argument(
-        "--top-p", type=float, default=1.0, help="nucleus sampling mass in (0, 1] (default 1)"
+        "--temperature",
+        type=cli_args.non_negative_float,
+        default=0.0,
+        metavar="T",
+        help="0 = greedy, always the likeliest token (default); higher = more random",
     )
-    gen.add_argument("--seed", type=int, help="seed for sampling, for reproducible runs")
+    gen.add_argument(
+        "--top-p",
+        type=cli_args.top_p,
+        default=1.0,
+        metavar="P",
+        help="nucleus sampling: draw from the likeliest tokens that together hold this "
+        "probability, in (0, 1] (default 1 = all of them)",
+    )
+    gen.add_argument(
+        "--seed",
+        type=cli_args.seed,
+        metavar="N",
+        help="seed for sampling, for reproducible runs (default: a random one)",
+    )
     gen.add_argument("--account", default="", help="account billed (default: the account of --key)")
     _add_key(gen)
     gen.add_argument(
         "--max-price",
-        type=int,
+        type=cli_args.credit_units,
         default=0,
         metavar="UNITS",
         help="refuse the session if its quote is above this many credit units (default: no cap)",
@@ -130,6 +161,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="print one JSON object (token_ids, text, route, per-stage timings, failovers) "
         "instead of streaming text",
     )
+    gen.set_defaults(command_parser=gen)  # so its own usage comes with its errors
 
     balance = commands.add_parser(
         "balance",
@@ -159,6 +191,7 @@ def _add_coordinator(parser: argparse.ArgumentParser) -> None:
         "--coordinator",
         default=None,
         metavar="HOST:PORT",
+        type=cli_args.coordinator_address,
         help=f"coordinator address (default: ${COORDINATOR_ENV} or {default_coordinator()})",
     )
 
@@ -187,6 +220,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command is None:
         parser.print_help()
         return 2
+    if getattr(args, "coordinator", "") is None:
+        # The environment's address bypasses argparse: check it as --coordinator is checked.
+        address = default_coordinator()
+        try:
+            cli_args.coordinator_address(address)
+        except argparse.ArgumentTypeError:
+            print(
+                f"tessera: ${COORDINATOR_ENV} is {address!r}, which is not HOST:PORT; set it to "
+                "the address `tessera-coordinator serve` logs as 'serving on HOST:PORT', or "
+                "pass --coordinator HOST:PORT",
+                file=sys.stderr,
+            )
+            return 2
+    command_parser = getattr(args, "command_parser", parser)
     try:
         if args.command == "nodes":
             return _nodes(args)
@@ -195,10 +242,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "balance":
             return _balance(args)
         if args.command == "train":
-            return train_command(args, parser)
+            return train_command(args, command_parser)
         if args.command == "jobs":
             return jobs_command(args)
-        return _generate(args, parser)
+        return _generate(args)
+    except CoordinatorError as err:
+        print(f"tessera: {_coordinator_problem(err, args)}", file=sys.stderr)
+        return 1
     except TesseraError as err:
         print(f"tessera: {err}", file=sys.stderr)
         return 1
@@ -208,6 +258,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("\ntessera: interrupted", file=sys.stderr)
         return 130
+
+
+def _coordinator_problem(err: CoordinatorError, args: argparse.Namespace) -> str:
+    if err.code != grpc.StatusCode.UNIMPLEMENTED:
+        return str(err)
+    # A node's data-plane port, a web server or another gRPC service: "Method not found!"
+    # (or "Received http2 header with status: 404") does not say that the address is wrong.
+    address = args.coordinator or default_coordinator()
+    return (
+        f"the server at {address} does not answer as a Tessera coordinator ({err.details}); "
+        "check --coordinator: it must be the address `tessera-coordinator serve` logs as "
+        "'serving on HOST:PORT', not a node's"
+    )
 
 
 def _demo(argv: list[str]) -> int:
@@ -310,17 +373,8 @@ def _models(args: argparse.Namespace) -> int:
 # ---- generate ---------------------------------------------------------------------------
 
 
-def _generate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
-    token_ids = None
-    if args.token_ids is not None:
-        try:
-            token_ids = [int(t) for t in args.token_ids.replace(" ", "").split(",") if t]
-        except ValueError:
-            parser.error(f"--token-ids must be comma-separated integers, got {args.token_ids!r}")
-    if args.max_new_tokens < 1:
-        parser.error("--max-new-tokens must be at least 1")
-    if args.max_price < 0:
-        parser.error("--max-price must be 0 (no cap) or more")
+def _generate(args: argparse.Namespace) -> int:
+    # --token-ids, --max-new-tokens, --max-price, ... were checked while parsing (cli_args).
     key_path = args.key or billing.default_key_path()
     key = billing.load_key(key_path) if args.key or key_path.exists() else None
     with Client(
@@ -334,7 +388,7 @@ def _generate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         stream = client.generate(
             args.model,
             prompt=args.prompt,
-            token_ids=token_ids,
+            token_ids=args.token_ids,
             max_new_tokens=args.max_new_tokens,
             temperature=args.temperature,
             top_p=args.top_p,

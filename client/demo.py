@@ -12,6 +12,11 @@
    to the last consistent checkpoint), then serve the trained model and measure it.
 
 Every process started here is stopped on exit, Ctrl-C included.
+
+examples:
+  tessera demo                                # the whole tour, about a minute
+  tessera demo --no-training --tokens 24      # only the fail-over, shorter
+  tessera demo --workdir /tmp/tessera-demo    # keep the logs and state afterwards
 """
 
 from __future__ import annotations
@@ -27,10 +32,12 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
+from client import cli_args
 from client.api import Client, GeneratedToken, GenerationResult
 from client.demo_checkpoint import write_demo_checkpoint
 from client.demo_training import layers_text, run_training_demo
-from client.local_swarm import LocalProcess, LocalSwarm, wait_for_replicas
+from client.errors import TesseraError
+from client.local_swarm import LocalProcess, LocalSwarm, SwarmError, wait_for_replicas
 from client.records import HopRecord, StageTiming
 
 MODEL = "demo-llama"
@@ -46,23 +53,38 @@ def add_parser(subparsers: Any) -> None:
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("--tokens", type=int, default=48, help="tokens to generate (default 48)")
     parser.add_argument(
-        "--kill-after",
-        type=int,
-        default=12,
-        help="kill the middle stage's node after this many tokens (default 12)",
+        "--tokens",
+        type=cli_args.positive_int,
+        default=48,
+        metavar="N",
+        help="tokens to generate in each run (default 48)",
     )
     parser.add_argument(
-        "--workdir", type=Path, help="keep logs and state here (default: a temporary folder)"
+        "--kill-after",
+        type=cli_args.positive_int,
+        default=12,
+        metavar="N",
+        help="kill the middle stage's node after this many tokens, fewer than --tokens "
+        "(default 12)",
+    )
+    parser.add_argument(
+        "--workdir",
+        type=Path,
+        metavar="DIR",
+        help="keep logs and state here (default: a temporary folder, removed at the end)",
     )
     parser.add_argument(
         "--no-training", action="store_true", help="only the inference part (skip step 6)"
     )
     parser.add_argument(
-        "--train-steps", type=int, default=40, help="optimizer steps to train (default 40)"
+        "--train-steps",
+        type=cli_args.positive_int,
+        default=40,
+        metavar="N",
+        help="optimizer steps to train (default 40)",
     )
-    parser.set_defaults(func=run)
+    parser.set_defaults(func=run, command_parser=parser)
 
 
 def _say(text: str) -> None:
@@ -84,6 +106,22 @@ def _terminate(signum: int, frame: FrameType | None) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.kill_after >= args.tokens:
+        # Otherwise the kill never comes and step 4 shows no fail-over at all.
+        args.command_parser.error(
+            f"--kill-after ({args.kill_after}) must be less than --tokens ({args.tokens})"
+        )
+    if args.workdir is not None:
+        try:
+            args.workdir.mkdir(parents=True, exist_ok=True)
+        except OSError as err:
+            reason = err.strerror or err
+            print(
+                f"tessera demo: cannot use --workdir {args.workdir} ({reason}); give a directory "
+                "this user can write, or leave --workdir out",
+                file=sys.stderr,
+            )
+            return 2
     signal.signal(signal.SIGTERM, _terminate)
     # The demo narrates fail-overs itself; the driver's own warnings would repeat them.
     logging.basicConfig(level=logging.ERROR)
@@ -94,6 +132,15 @@ def run(args: argparse.Namespace) -> int:
         except KeyboardInterrupt:
             _say("\ninterrupted: stopping every process the demo started")
             return 130
+        except (SwarmError, TesseraError, OSError) as err:
+            # A temporary workdir (and the logs in it) is gone once this returns.
+            where = (
+                f"the logs are in {workdir / 'logs'}"
+                if args.workdir
+                else "run it again with --workdir DIR to keep the logs"
+            )
+            print(f"tessera demo failed: {err}\n{where}", file=sys.stderr)
+            return 1
 
 
 def _demo(workdir: Path, tokens: int, kill_after: int, args: argparse.Namespace) -> int:

@@ -12,7 +12,7 @@ from typing import Any
 
 from google.protobuf import json_format
 
-from client import billing
+from client import billing, cli_args
 from client.api import COORDINATOR_ENV, Client, default_coordinator
 from client.jobs import JobEvent, TrainingJob
 from protos.tessera.v1 import jobs_pb2
@@ -56,25 +56,40 @@ def add_training_commands(commands: Any) -> None:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     _coordinator(train)
-    train.add_argument("--resume", metavar="JOB_ID", help="continue this job instead")
+    train.add_argument(
+        "--resume", metavar="JOB_ID", help="continue this job instead (see `tessera jobs`)"
+    )
     train.add_argument("--model", help="the model to train (see `tessera models`)")
-    train.add_argument("--data", metavar="FILE", help=".npy token ids, or a text file")
-    train.add_argument("--steps", type=int, help="optimizer steps")
-    train.add_argument("--batch-size", type=int, help="sequences per step")
-    train.add_argument("--seq-len", type=int, help="tokens per sequence")
-    train.add_argument("--lr", type=float, help="AdamW learning rate, e.g. 3e-4")
+    train.add_argument(
+        "--data",
+        metavar="FILE",
+        help=".npy of token ids (1-D stream, or 2-D: one example per row), or a text file the "
+        "model's tokenizer encodes",
+    )
+    train.add_argument("--steps", type=cli_args.positive_int, metavar="N", help="optimizer steps")
+    train.add_argument(
+        "--batch-size", type=cli_args.positive_int, metavar="N", help="sequences per step"
+    )
+    train.add_argument(
+        "--seq-len", type=cli_args.positive_int, metavar="N", help="tokens per sequence"
+    )
+    train.add_argument(
+        "--lr", type=cli_args.positive_float, metavar="LR", help="AdamW learning rate, e.g. 3e-4"
+    )
     train.add_argument(
         "--micro-batches",
-        type=int,
+        type=cli_args.positive_int,
         default=1,
-        help="split each batch into this many pipelined micro-batches (default 1)",
+        metavar="M",
+        help="split each batch into M pipelined micro-batches; M must divide --batch-size "
+        "(default 1)",
     )
     train.add_argument(
         "--checkpoint-every",
-        type=int,
+        type=cli_args.non_negative_int,
         default=0,
         metavar="K",
-        help="checkpoint every K steps (default: only at the end)",
+        help="checkpoint every K steps (default 0: only at the end)",
     )
     train.add_argument(
         "--mode",
@@ -82,16 +97,41 @@ def add_training_commands(commands: Any) -> None:
         default="full",
         help="train every weight, or LoRA adapters (default full)",
     )
-    train.add_argument("--lora-rank", type=int, default=8, help="LoRA rank (default 8)")
-    train.add_argument("--lora-alpha", type=float, default=16.0, help="LoRA alpha (default 16)")
-    train.add_argument("--weight-decay", type=float, default=0.0, help="AdamW weight decay")
+    train.add_argument(
+        "--lora-rank",
+        type=cli_args.positive_int,
+        default=8,
+        metavar="R",
+        help="LoRA rank, with --mode lora (default 8)",
+    )
+    train.add_argument(
+        "--lora-alpha",
+        type=cli_args.positive_float,
+        default=16.0,
+        metavar="A",
+        help="LoRA alpha, with --mode lora: adapters are scaled by A / R (default 16)",
+    )
+    train.add_argument(
+        "--weight-decay",
+        type=cli_args.non_negative_float,
+        default=0.0,
+        metavar="WD",
+        help="AdamW weight decay (default 0)",
+    )
     train.add_argument(
         "--max-grad-norm",
-        type=float,
+        type=cli_args.non_negative_float,
         default=1.0,
+        metavar="NORM",
         help="clip the global gradient norm to this (0: off; default 1)",
     )
-    train.add_argument("--seed", type=int, default=0, help="batch order and LoRA init seed")
+    train.add_argument(
+        "--seed",
+        type=cli_args.seed,
+        default=0,
+        metavar="N",
+        help="batch order and LoRA init seed (default 0)",
+    )
     train.add_argument(
         "--output-model",
         metavar="NAME",
@@ -109,13 +149,14 @@ def add_training_commands(commands: Any) -> None:
     )
     train.add_argument(
         "--max-price",
-        type=int,
+        type=cli_args.credit_units,
         default=0,
         metavar="UNITS",
         help="refuse the job if its quote (steps x batch x layers x the nodes' prices) is "
         "above this many credit units (default: no cap)",
     )
     train.add_argument("--json", action="store_true", help="print the final job as JSON")
+    train.set_defaults(command_parser=train)
 
     jobs = commands.add_parser(
         "jobs",
@@ -124,7 +165,13 @@ def add_training_commands(commands: Any) -> None:
         epilog="example: tessera jobs --json",
     )
     _coordinator(jobs)
-    jobs.add_argument("--limit", type=int, default=50, help="at most this many (default 50)")
+    jobs.add_argument(
+        "--limit",
+        type=cli_args.positive_int,
+        default=50,
+        metavar="N",
+        help="at most this many (default 50)",
+    )
     jobs.add_argument("--json", action="store_true", help="print JSON for scripts")
 
 
@@ -133,6 +180,7 @@ def _coordinator(parser: argparse.ArgumentParser) -> None:
         "--coordinator",
         default=None,
         metavar="HOST:PORT",
+        type=cli_args.coordinator_address,
         help=f"coordinator address (default: ${COORDINATOR_ENV} or {default_coordinator()})",
     )
 
@@ -146,8 +194,20 @@ def train_command(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
         ]
         if missing:
             parser.error(f"train needs {', '.join(missing)} (or --resume JOB_ID)")
-    if args.max_price < 0:
-        parser.error("--max-price must be 0 (no cap) or more")
+        # Checked here, before the dataset is uploaded and a job is submitted: the
+        # coordinator would refuse both too, but only after the upload.
+        if args.batch_size % args.micro_batches:
+            parser.error(
+                f"--micro-batches {args.micro_batches} does not divide --batch-size "
+                f"{args.batch_size}; pick a divisor"
+            )
+        data = Path(args.data)
+        if not data.exists():
+            parser.error(f"--data {args.data}: no such file")
+        if not data.is_file():
+            parser.error(
+                f"--data {args.data} is not a file; give a .npy of token ids or a text file"
+            )
     # The key owns the job: without one, anyone who lists the job ids could take it over.
     key = billing.load_key(args.key or billing.default_key_path(), create=args.key is None)
     with Client(

@@ -42,6 +42,46 @@ def test_train_without_its_arguments_is_a_usage_error(capsys) -> None:
     assert "--data" in capsys.readouterr().err
 
 
+_TRAIN = ["train", "--coordinator", "127.0.0.1:1", "--model", "m", "--steps", "5",
+          "--batch-size", "2", "--seq-len", "8", "--lr", "1e-3"]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("argv", "fragment"),
+    [
+        (["--steps", "-5"], "argument --steps: must be 1 or more, got -5"),
+        (["--batch-size", "0"], "argument --batch-size: must be 1 or more"),
+        (["--seq-len", "x"], "argument --seq-len: 'x' is not a whole number"),
+        (["--lr", "0"], "argument --lr: must be more than 0"),
+        (["--lr", "inf"], "argument --lr: 'inf' is not a finite number"),
+        (["--checkpoint-every", "-2"], "argument --checkpoint-every: must be 0 or more"),
+        (["--weight-decay", "-1"], "argument --weight-decay: must be 0 or more"),
+        (["--max-price", "-1"], "argument --max-price: must be 0 (no cap)"),
+        (["--micro-batches", "3"], "--micro-batches 3 does not divide --batch-size 2"),
+    ],
+)
+def test_bad_train_values_are_refused_before_any_upload(tmp_path, capsys, argv, fragment) -> None:
+    data = tmp_path / "tokens.npy"
+    np.save(data, np.arange(100, dtype=np.int32))
+    # 127.0.0.1:1 has no coordinator: a mistake noticed only there would exit 1, not 2.
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main([*_TRAIN, "--data", str(data), *argv])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert "tessera train: error:" in err and fragment in err, err
+
+
+def test_train_names_a_data_file_that_is_not_there(tmp_path, capsys) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main([*_TRAIN, "--data", str(tmp_path / "missing.npy")])
+    assert exit_info.value.code == 2
+    assert f"--data {tmp_path / 'missing.npy'}: no such file" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main([*_TRAIN, "--data", str(tmp_path)])
+    assert exit_info.value.code == 2
+    assert f"--data {tmp_path} is not a file" in capsys.readouterr().err
+
+
 def test_jobs_on_an_unreachable_coordinator_says_what_to_do(capsys) -> None:
     assert cli.main(["jobs", "--coordinator", "127.0.0.1:1"]) == 1
     assert "cannot reach the coordinator" in capsys.readouterr().err
