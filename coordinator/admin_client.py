@@ -44,16 +44,30 @@ class CliError(Exception):
     """A mistake the user can fix; printed without a traceback."""
 
 
+def coordinator_address(text: str) -> str:
+    """HOST:PORT to dial. gRPC would take "localhost" as port 443 and "http://h:1" as a host
+    name, and fail later with a resolver message that names neither mistake."""
+    host, sep, port = text.rpartition(":")
+    if "://" in text or not sep or not host or not port.isdigit() or not 0 < int(port) <= 65535:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not HOST:PORT; give the address `tessera-coordinator serve` logs as "
+            "'serving on HOST:PORT' (or --data-dir DIR of the coordinator instead)"
+        )
+    return text
+
+
 def add_connection_arguments(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("reaching the coordinator")
     group.add_argument(
         "--coordinator",
         metavar="HOST:PORT",
+        type=coordinator_address,
         help="address of the running coordinator (default: read DATA_DIR/coordinator.addr)",
     )
     group.add_argument(
         "--data-dir",
         type=Path,
+        metavar="DIR",
         default=os.environ.get(DATA_DIR_ENV) or None,
         help=f"the coordinator's data directory, for its address and admin token "
         f"(default: ${DATA_DIR_ENV})",

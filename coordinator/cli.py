@@ -12,21 +12,30 @@ import asyncio
 import importlib
 import logging
 import math
+import os
+import sqlite3
 import sys
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import Any
 
 import grpc
 
-from coordinator.admin_client import CliError
+from coordinator.admin_client import CliError, resolve_address
 from coordinator.events import parse_mqtt_url
 from coordinator.settings import Settings
 
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+DB_FILE = "coordinator.db"  # in --data-dir, when --db is not given
+LOCK_FILE = "coordinator.lock"
 SUBCOMMAND_MODULES = ("coordinator.nodes_cli", "coordinator.models_cli", "coordinator.ledger.cli")
 
 EPILOG = """\
 examples:
+  # try it out: state in ./tessera-state, nodes and clients on this machine only
+  tessera-coordinator serve --data-dir ./tessera-state
+
   # run a coordinator on all interfaces, state in /var/lib/tessera
   tessera-coordinator serve --listen 0.0.0.0:50051 --db /var/lib/tessera/coordinator.db
 
@@ -128,8 +137,9 @@ def _add_serve_parser(subparsers: Any) -> None:
         "(default: %(default)s; use 0.0.0.0:PORT to accept other machines)",
     )  # fmt: skip
     serve_parser.add_argument(
-        "--db", type=Path, required=True, metavar="PATH",
-        help="SQLite database file (created if missing); nodes survive restarts through it",
+        "--db", type=Path, metavar="PATH",
+        help="SQLite database file (created if missing); nodes survive restarts through it "
+        f"(default: DATA_DIR/{DB_FILE}; give --db or --data-dir)",
     )  # fmt: skip
     serve_parser.add_argument(
         "--data-dir", type=Path, metavar="DIR",
@@ -213,15 +223,20 @@ def _add_serve_parser(subparsers: Any) -> None:
         help="the checking probability never falls below P (default: %(default)s)",
     )  # fmt: skip
     serve_parser.add_argument(
-        "--canary-interval", type=float, default=60.0, metavar="S",
+        "--canary-interval", type=_non_negative_float, default=60.0, metavar="S",
         help="send every ready node a canary spot-check about every S seconds; 0 turns "
         "canaries off (default: %(default)s)",
     )  # fmt: skip
-    serve_parser.set_defaults(func=_run_serve)
+    serve_parser.set_defaults(func=_run_serve, command_parser=serve_parser)
 
 
 def _run_serve(args: argparse.Namespace) -> int:
-    db_path = args.db.expanduser().resolve()
+    if args.db is None and args.data_dir is None:
+        args.command_parser.error(
+            f"serve needs --data-dir DIR (its state goes there, the database in DIR/{DB_FILE}) "
+            "or --db PATH"
+        )
+    db_path = (args.db or args.data_dir / DB_FILE).expanduser().resolve()
     data_dir = (args.data_dir or db_path.parent).expanduser().resolve()
     settings = Settings(
         db_path=db_path,
@@ -254,11 +269,77 @@ def _run_serve(args: argparse.Namespace) -> int:
     # Imported here: admin subcommands start faster without the server's dependencies.
     from coordinator.server import StartupError, serve
 
-    try:
-        asyncio.run(serve(settings))
-    except StartupError as exc:
-        raise CliError(str(exc)) from None
+    with ExitStack() as held:
+        _prepare_data_dir(data_dir, "--data-dir" if args.data_dir else "--db")
+        # Both: two coordinators may share a data dir with two databases, or the reverse.
+        held.enter_context(_exclusive(data_dir / LOCK_FILE, f"data dir {data_dir}", "--data-dir"))
+        db_lock = db_path.with_name(db_path.name + ".lock")
+        held.enter_context(_exclusive(db_lock, f"database {db_path}", "--db"))
+        try:
+            asyncio.run(serve(settings))
+        except StartupError as exc:
+            raise CliError(str(exc)) from None
     return 0
+
+
+def _prepare_data_dir(data_dir: Path, flag: str) -> None:
+    try:
+        data_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        if isinstance(err, (FileExistsError, NotADirectoryError)):
+            reason = f"{err.filename} is a file, not a directory"
+        else:
+            reason = err.strerror or str(err)
+        what = "a directory" if flag == "--data-dir" else "a file in a directory"
+        raise CliError(
+            f"cannot keep the coordinator's state in {data_dir}: {reason}; give {flag} {what} "
+            "this user can write"
+        ) from None
+
+
+@contextmanager
+def _exclusive(path: Path, what: str, flag: str) -> Iterator[None]:
+    """Hold an exclusive lock on `path` (next to `what`, which `flag` names) while the
+    coordinator runs.
+
+    A second coordinator on the same state would mark the first one's nodes offline as it
+    starts ("coordinator restarted"), write the same database and overwrite
+    coordinator.addr, so admin commands would reach whichever started last. The OS drops
+    the lock when the process dies, kill -9 included, so it never goes stale.
+    """
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    except OSError as err:
+        raise CliError(
+            f"cannot create the lock file {path} ({err.strerror or err}); give {flag} a place "
+            "this user can write"
+        ) from None
+    try:
+        try:
+            _lock_exclusive(fd)
+        except OSError:
+            os.lseek(fd, 0, os.SEEK_SET)
+            holder = os.read(fd, 32).decode(errors="replace").strip() or "unknown"
+            raise CliError(
+                f"another coordinator (pid {holder}) is already using the {what}; stop it "
+                "first, or give this one its own --data-dir and --db"
+            ) from None
+        os.ftruncate(fd, 0)
+        os.write(fd, f"{os.getpid()}\n".encode())
+        yield
+    finally:
+        os.close(fd)
+
+
+def _lock_exclusive(fd: int) -> None:
+    if sys.platform == "win32":
+        import msvcrt
+
+        msvcrt.locking(fd, msvcrt.LK_NBLCK, 1)
+    else:
+        import fcntl
+
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -271,7 +352,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"],
-        type=str.upper, help="(default: %(default)s)",
+        type=str.upper, help="log verbosity, on stderr (default: %(default)s)",
     )  # fmt: skip
     subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     _add_serve_parser(subparsers)
@@ -312,16 +393,42 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     except grpc.RpcError as exc:
-        code = exc.code() if hasattr(exc, "code") else None
-        details = exc.details() if hasattr(exc, "details") else str(exc)
-        if code == grpc.StatusCode.UNAVAILABLE:
-            print(f"error: cannot reach the coordinator: {details}", file=sys.stderr)
-        else:
-            print(f"error: the coordinator answered {getattr(code, 'name', code)}: {details}",
-                  file=sys.stderr)  # fmt: skip
+        print(f"error: {_rpc_problem(exc, args)}", file=sys.stderr)
         return 1
+    except sqlite3.DatabaseError as exc:
+        # `ledger audit --db FILE` reads the file itself: a file that is no SQLite database
+        # (or another program's) fails in the first query.
+        where = getattr(args, "db", None) or "the database"
+        print(
+            f"error: cannot read {where} ({exc}); give --db the coordinator's database file",
+            file=sys.stderr,
+        )
+        return 2
     except KeyboardInterrupt:
         return 130
+
+
+def _rpc_problem(exc: grpc.RpcError, args: argparse.Namespace) -> str:
+    code = exc.code() if hasattr(exc, "code") else None
+    details = exc.details() if hasattr(exc, "details") else str(exc)
+    try:
+        address = resolve_address(args)
+    except (AttributeError, CliError):
+        address = "the coordinator"
+    if code == grpc.StatusCode.UNAVAILABLE:
+        return (
+            f"cannot reach the coordinator at {address} ({details}); is `tessera-coordinator "
+            "serve` running there? Pass its address as --coordinator HOST:PORT, or its "
+            "--data-dir"
+        )
+    if code == grpc.StatusCode.UNIMPLEMENTED:
+        # A node's data-plane port, or another server: "Method not found!" names no cause.
+        return (
+            f"the server at {address} does not answer as a Tessera coordinator ({details}); "
+            "check --coordinator: it must be the address `serve` logs as 'serving on "
+            "HOST:PORT', not a node's"
+        )
+    return f"the coordinator answered {getattr(code, 'name', code)}: {details}"
 
 
 if __name__ == "__main__":

@@ -89,14 +89,23 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     add.set_defaults(func=run_add)
 
     listing = commands.add_parser(
-        "list", help="list the models the coordinator holds and whether nodes serve them"
+        "list",
+        help="list the models the coordinator holds and whether nodes serve them",
+        description="List the models in the coordinator's store: architecture, layers, size, "
+        "whether a tokenizer came with them, and whether every layer has a ready node now.",
+        epilog="example: tessera-coordinator models list --data-dir /var/lib/tessera --json",
     )
     listing.add_argument("--json", action="store_true", help="print JSON for scripts")
     add_connection_arguments(listing)
     listing.set_defaults(func=run_list)
 
-    remove = commands.add_parser("remove", help="delete a model from the coordinator's store")
-    remove.add_argument("name", metavar="NAME")
+    remove = commands.add_parser(
+        "remove",
+        help="delete a model from the coordinator's store",
+        description="Delete a model from the coordinator's store. Needs the admin token.",
+        epilog="example: tessera-coordinator models remove tinyllama --data-dir /var/lib/tessera",
+    )
+    remove.add_argument("name", metavar="NAME", help="as `models list` shows it")
     add_connection_arguments(remove)
     remove.set_defaults(func=run_remove)
     return models
@@ -285,9 +294,17 @@ def _rpc_problem(err: grpc.RpcError, address: str, action: str) -> str:
             "`tessera-coordinator serve` running there?"
         )
     if code == grpc.StatusCode.UNAUTHENTICATED:
+        # The coordinator's own message may already say where the token is.
+        hint = f"; use the token from the coordinator's DATA_DIR/{ADMIN_TOKEN_FILE}"
+        if ADMIN_TOKEN_FILE in (err.details() or ""):
+            hint = ""
+        return f"the coordinator refused the admin token: {err.details()}{hint}"
+    if code == grpc.StatusCode.UNIMPLEMENTED:
+        # A node's data-plane port, or another server: "Method not found!" names no cause.
         return (
-            f"the coordinator refused the admin token ({err.details()}); use the token "
-            f"from the coordinator's DATA_DIR/{ADMIN_TOKEN_FILE}"
+            f"the server at {address} does not answer as a Tessera coordinator "
+            f"({err.details()}); check --coordinator: it must be the address `serve` logs as "
+            "'serving on HOST:PORT', not a node's"
         )
     return f"{action} failed: {err.details()} ({code.name})"
 

@@ -32,6 +32,11 @@ def add_parser(subparsers: Any) -> None:
         "nodes",
         help="list or drain the nodes of a running coordinator",
         description="Look at and steer the nodes registered with a running coordinator.",
+        epilog="examples:\n"
+        "  tessera-coordinator nodes list --data-dir /var/lib/tessera --all\n"
+        "  tessera-coordinator nodes drain NODE_ID --reason 'disk swap' \\\n"
+        "      --data-dir /var/lib/tessera",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     actions = nodes.add_subparsers(dest="nodes_command", required=True, metavar="ACTION")
 
@@ -57,7 +62,7 @@ def add_parser(subparsers: Any) -> None:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     drain.add_argument("node_id", metavar="NODE_ID", help="as shown by `nodes list`")
-    drain.add_argument("--reason", default="", help="shown to the node's operator")
+    drain.add_argument("--reason", default="", help="shown to the node's operator (default: none)")
     add_connection_arguments(drain)
     drain.set_defaults(func=run_drain)
 

@@ -6,12 +6,19 @@ import json
 import logging
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import pytest
 import sqlite_utils
 from support.coordinator_harness import CHANNEL_OPTIONS, FakeNode, wait_until
-from support.procs import REPO_ROOT, start_coordinator
+from support.procs import (
+    REPO_ROOT,
+    SERVING_RE,
+    ManagedProcess,
+    python_module,
+    start_coordinator,
+)
 
 from coordinator.cli import main
 from protos.tessera.v1 import client_api_pb2, client_api_pb2_grpc, node_pb2
@@ -166,7 +173,37 @@ def test_admin_cli_explains_missing_settings(tmp_path) -> None:
 
     result = cli("nodes", "list", "--coordinator", "127.0.0.1:1")
     assert result.returncode == 1
-    assert "cannot reach the coordinator" in result.stderr
+    assert "cannot reach the coordinator at 127.0.0.1:1" in result.stderr
+    assert "is `tessera-coordinator serve` running there?" in result.stderr
+
+    # gRPC would read "localhost" as port 443 and fail with a resolver message.
+    for address in ("localhost", "http://127.0.0.1:7000", "127.0.0.1:70000"):
+        result = cli("nodes", "list", "--coordinator", address)
+        assert result.returncode == 2, result.stderr
+        assert f"argument --coordinator: '{address}' is not HOST:PORT" in result.stderr
+
+
+def test_admin_cli_names_an_address_that_is_no_coordinator(capsys) -> None:
+    # A node's data-plane port (or any other gRPC server) answers UNIMPLEMENTED.
+    server = grpc.server(ThreadPoolExecutor(max_workers=1))
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    try:
+        for args in (["nodes", "list"], ["models", "list"]):
+            code, _, err = run_main([*args, "--coordinator", f"127.0.0.1:{port}"], capsys)
+            assert code in (1, 2), err
+            assert f"the server at 127.0.0.1:{port} does not answer as a Tessera coordinator" in err
+            assert "check --coordinator" in err and "Traceback" not in err
+    finally:
+        server.stop(None)
+
+
+def test_ledger_audit_of_a_file_that_is_no_database_exits_2(tmp_path, capsys) -> None:
+    not_a_db = tmp_path / "notes.txt"
+    not_a_db.write_text("these are not the tables you are looking for\n" * 100)
+    code, _, err = run_main(["ledger", "audit", "--db", str(not_a_db)], capsys)
+    assert code == 2
+    assert f"cannot read {not_a_db}" in err and "give --db the coordinator's database" in err
 
 
 def test_admin_cli_explains_a_data_dir_that_is_a_file(tmp_path) -> None:
@@ -190,6 +227,48 @@ def test_serve_explains_where_it_cannot_keep_its_state(tmp_path, capsys) -> None
     code, _, err = run_main(["serve", "--db", str(a_dir)], capsys)
     assert code == 2
     assert f"database {a_dir}" in err and "unable to open database file" in err
+
+
+def test_serve_names_the_flag_whose_directory_it_cannot_use(tmp_path, capsys) -> None:
+    a_file = tmp_path / "state"
+    a_file.write_text("")
+    code, _, err = run_main(
+        ["serve", "--db", str(tmp_path / "ok" / "c.db"), "--data-dir", str(a_file)], capsys
+    )
+    assert code == 2
+    assert f"{a_file} is a file, not a directory; give --data-dir a directory" in err
+
+
+def test_serve_needs_a_place_for_its_state(capsys) -> None:
+    code, _, err = run_main(["serve"], capsys)
+    assert code == 2
+    assert "serve needs --data-dir DIR" in err and "or --db PATH" in err
+
+
+def test_serve_with_only_a_data_dir_and_one_coordinator_per_state(tmp_path) -> None:
+    data_dir = tmp_path / "state"
+    args = python_module("coordinator.cli", "serve", "--data-dir", data_dir,
+                         "--listen", "127.0.0.1:0")  # fmt: skip
+    with ManagedProcess(args, tmp_path / "first.log", name="coordinator").start() as first:
+        first.wait_for_line(SERVING_RE)
+        assert (data_dir / "coordinator.db").is_file()
+        # A second one on the same state would mark the first one's nodes offline and
+        # take over coordinator.addr: it is refused before it touches anything.
+        second = cli("serve", "--data-dir", str(data_dir), "--listen", "127.0.0.1:0")
+        assert second.returncode == 2, second.stderr
+        assert f"pid {first.pid}" in second.stderr
+        assert f"already using the data dir {data_dir}" in second.stderr
+        other_dir = cli(
+            "serve", "--db", str(data_dir / "coordinator.db"),
+            "--data-dir", str(tmp_path / "other"), "--listen", "127.0.0.1:0",
+        )  # fmt: skip
+        assert other_dir.returncode == 2, other_dir.stderr
+        assert f"already using the database {data_dir / 'coordinator.db'}" in other_dir.stderr
+        assert "serving on" not in second.stderr + other_dir.stderr
+        assert first.terminate(timeout=15) == 0
+    # The lock went with the process: the same state serves again.
+    with start_coordinator(tmp_path, data_dir=data_dir) as again:
+        assert again.terminate(timeout=15) == 0
 
 
 def test_serve_refuses_a_busy_port(tmp_path) -> None:
@@ -265,6 +344,7 @@ def test_help_works_as_a_program() -> None:
         (["serve", "--db", "x.db", "--verify-min-probability", "1.5"], "probability in [0, 1]"),
         (["serve", "--db", "x.db", "--verify-min-probability", "nan"], "probability in [0, 1]"),
         (["serve", "--db", "x.db", "--verify-min-probability", "often"], "probability in [0, 1]"),
+        (["serve", "--db", "x.db", "--canary-interval", "-5"], "expected a number >= 0"),
     ],
 )  # fmt: skip
 def test_serve_rejects_bad_flags(args: list[str], fragment: str, capsys) -> None:

@@ -79,6 +79,7 @@ async def test_add_list_fetch_restart_remove(tmp_path: Path) -> None:
         wrong = _cli("add", source, "--name", "other", "--coordinator", coordinator.address,
                      "--admin-token", "not-the-token")  # fmt: skip
         assert wrong.returncode == 2 and "admin token" in wrong.stderr
+        assert wrong.stderr.count("admin.token") == 1, wrong.stderr  # where to find it, once
         assert "other" not in _listed(data_dir)
         replaced = _cli("add", source, "--name", "tiny", "--replace", "--data-dir", data_dir)
         assert replaced.returncode == 0, replaced.stderr
