@@ -177,16 +177,21 @@ def build_parser() -> argparse.ArgumentParser:
     join.add_argument(
         "--coordinator",
         required=True,
-        type=_address,
+        type=earnings_cli.coordinator_address,
         metavar="HOST:PORT",
-        help="the coordinator's address",
+        help="the coordinator's address, as `tessera-coordinator serve` logs it ('serving on "
+        "HOST:PORT')",
     )
     join.add_argument(
         "--name",
         default=socket.gethostname(),
         help="a name for this node that people will see (default: the host name, %(default)s)",
     )
-    join.add_argument("--account", default="", help="operator account that gets paid")
+    join.add_argument(
+        "--account",
+        default="",
+        help="operator account that gets paid (default: the node's own id, one account per node)",
+    )
     join.add_argument("--region", default="", help="free-form region, e.g. eu-west")
     join.add_argument(
         "--price",
@@ -257,6 +262,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="print what this machine would report (device, memory, TFLOPS, node id) as JSON",
         description="Probe the device and run the benchmark, print the result as JSON, and "
         "exit. Creates nothing: the node id is shown only if the data dir has a key.",
+        epilog="examples:\n  tessera-node probe\n"
+        "  tessera-node probe --device cpu --benchmark-s 2   # a steadier CPU measurement",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     earnings_cli.add_parser(commands)
     return parser
@@ -272,6 +280,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             return earnings_cli.run(args)
         return _join(args)
     except (identity.IdentityError, DataDirBusyError, hardware_probe.DeviceError) as exc:
+        log.error("%s", exc)
+        return ExitCode.USAGE
+    except data_plane.ListenError as exc:
+        # Its own message says what to change (--listen); it is no data-dir problem.
         log.error("%s", exc)
         return ExitCode.USAGE
     except OSError as exc:  # the data dir is a file, read-only, on a full disk, ...

@@ -89,6 +89,10 @@ def build_training_servicer(ctx: AgentContext) -> training_pb2_grpc.TrainingStag
     return servicer  # type: ignore[return-value]
 
 
+class ListenError(OSError):
+    """The data plane cannot listen where --listen says (an OSError, as it always was)."""
+
+
 async def start_server(
     ctx: AgentContext,
     listen: str,
@@ -109,7 +113,7 @@ async def start_server(
     except RuntimeError:
         port = 0  # gRPC says no more than "failed to bind"
     if port == 0:
-        raise OSError(
+        raise ListenError(
             f"cannot listen on {listen}: the port is in use or the host is not an address of "
             f"this machine; pick another --listen (port 0 picks a free port)"
         )

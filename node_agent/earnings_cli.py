@@ -79,9 +79,25 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     _add_common(deposit)
 
 
+def coordinator_address(text: str) -> str:
+    """HOST:PORT to dial (port 1-65535), for join, earnings and stake. gRPC would read
+    "localhost" as port 443 and fail later with a message that names no flag."""
+    host, sep, port = text.rpartition(":")
+    if "://" in text or not sep or not host or not port.isdigit() or not 0 < int(port) <= 65535:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not HOST:PORT; give the coordinator's address as `tessera-coordinator "
+            "serve` logs it ('serving on HOST:PORT'), e.g. 127.0.0.1:7000 or [::1]:7000"
+        )
+    return text
+
+
 def _add_common(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
-        "--coordinator", required=True, metavar="HOST:PORT", help="the coordinator's address"
+        "--coordinator",
+        required=True,
+        type=coordinator_address,
+        metavar="HOST:PORT",
+        help="the coordinator's address",
     )
     parser.add_argument(
         "--data-dir",
@@ -164,5 +180,11 @@ def _problem(err: grpc.RpcError, address: str) -> str:
         return (
             f"cannot reach the coordinator at {address} ({details}); is it running, and is "
             "--coordinator its address?"
+        )
+    if code == grpc.StatusCode.UNIMPLEMENTED:
+        # A node's data-plane port, or another server: "Method not found!" names no cause.
+        return (
+            f"the server at {address} does not answer as a Tessera coordinator ({details}); "
+            "check --coordinator: it must be the coordinator's address, not a node's"
         )
     return f"the coordinator answered {code.name}: {details}"

@@ -4,7 +4,9 @@ import json
 import os
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 
+import grpc
 import pytest
 
 from node_agent import cli, identity
@@ -39,6 +41,10 @@ def test_top_level_help_lists_the_commands(capsys) -> None:
     [
         (["join"], "--coordinator"),
         (["join", "--coordinator", "nohost"], "is not HOST:PORT"),
+        (["join", "--coordinator", "127.0.0.1:0"], "'127.0.0.1:0' is not HOST:PORT"),
+        (["join", "--coordinator", "http://h:7000"], "serving on HOST:PORT"),
+        (["earnings", "--coordinator", "localhost"], "'localhost' is not HOST:PORT"),
+        (["stake", "deposit", "5", "--coordinator", "h"], "'h' is not HOST:PORT"),
         (["join", "--coordinator", "h:1", "--max-memory-gb", "-3"], "more than 0"),
         (["join", "--coordinator", "h:1", "--price", "nan"], "'nan' is not a whole number"),
         (["join", "--coordinator", "h:1", "--price", "1.5"], "'1.5' is not a whole number"),
@@ -73,6 +79,31 @@ def test_a_data_dir_that_is_a_file_exits_2_and_says_so(tmp_path, caplog) -> None
     assert cli.main(_join(not_a_dir)) == 2
     assert f"{not_a_dir} is a file, not a directory" in caplog.text
     assert "give --data-dir a directory" in caplog.text
+
+
+def test_a_listen_address_it_cannot_use_is_no_data_dir_problem(tmp_path, caplog) -> None:
+    # 192.0.2.0/24 is reserved for documentation: never an address of this machine.
+    argv = _join(tmp_path, "--device", "cpu", "--benchmark-s", "0.05", "--listen", "192.0.2.1:0")
+    assert cli.main(argv) == 2
+    assert "cannot listen on 192.0.2.1:0" in caplog.text
+    assert "pick another --listen" in caplog.text
+    assert "data directory" not in caplog.text and "--data-dir" not in caplog.text
+
+
+def test_earnings_from_an_address_that_is_no_coordinator_says_so(tmp_path, capsys) -> None:
+    identity.load_or_create_key(tmp_path)
+    # What a node's data-plane port (or any other gRPC server) answers: UNIMPLEMENTED.
+    server = grpc.server(ThreadPoolExecutor(max_workers=1))
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    try:
+        argv = ["earnings", "--coordinator", f"127.0.0.1:{port}", "--data-dir", str(tmp_path)]
+        assert cli.main(argv) == 1
+    finally:
+        server.stop(None)
+    err = capsys.readouterr().err
+    assert f"the server at 127.0.0.1:{port} does not answer as a Tessera coordinator" in err
+    assert "check --coordinator" in err
 
 
 def test_a_second_agent_on_one_data_dir_exits_2(tmp_path, caplog) -> None:
