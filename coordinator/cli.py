@@ -37,10 +37,10 @@ examples:
   tessera-coordinator serve --data-dir ./tessera-state
 
   # run a coordinator on all interfaces, state in /var/lib/tessera
-  tessera-coordinator serve --listen 0.0.0.0:50051 --db /var/lib/tessera/coordinator.db
+  tessera-coordinator serve --listen 0.0.0.0:7000 --db /var/lib/tessera/coordinator.db
 
   # with an MQTT broker for presence and telemetry (see deploy/mosquitto.conf)
-  tessera-coordinator serve --listen 0.0.0.0:50051 --db state/coordinator.db \\
+  tessera-coordinator serve --listen 0.0.0.0:7000 --db state/coordinator.db \\
       --mqtt mqtt://127.0.0.1:1883
 
   # on the same machine: list nodes, drain one
@@ -132,9 +132,10 @@ def _add_serve_parser(subparsers: Any) -> None:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     serve_parser.add_argument(
-        "--listen", type=_listen_address, default="127.0.0.1:50051", metavar="HOST:PORT",
-        help="where to accept nodes and clients; port 0 picks a free port "
-        "(default: %(default)s; use 0.0.0.0:PORT to accept other machines)",
+        "--listen", type=_listen_address, default="127.0.0.1:7000", metavar="HOST:PORT",
+        help="where to accept nodes and clients; port 0 picks a free port (default: "
+        "%(default)s, where `tessera` looks by default; use 0.0.0.0:PORT to accept other "
+        "machines)",
     )  # fmt: skip
     serve_parser.add_argument(
         "--db", type=Path, metavar="PATH",

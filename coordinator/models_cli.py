@@ -39,7 +39,7 @@ EPILOG = """\
 examples:
   tessera-coordinator models add ./TinyLlama-1.1B --name tinyllama --data-dir ~/.tessera
   tessera-coordinator models add ./qwen2-0.5b --name qwen2-0.5b --replace \\
-      --coordinator 127.0.0.1:50051 --admin-token "$(cat ~/.tessera/admin.token)"
+      --coordinator 127.0.0.1:7000 --admin-token "$(cat ~/.tessera/admin.token)"
   tessera-coordinator models list --data-dir ~/.tessera --json
   tessera-coordinator models remove tinyllama --data-dir ~/.tessera
 

@@ -44,14 +44,14 @@ LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 _EPILOG = """\
 examples:
   # join a swarm with the GPU this PC has, keeping 4 GiB of it for yourself
-  tessera-node join --coordinator swarm.example.org:50051 --name my-3090 --max-memory-gb 20
+  tessera-node join --coordinator swarm.example.org:7000 --name my-3090 --max-memory-gb 20
 
   # a CPU-only node on loopback, for trying things out next to a local coordinator
-  tessera-node join --coordinator 127.0.0.1:50051 --name cpu-1 --device cpu \\
+  tessera-node join --coordinator 127.0.0.1:7000 --name cpu-1 --device cpu \\
       --listen 127.0.0.1:0 --data-dir /tmp/tessera-cpu-1
 
   # also announce presence and telemetry on the swarm's MQTT broker
-  tessera-node join --coordinator 127.0.0.1:50051 --name box --mqtt mqtt://127.0.0.1:1883
+  tessera-node join --coordinator 127.0.0.1:7000 --name box --mqtt mqtt://127.0.0.1:1883
 
   # what would this machine report? (device, memory, measured TFLOPS, node id)
   tessera-node probe

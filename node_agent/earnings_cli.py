@@ -23,7 +23,7 @@ COMMANDS = ("earnings", "stake")
 
 EPILOG = """\
 example:
-  tessera-node earnings --coordinator swarm.example.org:50051 --data-dir ~/.tessera-node
+  tessera-node earnings --coordinator swarm.example.org:7000 --data-dir ~/.tessera-node
 
 pending:  settled work inside the challenge window (verification can still reject it)
 released: paid out to the operator account
@@ -35,7 +35,7 @@ available: released credit of the operator account, which may be staked
 
 STAKE_EPILOG = """\
 example:
-  tessera-node stake deposit 5000 --coordinator swarm.example.org:50051 --data-dir ~/.tessera-node
+  tessera-node stake deposit 5000 --coordinator swarm.example.org:7000 --data-dir ~/.tessera-node
 
 The amount comes out of the operator account's released earnings (see `tessera-node
 earnings`). A stake shows clients this operator has something to lose: proven fraud by

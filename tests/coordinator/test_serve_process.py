@@ -314,6 +314,16 @@ def test_help_teaches(args: list[str], capsys) -> None:
             assert flag in out
 
 
+def test_serve_listens_where_the_client_looks_by_default() -> None:
+    # `tessera-coordinator serve --data-dir d` then `tessera nodes`, with no address given,
+    # must meet; they missed each other on 50051 and 7000.
+    from client.api import DEFAULT_COORDINATOR
+    from coordinator.cli import build_parser
+
+    args = build_parser().parse_args(["serve", "--data-dir", "d"])
+    assert args.listen == DEFAULT_COORDINATOR == "127.0.0.1:7000"
+
+
 def test_help_works_as_a_program() -> None:
     result = cli("--help")
     assert result.returncode == 0 and "serve" in result.stdout
