@@ -164,6 +164,8 @@ class VerificationStats:
     # Layer-positions of primaries' unchecked steps that a catch-up compared (audits), and
     # what the audits found (nothing, on an honest swarm).
     audited_layer_tokens: int = 0
+    # Per node: its steps that an audit compared and found right (each at most once).
+    audited: dict[str, int] = field(default_factory=dict)
     findings: list[AuditFinding] = field(default_factory=list)
 
     def to_json(self) -> dict[str, object]:
@@ -180,6 +182,7 @@ class VerificationStats:
             "checker_layer_tokens": self.checker_layer_tokens,
             "catch_up_layer_tokens": self.catch_up_layer_tokens,
             "audited_layer_tokens": self.audited_layer_tokens,
+            "audited": sum(self.audited.values()),
             "audit_findings": [f.to_json() for f in self.findings],
         }
 
@@ -763,14 +766,16 @@ class StageVerifier:
                 self.stats.audited_layer_tokens += (step.end_pos - step.start_pos) * (
                     span.end - span.start
                 )
+                self._checked_steps.add((span, step.step))  # audited once
                 if error <= self._tolerance(step.node_id, checker.node_id):
+                    audited = self.stats.audited
+                    audited[step.node_id] = audited.get(step.node_id, 0) + 1
                     continue
                 log.warning(
                     "audit: checker %s's catch-up disagrees with %s on layers %s at positions "
                     "[%d, %d) (relative error %.3g); running that step again on the checker",
                     checker.node_id, step.node_id, span, step.start_pos, step.end_pos, error,
                 )  # fmt: skip
-                self._checked_steps.add((span, step.step))  # judged once
                 task = self._queue(
                     checker,
                     lambda step=step, span=span: self._recheck(checker, span, step, history),
@@ -870,7 +875,11 @@ class StageVerifier:
             comparisons=comparisons,
             calls=[
                 verification_pb2.NodeCalls(
-                    node_id=node, calls=calls, checked=self.stats.checked.get(node, 0)
+                    node_id=node,
+                    calls=calls,
+                    # An audited step was compared with an independent replica's output too,
+                    # and a wrong one would have been caught: it counts towards the risk.
+                    checked=self.stats.checked.get(node, 0) + self.stats.audited.get(node, 0),
                 )
                 for node, calls in sorted(self.stats.calls.items())
             ],

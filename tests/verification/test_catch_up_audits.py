@@ -68,7 +68,10 @@ Reporter = Callable[
 
 
 def arbiter(
-    keys: CoordinatorKeys, node: StageNode, mismatches: list[evidence.Mismatch]
+    keys: CoordinatorKeys,
+    node: StageNode,
+    mismatches: list[evidence.Mismatch],
+    reports: list[verification_pb2.VerificationReport] | None = None,
 ) -> Reporter:
     """What the coordinator does with a report: every comparison's evidence checked, and
     each mismatch's input prefix run on ``node``, whose answer decides."""
@@ -77,6 +80,8 @@ def arbiter(
     async def report(
         request: verification_pb2.VerificationReport,
     ) -> verification_pb2.ReportVerdict:
+        if reports is not None:
+            reports.append(request)
         claims = client_api_pb2.CapabilityClaims.FromString(request.capability.claims)
         verdicts = []
         for comparison in request.comparisons:
@@ -113,6 +118,7 @@ async def swarm(
     *,
     primary_corrupts: int | None = None,
     checker_corrupts: bool = False,
+    reports: list[verification_pb2.VerificationReport] | None = None,
 ) -> tuple[PipelineDriver, Armed, StageNode, StageNode, list[evidence.Mismatch]]:
     """Layers [0, 2) on a primary with one independent replica (its only checker), layers
     [2, 4) on one node (never checked: no replica), and an arbiter outside the session."""
@@ -136,7 +142,7 @@ async def swarm(
     mismatches: list[evidence.Mismatch] = []
     channels = ChannelPool()
     verifier = StageVerifier(
-        grant.session_id, channels, arbiter(keys, judge, mismatches), rng=draws
+        grant.session_id, channels, arbiter(keys, judge, mismatches, reports), rng=draws
     )
     driver = PipelineDriver(grant, MODEL, channels=channels, verifier=verifier)
     return driver, draws, primary, checker, mismatches
@@ -177,7 +183,8 @@ async def test_a_corrupted_step_nobody_checked_is_found_by_a_later_catch_up(
 
 
 async def test_an_honest_swarm_is_audited_without_a_finding(start_node, keys, checkpoint) -> None:
-    driver, draws, *_, mismatches = await swarm(start_node, keys)
+    reports: list[verification_pb2.VerificationReport] = []
+    driver, draws, primary, _, mismatches = await swarm(start_node, keys, reports=reports)
 
     async def arm() -> None:
         draws.armed = True
@@ -189,6 +196,13 @@ async def test_an_honest_swarm_is_audited_without_a_finding(start_node, keys, ch
     # position of layers [0, 2) before it, two layers each.
     assert stats.audited_layer_tokens >= (len(PROMPT) + 4) * 2
     assert not stats.findings and not mismatches and not driver.failovers
+    # The session's risk counts the audited steps as checked: the prompt and the decode
+    # steps before the first check, each once, beside the checks of every later step.
+    assert stats.audited[primary.node_id] >= 5
+    await driver.verifier.finish()
+    calls = {c.node_id: c for c in reports[-1].calls}[primary.node_id]
+    assert calls.checked == stats.checked[primary.node_id] + stats.audited[primary.node_id]
+    assert calls.checked <= calls.calls == stats.calls[primary.node_id]
     await driver.close()
 
 
