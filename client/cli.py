@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import grpc
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from google.protobuf import json_format
 
 from client import billing, cli_args
@@ -376,7 +377,7 @@ def _models(args: argparse.Namespace) -> int:
 def _generate(args: argparse.Namespace) -> int:
     # --token-ids, --max-new-tokens, --max-price, ... were checked while parsing (cli_args).
     key_path = args.key or billing.default_key_path()
-    key = billing.load_key(key_path) if args.key or key_path.exists() else None
+    key = load_client_key(key_path) if args.key or key_path.exists() else None
     with Client(
         args.coordinator,
         account=args.account,
@@ -443,7 +444,7 @@ def _generate(args: argparse.Namespace) -> int:
 def _balance(args: argparse.Namespace) -> int:
     path = args.key or billing.default_key_path()
     created = not path.exists()
-    key = billing.load_key(path, create=True)
+    key = load_client_key(path, create=True)
     if created:
         print(f"created your client key at {path} (keep it: it is your account)", file=sys.stderr)
     with Client(args.coordinator, key=key) as client:
@@ -457,6 +458,18 @@ def _balance(args: argparse.Namespace) -> int:
     print(f"available {balance.available} credit units")
     print(f"escrowed  {balance.escrowed} credit units (held for open sessions)")
     return 0
+
+
+def load_client_key(path: Path, create: bool = False) -> Ed25519PrivateKey:
+    """billing.load_key, with a key that cannot be created (its folder is not writable, or
+    under a file) said as a usage error rather than a traceback."""
+    try:
+        return billing.load_key(path, create=create)
+    except OSError as err:
+        raise ValueError(
+            f"cannot create the client key at {path} ({err.strerror or err}); pass --key a path "
+            f"this user can write, or set ${billing.KEY_ENV}"
+        ) from None
 
 
 # ---- formatting -------------------------------------------------------------------------

@@ -208,8 +208,10 @@ def train_command(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
             parser.error(
                 f"--data {args.data} is not a file; give a .npy of token ids or a text file"
             )
+    from client.cli import load_client_key  # here: cli imports this module
+
     # The key owns the job: without one, anyone who lists the job ids could take it over.
-    key = billing.load_key(args.key or billing.default_key_path(), create=args.key is None)
+    key = load_client_key(args.key or billing.default_key_path(), create=args.key is None)
     with Client(
         args.coordinator, account=args.account, key=key, max_price=args.max_price
     ) as client:

@@ -193,6 +193,16 @@ def test_demo_refuses_a_workdir_it_cannot_create(tmp_path, capsys) -> None:
     assert "give a directory this user can write" in err
 
 
+@pytest.mark.skipif(not Path("/proc/self").is_dir(), reason="needs Linux /proc")
+def test_a_client_key_that_cannot_be_created_is_a_usage_error(capsys) -> None:
+    # Not there, so balance creates it; but no one, root included, can create a folder in
+    # /proc (a chmod-ed folder would not stop root, who runs some test machines).
+    key = Path("/proc/self/tessera-test/client.key")
+    assert cli.main(["balance", "--key", str(key), "--coordinator", "127.0.0.1:1"]) == 2
+    err = capsys.readouterr().err
+    assert f"cannot create the client key at {key}" in err and "pass --key a path" in err
+
+
 def test_unreachable_coordinator_says_how_to_fix_it() -> None:
     address = f"127.0.0.1:{free_port()}"
     result = run_cli("nodes", env={"TESSERA_COORDINATOR": address})
