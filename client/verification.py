@@ -722,11 +722,14 @@ class StageVerifier:
         """Compare each catch-up answer with the primaries' signed answers for the steps it
         replayed that had no check of their own; a step that disagrees is run again on the
         checker, as a check, after the work queued on its stream."""
+        spans = history.spans
         for message, answer in zip(messages, answers, strict=True):
             span = Span(message.layers.start, message.layers.end)
             following = history.following(span)
-            if message.last_position_only or following is None:
-                continue  # the model's last hop: its catch-up answers one position's logits
+            if message.last_position_only or following is None or span not in spans:
+                # The model's last hop (its catch-up answers one position's logits), or a
+                # hop a fail-over has since split: nothing kept to compare with.
+                continue
             start = message.start_pos
             end = start + int(message.input.shape[1])
             try:
@@ -789,7 +792,9 @@ class StageVerifier:
         """Run a step an audit doubted again on the checker, exactly as the primary ran it,
         and settle the two signed answers like a check's."""
         following = history.following(span)
-        primary = _kept_output(history, following, step) if following else None
+        if following is None or span not in history.spans:
+            return  # a fail-over split the hop since: its history is kept per new hop
+        primary = _kept_output(history, following, step)
         chunks = history.inputs(span, step.start_pos, step.end_pos)
         if primary is None or sum(int(a.shape[1]) for _, a, _ in chunks) != (
             step.end_pos - step.start_pos
