@@ -226,9 +226,12 @@ async def running_coordinator(
         try:
             port = server.add_insecure_port(settings.listen)
         except RuntimeError as exc:
+            # gRPC says only "Failed to bind": the port may be taken, or the host may not
+            # be an address of this machine (a typo, or another machine's address).
             raise StartupError(
-                f"cannot listen on {settings.listen} ({exc}); is another process using it? "
-                "Pick another --listen, or port 0 for any free port"
+                f"cannot listen on {settings.listen} ({exc}); is another process using that "
+                "port, or is the host not an address of this machine? Pick another --listen "
+                "(0.0.0.0:PORT for every interface), or port 0 for any free port"
             ) from exc
         await server.start()
         address = f"{host}:{port}"

@@ -277,6 +277,16 @@ def test_serve_refuses_a_busy_port(tmp_path) -> None:
         result = cli("serve", "--listen", coordinator.address, "--db", str(tmp_path / "b" / "c.db"))
     assert result.returncode == 2
     assert "cannot listen" in result.stderr
+    assert "Pick another --listen" in result.stderr
+
+
+def test_serve_refuses_a_host_that_is_not_this_machine(tmp_path, capsys) -> None:
+    # 192.0.2.0/24 is reserved for documentation: never an address of this machine.
+    args = ["serve", "--listen", "192.0.2.1:7000", "--data-dir", str(tmp_path)]
+    code, _, err = run_main(args, capsys)
+    assert code == 2
+    assert "cannot listen on 192.0.2.1:7000" in err
+    assert "not an address of this machine" in err and "Traceback" not in err
 
 
 def run_main(args: list[str], capsys) -> tuple[int, str, str]:
