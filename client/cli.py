@@ -108,7 +108,7 @@ def build_parser() -> argparse.ArgumentParser:
         required=True,
         metavar="N",
         help="how many tokens to generate at most (1 or more; fewer when an end-of-sequence "
-        "token comes first)",
+        "token comes first); the prompt and these must fit in the model's context",
     )
     gen.add_argument(
         "--temperature",

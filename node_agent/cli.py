@@ -136,6 +136,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--data-dir",
         type=Path,
         default=default_data_dir(),
+        metavar="DIR",
         help="where the node keeps its key (node.key = its identity) and shard cache "
         "(default: %(default)s)",
     )
@@ -162,7 +163,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--log-level",
         default="INFO",
         choices=["DEBUG", "INFO", "WARNING", "ERROR"],
-        help="(default: %(default)s)",
+        help="log verbosity, on stderr (default: %(default)s)",
     )
 
     join = commands.add_parser(

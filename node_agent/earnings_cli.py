@@ -103,6 +103,7 @@ def _add_common(parser: argparse.ArgumentParser) -> None:
         "--data-dir",
         type=Path,
         default=default_data_dir(),
+        metavar="DIR",
         help="the node's data directory, which holds its key (default: %(default)s)",
     )
     parser.add_argument("--json", action="store_true", help="print JSON for scripts")
