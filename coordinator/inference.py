@@ -68,6 +68,7 @@ class SessionRpc:
             num_layers=record.num_layers,
             hidden_size=record.hidden_size,
             vocab_size=record.vocab_size,
+            max_positions=record.max_positions,
         )
 
     async def start(self) -> None:

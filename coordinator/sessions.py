@@ -85,6 +85,15 @@ class Sessions:
                 grpc.StatusCode.INVALID_ARGUMENT,
                 f"max_length must be between 1 and {MAX_SESSION_TOKENS}, got {request.max_length}",
             )
+        if info.max_positions and request.max_length > info.max_positions:
+            # Past its positions a model has no RoPE table and no cache room: every node
+            # would refuse the step that crosses it, mid-generation.
+            raise SessionError(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"model {info.name!r} holds at most {info.max_positions} positions (prompt and "
+                f"generated tokens together), and {request.max_length} were asked for: "
+                "generate fewer new tokens, or shorten the prompt",
+            )
         if len(request.account) > _MAX_NAME:
             raise SessionError(grpc.StatusCode.INVALID_ARGUMENT, "account name is too long")
         self._placement.note_session(info.name)

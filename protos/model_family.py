@@ -23,6 +23,24 @@ ARCHITECTURE_BY_MODEL_TYPE: dict[str, str] = {
 }
 
 
+# What transformers assumes when config.json gives no max_position_embeddings.
+DEFAULT_MAX_POSITIONS: dict[str, int] = {
+    "LlamaForCausalLM": 2048,
+    "MistralForCausalLM": 4096 * 32,
+    "Qwen2ForCausalLM": 32768,
+}
+
+
+def declared_max_positions(raw: Mapping[str, Any], architecture: str) -> int:
+    """The positions (prompt and generated tokens) a model holds: max_position_embeddings,
+    or its architecture's default. The node runtime refuses a config whose value is not a
+    positive integer; a reader that only sizes sessions takes the default then."""
+    value = raw.get("max_position_embeddings")
+    if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+        return value
+    return DEFAULT_MAX_POSITIONS.get(architecture, 0)
+
+
 class UnsupportedArchitecture(ValueError):
     """config.json names no architecture Tessera runs; the message lists the ones it does."""
 

@@ -7,6 +7,7 @@ also keeps sqlite's one-thread-per-connection rule.
 
 from __future__ import annotations
 
+import functools
 import json
 import sqlite3
 from collections.abc import Iterable, Iterator
@@ -15,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from coordinator.model_store.schema import connection_of
+from protos.model_family import declared_max_positions
 
 _MODEL_COLUMNS = (
     "name, architecture, num_layers, hidden_size, vocab_size, total_bytes, config_json, "
@@ -34,6 +36,11 @@ class ModelRecord:
     manifest_sha256: str
     added_ms: int
     has_tokenizer: bool
+
+    @functools.cached_property
+    def max_positions(self) -> int:
+        """Prompt and generated tokens a session of this model may hold."""
+        return declared_max_positions(json.loads(self.config_json), self.architecture)
 
 
 @dataclass(frozen=True)

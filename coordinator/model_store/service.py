@@ -349,6 +349,7 @@ class ModelStore:
             ready_replicas=replicas,
             added_unix_ms=record.added_ms,
             sha256=record.manifest_sha256,
+            max_positions=record.max_positions,
         )
 
     def _availability(self, record: ModelRecord) -> tuple[list[int], str]:

@@ -14,17 +14,13 @@ from typing import Any
 
 from node_agent.runtime.errors import UnsupportedModelError
 from protos.model_family import (
+    DEFAULT_MAX_POSITIONS,
     UnsupportedArchitecture,
     bias_layout,
     resolve_architecture,
 )
 
 # transformers' per-class defaults, used when config.json omits the key.
-_DEFAULT_MAX_POSITIONS: dict[str, int] = {
-    "LlamaForCausalLM": 2048,
-    "MistralForCausalLM": 4096 * 32,
-    "Qwen2ForCausalLM": 32768,
-}
 _DEFAULT_ROPE_THETA = 10000.0
 _DEFAULT_RMS_NORM_EPS = 1e-6
 _DEFAULT_QWEN2_MAX_WINDOW_LAYERS = 28
@@ -106,7 +102,7 @@ class ModelConfig:
 
         qkv_bias, o_proj_bias, mlp_bias = _biases(raw, architecture)
         max_positions = _positive_int(
-            raw, "max_position_embeddings", default=_DEFAULT_MAX_POSITIONS[architecture]
+            raw, "max_position_embeddings", default=DEFAULT_MAX_POSITIONS[architecture]
         )
         return cls(
             architecture=architecture,

@@ -21,10 +21,11 @@ from support.hostile import huge, refused
 from client import billing
 from coordinator.sessions import MAX_STEP_TIMES
 from protos import codec, identity
-from protos.tessera.v1 import client_api_pb2, client_api_pb2_grpc
+from protos.tessera.v1 import client_api_pb2, client_api_pb2_grpc, common_pb2
 
 PRICE = 1000  # credit units per 1k token-layers, every node
 MAX_LENGTH = 16
+MODEL_POSITIONS = 256
 
 
 @pytest.fixture
@@ -71,6 +72,13 @@ async def test_open_session_refuses_malformed_oversized_and_hostile_requests(
     cases = [
         (signed_open(client, max_length=0), grpc.StatusCode.INVALID_ARGUMENT, "max_length"),
         (signed_open(client, max_length=2**32 - 1), grpc.StatusCode.INVALID_ARGUMENT, "between"),
+        # Past the model's positions (the test checkpoint's max_position_embeddings, 256):
+        # refused at the start, not by every node at the step that crosses it.
+        (
+            signed_open(client, max_length=MODEL_POSITIONS + 1),
+            grpc.StatusCode.INVALID_ARGUMENT,
+            f"holds at most {MODEL_POSITIONS} positions",
+        ),
         (signed_open(client, prefer="sideways"), grpc.StatusCode.INVALID_ARGUMENT, "prefer"),
         (
             client_api_pb2.OpenSessionRequest(model=MODEL, max_length=8, account=huge("a")),
@@ -114,9 +122,13 @@ async def test_open_session_refuses_malformed_oversized_and_hostile_requests(
         assert "\x1b" not in details and "\n" not in details  # quoted, never raw
     assert escrowed(market, client) == 0
 
-    # Still serving: a good open escrows its quote.
+    # Still serving: a good open escrows its quote, and one of exactly the model's
+    # positions (which GetModel tells the client) opens too.
     grant = await api(market).OpenSession(signed_open(client))
     assert escrowed(market, client) == grant.quote.amount > 0
+    detail = await api(market).GetModel(common_pb2.ModelRef(name=MODEL))
+    assert detail.info.max_positions == MODEL_POSITIONS
+    await api(market).OpenSession(signed_open(client, max_length=MODEL_POSITIONS))
 
 
 async def test_a_signed_open_is_accepted_once(market: JobsCoordinator) -> None:

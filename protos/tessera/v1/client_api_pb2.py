@@ -27,7 +27,7 @@ from protos.tessera.v1 import ledger_pb2 as tessera_dot_v1_dot_ledger__pb2
 from protos.tessera.v1 import node_pb2 as tessera_dot_v1_dot_node__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1btessera/v1/client_api.proto\x12\ntessera.v1\x1a\x17tessera/v1/common.proto\x1a\x17tessera/v1/ledger.proto\x1a\x15tessera/v1/node.proto\"+\n\x10ListNodesRequest\x12\x17\n\x0finclude_offline\x18\x01 \x01(\x08\"8\n\x11ListNodesResponse\x12#\n\x05nodes\x18\x01 \x03(\x0b\x32\x14.tessera.v1.NodeInfo\"\x86\x02\n\tModelInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x14\n\x0c\x61rchitecture\x18\x02 \x01(\t\x12\x12\n\nnum_layers\x18\x03 \x01(\r\x12\x13\n\x0bhidden_size\x18\x04 \x01(\r\x12\x12\n\nvocab_size\x18\x05 \x01(\r\x12\x13\n\x0btotal_bytes\x18\x06 \x01(\x04\x12\x15\n\rhas_tokenizer\x18\x07 \x01(\x08\x12\x11\n\tavailable\x18\x08 \x01(\x08\x12\x1a\n\x12unavailable_reason\x18\t \x01(\t\x12\x16\n\x0eready_replicas\x18\n \x03(\r\x12\x15\n\radded_unix_ms\x18\x0b \x01(\x03\x12\x0e\n\x06sha256\x18\x0c \x01(\t\";\n\x12ListModelsResponse\x12%\n\x06models\x18\x01 \x03(\x0b\x32\x15.tessera.v1.ModelInfo\"_\n\x0bModelDetail\x12#\n\x04info\x18\x01 \x01(\x0b\x32\x15.tessera.v1.ModelInfo\x12\x13\n\x0b\x63onfig_json\x18\x02 \x01(\t\x12\x16\n\x0etokenizer_json\x18\x03 \x01(\x0c\"\xcc\x01\n\x03Hop\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12&\n\x06layers\x18\x03 \x01(\x0b\x32\x16.tessera.v1.LayerRange\x12\x0f\n\x07relayed\x18\x04 \x01(\x08\x12\x12\n\npublic_key\x18\x05 \x01(\x0c\x12\x0f\n\x07\x61\x63\x63ount\x18\x06 \x01(\t\x12\x13\n\x0b\x64\x65vice_kind\x18\x07 \x01(\t\x12\x15\n\rcompute_dtype\x18\x08 \x01(\t\x12\x19\n\x11\x63heck_probability\x18\t \x01(\x01\"\x9e\x01\n\nRouteStage\x12&\n\x06layers\x18\x01 \x01(\x0b\x32\x16.tessera.v1.LayerRange\x12 \n\x07primary\x18\x02 \x01(\x0b\x32\x0f.tessera.v1.Hop\x12#\n\nalternates\x18\x03 \x03(\x0b\x32\x0f.tessera.v1.Hop\x12!\n\x08\x63heckers\x18\x04 \x03(\x0b\x32\x0f.tessera.v1.Hop\"\xc8\x01\n\x12OpenSessionRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x12\n\nmax_length\x18\x02 \x01(\r\x12\x0f\n\x07\x61\x63\x63ount\x18\x03 \x01(\t\x12\x11\n\tmax_price\x18\x04 \x01(\x03\x12\x0e\n\x06prefer\x18\x05 \x01(\t\x12\x19\n\x11\x63lient_public_key\x18\x06 \x01(\x0c\x12\x17\n\x0frequest_unix_ms\x18\x07 \x01(\x03\x12\x18\n\x10\x63lient_signature\x18\x08 \x01(\x0c\x12\r\n\x05nonce\x18\t \x01(\x0c\"\xac\x01\n\x10\x43\x61pabilityClaims\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x1f\n\x06grants\x18\x03 \x03(\x0b\x32\x0f.tessera.v1.Hop\x12\x16\n\x0eissued_unix_ms\x18\x04 \x01(\x03\x12\x17\n\x0f\x65xpires_unix_ms\x18\x05 \x01(\x03\x12\x12\n\nmax_tokens\x18\x06 \x01(\r\x12\x0f\n\x07\x61\x63\x63ount\x18\x07 \x01(\t\"5\n\x10SignedCapability\x12\x0e\n\x06\x63laims\x18\x01 \x01(\x0c\x12\x11\n\tsignature\x18\x02 \x01(\x0c\"\xdb\x01\n\x0cSessionGrant\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12&\n\x06stages\x18\x02 \x03(\x0b\x32\x16.tessera.v1.RouteStage\x12\x30\n\ncapability\x18\x03 \x01(\x0b\x32\x1c.tessera.v1.SignedCapability\x12\x12\n\nnum_layers\x18\x04 \x01(\r\x12\x13\n\x0bhidden_size\x18\x05 \x01(\r\x12\x12\n\nvocab_size\x18\x06 \x01(\r\x12 \n\x05quote\x18\x07 \x01(\x0b\x32\x11.tessera.v1.Quote\"\xa6\x01\n\x0eRerouteRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x30\n\ncapability\x18\x02 \x01(\x0b\x32\x1c.tessera.v1.SignedCapability\x12$\n\x04span\x18\x03 \x01(\x0b\x32\x16.tessera.v1.LayerRange\x12\x18\n\x10\x65xclude_node_ids\x18\x04 \x03(\t\x12\x0e\n\x06reason\x18\x05 \x01(\t\"b\n\x0fRerouteResponse\x12\x1d\n\x04hops\x18\x01 \x03(\x0b\x32\x0f.tessera.v1.Hop\x12\x30\n\ncapability\x18\x02 \x01(\x0b\x32\x1c.tessera.v1.SignedCapability\"\x83\x01\n\x13\x43loseSessionRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x30\n\ncapability\x18\x02 \x01(\x0b\x32\x1c.tessera.v1.SignedCapability\x12&\n\x05usage\x18\x03 \x03(\x0b\x32\x17.tessera.v1.SignedUsage\"B\n\x14\x43loseSessionResponse\x12*\n\nsettlement\x18\x01 \x01(\x0b\x32\x16.tessera.v1.Settlement\"d\n\x08StepTime\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12&\n\x06layers\x18\x02 \x01(\x0b\x32\x16.tessera.v1.LayerRange\x12\x0e\n\x06tokens\x18\x03 \x01(\r\x12\x0f\n\x07wall_ms\x18\x04 \x01(\x01\"|\n\x0fStepTimesReport\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x30\n\ncapability\x18\x02 \x01(\x0b\x32\x1c.tessera.v1.SignedCapability\x12#\n\x05steps\x18\x03 \x03(\x0b\x32\x14.tessera.v1.StepTime\" \n\x0cStepTimesAck\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\r2\xfb\x03\n\tClientApi\x12H\n\tListNodes\x12\x1c.tessera.v1.ListNodesRequest\x1a\x1d.tessera.v1.ListNodesResponse\x12?\n\nListModels\x12\x11.tessera.v1.Empty\x1a\x1e.tessera.v1.ListModelsResponse\x12\x39\n\x08GetModel\x12\x14.tessera.v1.ModelRef\x1a\x17.tessera.v1.ModelDetail\x12G\n\x0bOpenSession\x12\x1e.tessera.v1.OpenSessionRequest\x1a\x18.tessera.v1.SessionGrant\x12\x42\n\x07Reroute\x12\x1a.tessera.v1.RerouteRequest\x1a\x1b.tessera.v1.RerouteResponse\x12Q\n\x0c\x43loseSession\x12\x1f.tessera.v1.CloseSessionRequest\x1a .tessera.v1.CloseSessionResponse\x12H\n\x0fReportStepTimes\x12\x1b.tessera.v1.StepTimesReport\x1a\x18.tessera.v1.StepTimesAckb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1btessera/v1/client_api.proto\x12\ntessera.v1\x1a\x17tessera/v1/common.proto\x1a\x17tessera/v1/ledger.proto\x1a\x15tessera/v1/node.proto\"+\n\x10ListNodesRequest\x12\x17\n\x0finclude_offline\x18\x01 \x01(\x08\"8\n\x11ListNodesResponse\x12#\n\x05nodes\x18\x01 \x03(\x0b\x32\x14.tessera.v1.NodeInfo\"\x9d\x02\n\tModelInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x14\n\x0c\x61rchitecture\x18\x02 \x01(\t\x12\x12\n\nnum_layers\x18\x03 \x01(\r\x12\x13\n\x0bhidden_size\x18\x04 \x01(\r\x12\x12\n\nvocab_size\x18\x05 \x01(\r\x12\x13\n\x0btotal_bytes\x18\x06 \x01(\x04\x12\x15\n\rhas_tokenizer\x18\x07 \x01(\x08\x12\x11\n\tavailable\x18\x08 \x01(\x08\x12\x1a\n\x12unavailable_reason\x18\t \x01(\t\x12\x16\n\x0eready_replicas\x18\n \x03(\r\x12\x15\n\radded_unix_ms\x18\x0b \x01(\x03\x12\x0e\n\x06sha256\x18\x0c \x01(\t\x12\x15\n\rmax_positions\x18\r \x01(\r\";\n\x12ListModelsResponse\x12%\n\x06models\x18\x01 \x03(\x0b\x32\x15.tessera.v1.ModelInfo\"_\n\x0bModelDetail\x12#\n\x04info\x18\x01 \x01(\x0b\x32\x15.tessera.v1.ModelInfo\x12\x13\n\x0b\x63onfig_json\x18\x02 \x01(\t\x12\x16\n\x0etokenizer_json\x18\x03 \x01(\x0c\"\xcc\x01\n\x03Hop\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12&\n\x06layers\x18\x03 \x01(\x0b\x32\x16.tessera.v1.LayerRange\x12\x0f\n\x07relayed\x18\x04 \x01(\x08\x12\x12\n\npublic_key\x18\x05 \x01(\x0c\x12\x0f\n\x07\x61\x63\x63ount\x18\x06 \x01(\t\x12\x13\n\x0b\x64\x65vice_kind\x18\x07 \x01(\t\x12\x15\n\rcompute_dtype\x18\x08 \x01(\t\x12\x19\n\x11\x63heck_probability\x18\t \x01(\x01\"\x9e\x01\n\nRouteStage\x12&\n\x06layers\x18\x01 \x01(\x0b\x32\x16.tessera.v1.LayerRange\x12 \n\x07primary\x18\x02 \x01(\x0b\x32\x0f.tessera.v1.Hop\x12#\n\nalternates\x18\x03 \x03(\x0b\x32\x0f.tessera.v1.Hop\x12!\n\x08\x63heckers\x18\x04 \x03(\x0b\x32\x0f.tessera.v1.Hop\"\xc8\x01\n\x12OpenSessionRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x12\n\nmax_length\x18\x02 \x01(\r\x12\x0f\n\x07\x61\x63\x63ount\x18\x03 \x01(\t\x12\x11\n\tmax_price\x18\x04 \x01(\x03\x12\x0e\n\x06prefer\x18\x05 \x01(\t\x12\x19\n\x11\x63lient_public_key\x18\x06 \x01(\x0c\x12\x17\n\x0frequest_unix_ms\x18\x07 \x01(\x03\x12\x18\n\x10\x63lient_signature\x18\x08 \x01(\x0c\x12\r\n\x05nonce\x18\t \x01(\x0c\"\xac\x01\n\x10\x43\x61pabilityClaims\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x1f\n\x06grants\x18\x03 \x03(\x0b\x32\x0f.tessera.v1.Hop\x12\x16\n\x0eissued_unix_ms\x18\x04 \x01(\x03\x12\x17\n\x0f\x65xpires_unix_ms\x18\x05 \x01(\x03\x12\x12\n\nmax_tokens\x18\x06 \x01(\r\x12\x0f\n\x07\x61\x63\x63ount\x18\x07 \x01(\t\"5\n\x10SignedCapability\x12\x0e\n\x06\x63laims\x18\x01 \x01(\x0c\x12\x11\n\tsignature\x18\x02 \x01(\x0c\"\xdb\x01\n\x0cSessionGrant\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12&\n\x06stages\x18\x02 \x03(\x0b\x32\x16.tessera.v1.RouteStage\x12\x30\n\ncapability\x18\x03 \x01(\x0b\x32\x1c.tessera.v1.SignedCapability\x12\x12\n\nnum_layers\x18\x04 \x01(\r\x12\x13\n\x0bhidden_size\x18\x05 \x01(\r\x12\x12\n\nvocab_size\x18\x06 \x01(\r\x12 \n\x05quote\x18\x07 \x01(\x0b\x32\x11.tessera.v1.Quote\"\xa6\x01\n\x0eRerouteRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x30\n\ncapability\x18\x02 \x01(\x0b\x32\x1c.tessera.v1.SignedCapability\x12$\n\x04span\x18\x03 \x01(\x0b\x32\x16.tessera.v1.LayerRange\x12\x18\n\x10\x65xclude_node_ids\x18\x04 \x03(\t\x12\x0e\n\x06reason\x18\x05 \x01(\t\"b\n\x0fRerouteResponse\x12\x1d\n\x04hops\x18\x01 \x03(\x0b\x32\x0f.tessera.v1.Hop\x12\x30\n\ncapability\x18\x02 \x01(\x0b\x32\x1c.tessera.v1.SignedCapability\"\x83\x01\n\x13\x43loseSessionRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x30\n\ncapability\x18\x02 \x01(\x0b\x32\x1c.tessera.v1.SignedCapability\x12&\n\x05usage\x18\x03 \x03(\x0b\x32\x17.tessera.v1.SignedUsage\"B\n\x14\x43loseSessionResponse\x12*\n\nsettlement\x18\x01 \x01(\x0b\x32\x16.tessera.v1.Settlement\"d\n\x08StepTime\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12&\n\x06layers\x18\x02 \x01(\x0b\x32\x16.tessera.v1.LayerRange\x12\x0e\n\x06tokens\x18\x03 \x01(\r\x12\x0f\n\x07wall_ms\x18\x04 \x01(\x01\"|\n\x0fStepTimesReport\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x30\n\ncapability\x18\x02 \x01(\x0b\x32\x1c.tessera.v1.SignedCapability\x12#\n\x05steps\x18\x03 \x03(\x0b\x32\x14.tessera.v1.StepTime\" \n\x0cStepTimesAck\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\r2\xfb\x03\n\tClientApi\x12H\n\tListNodes\x12\x1c.tessera.v1.ListNodesRequest\x1a\x1d.tessera.v1.ListNodesResponse\x12?\n\nListModels\x12\x11.tessera.v1.Empty\x1a\x1e.tessera.v1.ListModelsResponse\x12\x39\n\x08GetModel\x12\x14.tessera.v1.ModelRef\x1a\x17.tessera.v1.ModelDetail\x12G\n\x0bOpenSession\x12\x1e.tessera.v1.OpenSessionRequest\x1a\x18.tessera.v1.SessionGrant\x12\x42\n\x07Reroute\x12\x1a.tessera.v1.RerouteRequest\x1a\x1b.tessera.v1.RerouteResponse\x12Q\n\x0c\x43loseSession\x12\x1f.tessera.v1.CloseSessionRequest\x1a .tessera.v1.CloseSessionResponse\x12H\n\x0fReportStepTimes\x12\x1b.tessera.v1.StepTimesReport\x1a\x18.tessera.v1.StepTimesAckb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -39,37 +39,37 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_LISTNODESRESPONSE']._serialized_start=161
   _globals['_LISTNODESRESPONSE']._serialized_end=217
   _globals['_MODELINFO']._serialized_start=220
-  _globals['_MODELINFO']._serialized_end=482
-  _globals['_LISTMODELSRESPONSE']._serialized_start=484
-  _globals['_LISTMODELSRESPONSE']._serialized_end=543
-  _globals['_MODELDETAIL']._serialized_start=545
-  _globals['_MODELDETAIL']._serialized_end=640
-  _globals['_HOP']._serialized_start=643
-  _globals['_HOP']._serialized_end=847
-  _globals['_ROUTESTAGE']._serialized_start=850
-  _globals['_ROUTESTAGE']._serialized_end=1008
-  _globals['_OPENSESSIONREQUEST']._serialized_start=1011
-  _globals['_OPENSESSIONREQUEST']._serialized_end=1211
-  _globals['_CAPABILITYCLAIMS']._serialized_start=1214
-  _globals['_CAPABILITYCLAIMS']._serialized_end=1386
-  _globals['_SIGNEDCAPABILITY']._serialized_start=1388
-  _globals['_SIGNEDCAPABILITY']._serialized_end=1441
-  _globals['_SESSIONGRANT']._serialized_start=1444
-  _globals['_SESSIONGRANT']._serialized_end=1663
-  _globals['_REROUTEREQUEST']._serialized_start=1666
-  _globals['_REROUTEREQUEST']._serialized_end=1832
-  _globals['_REROUTERESPONSE']._serialized_start=1834
-  _globals['_REROUTERESPONSE']._serialized_end=1932
-  _globals['_CLOSESESSIONREQUEST']._serialized_start=1935
-  _globals['_CLOSESESSIONREQUEST']._serialized_end=2066
-  _globals['_CLOSESESSIONRESPONSE']._serialized_start=2068
-  _globals['_CLOSESESSIONRESPONSE']._serialized_end=2134
-  _globals['_STEPTIME']._serialized_start=2136
-  _globals['_STEPTIME']._serialized_end=2236
-  _globals['_STEPTIMESREPORT']._serialized_start=2238
-  _globals['_STEPTIMESREPORT']._serialized_end=2362
-  _globals['_STEPTIMESACK']._serialized_start=2364
-  _globals['_STEPTIMESACK']._serialized_end=2396
-  _globals['_CLIENTAPI']._serialized_start=2399
-  _globals['_CLIENTAPI']._serialized_end=2906
+  _globals['_MODELINFO']._serialized_end=505
+  _globals['_LISTMODELSRESPONSE']._serialized_start=507
+  _globals['_LISTMODELSRESPONSE']._serialized_end=566
+  _globals['_MODELDETAIL']._serialized_start=568
+  _globals['_MODELDETAIL']._serialized_end=663
+  _globals['_HOP']._serialized_start=666
+  _globals['_HOP']._serialized_end=870
+  _globals['_ROUTESTAGE']._serialized_start=873
+  _globals['_ROUTESTAGE']._serialized_end=1031
+  _globals['_OPENSESSIONREQUEST']._serialized_start=1034
+  _globals['_OPENSESSIONREQUEST']._serialized_end=1234
+  _globals['_CAPABILITYCLAIMS']._serialized_start=1237
+  _globals['_CAPABILITYCLAIMS']._serialized_end=1409
+  _globals['_SIGNEDCAPABILITY']._serialized_start=1411
+  _globals['_SIGNEDCAPABILITY']._serialized_end=1464
+  _globals['_SESSIONGRANT']._serialized_start=1467
+  _globals['_SESSIONGRANT']._serialized_end=1686
+  _globals['_REROUTEREQUEST']._serialized_start=1689
+  _globals['_REROUTEREQUEST']._serialized_end=1855
+  _globals['_REROUTERESPONSE']._serialized_start=1857
+  _globals['_REROUTERESPONSE']._serialized_end=1955
+  _globals['_CLOSESESSIONREQUEST']._serialized_start=1958
+  _globals['_CLOSESESSIONREQUEST']._serialized_end=2089
+  _globals['_CLOSESESSIONRESPONSE']._serialized_start=2091
+  _globals['_CLOSESESSIONRESPONSE']._serialized_end=2157
+  _globals['_STEPTIME']._serialized_start=2159
+  _globals['_STEPTIME']._serialized_end=2259
+  _globals['_STEPTIMESREPORT']._serialized_start=2261
+  _globals['_STEPTIMESREPORT']._serialized_end=2385
+  _globals['_STEPTIMESACK']._serialized_start=2387
+  _globals['_STEPTIMESACK']._serialized_end=2419
+  _globals['_CLIENTAPI']._serialized_start=2422
+  _globals['_CLIENTAPI']._serialized_end=2929
 # @@protoc_insertion_point(module_scope)

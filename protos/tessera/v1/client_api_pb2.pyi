@@ -22,7 +22,7 @@ class ListNodesResponse(_message.Message):
     def __init__(self, nodes: _Optional[_Iterable[_Union[_node_pb2.NodeInfo, _Mapping]]] = ...) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("name", "architecture", "num_layers", "hidden_size", "vocab_size", "total_bytes", "has_tokenizer", "available", "unavailable_reason", "ready_replicas", "added_unix_ms", "sha256")
+    __slots__ = ("name", "architecture", "num_layers", "hidden_size", "vocab_size", "total_bytes", "has_tokenizer", "available", "unavailable_reason", "ready_replicas", "added_unix_ms", "sha256", "max_positions")
     NAME_FIELD_NUMBER: _ClassVar[int]
     ARCHITECTURE_FIELD_NUMBER: _ClassVar[int]
     NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
@@ -35,6 +35,7 @@ class ModelInfo(_message.Message):
     READY_REPLICAS_FIELD_NUMBER: _ClassVar[int]
     ADDED_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
     SHA256_FIELD_NUMBER: _ClassVar[int]
+    MAX_POSITIONS_FIELD_NUMBER: _ClassVar[int]
     name: str
     architecture: str
     num_layers: int
@@ -47,7 +48,8 @@ class ModelInfo(_message.Message):
     ready_replicas: _containers.RepeatedScalarFieldContainer[int]
     added_unix_ms: int
     sha256: str
-    def __init__(self, name: _Optional[str] = ..., architecture: _Optional[str] = ..., num_layers: _Optional[int] = ..., hidden_size: _Optional[int] = ..., vocab_size: _Optional[int] = ..., total_bytes: _Optional[int] = ..., has_tokenizer: _Optional[bool] = ..., available: _Optional[bool] = ..., unavailable_reason: _Optional[str] = ..., ready_replicas: _Optional[_Iterable[int]] = ..., added_unix_ms: _Optional[int] = ..., sha256: _Optional[str] = ...) -> None: ...
+    max_positions: int
+    def __init__(self, name: _Optional[str] = ..., architecture: _Optional[str] = ..., num_layers: _Optional[int] = ..., hidden_size: _Optional[int] = ..., vocab_size: _Optional[int] = ..., total_bytes: _Optional[int] = ..., has_tokenizer: _Optional[bool] = ..., available: _Optional[bool] = ..., unavailable_reason: _Optional[str] = ..., ready_replicas: _Optional[_Iterable[int]] = ..., added_unix_ms: _Optional[int] = ..., sha256: _Optional[str] = ..., max_positions: _Optional[int] = ...) -> None: ...
 
 class ListModelsResponse(_message.Message):
     __slots__ = ("models",)
