@@ -101,7 +101,11 @@ def run_grant(args: argparse.Namespace) -> int:
 def run_audit(args: argparse.Namespace) -> int:
     if args.db is not None:
         if not args.db.exists():
-            raise CliError(f"{args.db} does not exist")
+            raise CliError(
+                f"{args.db} does not exist: pass the coordinator's database, which `serve` "
+                "keeps at DATA_DIR/coordinator.db, or leave --db out to audit a running "
+                "coordinator (--data-dir or --coordinator)"
+            )
         from coordinator.db import open_database
         from coordinator.ledger.service import audit_report
 

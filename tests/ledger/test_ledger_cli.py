@@ -50,6 +50,7 @@ def test_grant_refuses_bad_amounts_before_calling_anyone(tmp_path: Path):
         assert result.returncode == 2 and fragment in result.stderr, result.stderr
     missing = cli("ledger", "audit", "--db", str(tmp_path / "nope.db"))
     assert missing.returncode == 2 and "does not exist" in missing.stderr
+    assert "coordinator.db" in missing.stderr  # says what to pass instead
 
 
 def test_stake_deposit_refuses_bad_amounts_and_a_missing_node_key(tmp_path: Path):
