@@ -283,7 +283,10 @@ def _checked(result: GenerationResult) -> str:
     if stats is None:
         return "no calls checked"
     calls, checked = sum(stats.calls.values()), sum(stats.checked.values())
-    return f"{checked} of {calls} calls checked on a second node"
+    audited = sum(stats.audited.values())
+    text = f"{checked} of {calls} calls checked on a second node"
+    # A checker's catch-up also compares the unchecked steps it replays (an audit).
+    return text + (f", {audited} more audited by their catch-ups" if audited else "")
 
 
 def _summary(reference: GenerationResult, faulty: GenerationResult, names: dict[str, str]) -> None:
