@@ -1,0 +1,128 @@
+"""An audit end to end: a real coordinator and four real node agents on loopback.
+
+Every node is the turncoat agent of tests/ledger: the real `tessera-node`, whose corrupt
+failpoint acts only while a trigger file exists. The test holds the trigger of the node the
+router put first for two steps, and the client draws no check until the test arms one (its
+random draws are scripted here; the nodes and the coordinator are untouched). So two steps
+are corrupted that no check was drawn for. The first check drawn after them warms its
+checker up on the session's history, that catch-up audits the steps it replays, the checker
+runs a corrupted step again, and the coordinator's own arbiter (another replica, of another
+operator) proves the node wrong: it is banned with stored evidence, and the generation
+stops with OutputTainted naming it and the first corrupted position.
+"""
+
+from __future__ import annotations
+
+import random
+import sqlite3
+from collections.abc import Iterator
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+from support.market import PROMPT, make_market_checkpoint, running_market, serves, wait_for
+
+import client.verification as verification
+from client.api import Client
+from client.driver import DriverConfig
+from client.errors import OutputTainted
+from client.local_swarm import LocalSwarm
+from node_agent.failpoints import ENV_VAR
+from protos.tessera.v1 import node_pb2
+
+pytestmark = pytest.mark.slow
+
+MODEL = "tiny-llama"
+NODES = {"alpha": 0, "bravo": 0, "charlie": 0, "delta": 0}  # a free swarm
+
+
+class Scripted:
+    """The client's check draws: none (1.0 is never below a checking probability) until
+    the test arms ``checks`` of them (0.0 is below any)."""
+
+    checks = 0
+
+    def __init__(self) -> None:
+        self._choices = random.Random(3)
+
+    def random(self) -> float:
+        if Scripted.checks > 0:
+            Scripted.checks -= 1
+            return 0.0
+        return 1.0
+
+    def choice(self, seq):  # noqa: ANN001, ANN201
+        return self._choices.choice(seq)
+
+
+@pytest.fixture
+def market(tmp_path: Path) -> Iterator[tuple[LocalSwarm, dict[str, Path]]]:
+    # Every node is a turncoat with a trigger of its own: the test turns whichever node the
+    # router puts first.
+    triggers = {name: tmp_path / f"{name}-cheats" for name in NODES}
+    env = {
+        name: {ENV_VAR: "corrupt=1.0,seed=5", "TESSERA_TEST_CHEAT_TRIGGER": str(trigger)}
+        for name, trigger in triggers.items()
+    }
+    turncoat = Path(__file__).parents[1] / "ledger" / "turncoat_node.py"
+    with running_market(
+        tmp_path / "swarm",
+        make_market_checkpoint(tmp_path / "ckpt"),
+        dict.fromkeys(NODES, turncoat),
+        layout=("--min-stages", "2", "--replicas", "4"),  # every node holds every stage
+        coordinator_args=("--canary-interval", "0"),
+        node_env=env,
+        prices=NODES,
+    ) as swarm:
+        yield swarm, triggers
+
+
+def test_an_unchecked_corruption_is_audited_proven_and_ends_the_generation(
+    market: tuple[LocalSwarm, dict[str, Path]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    swarm, triggers = market
+    monkeypatch.setattr(verification, "random", SimpleNamespace(Random=Scripted))
+    # Two hops even on one node: the first one's outputs are the next hop's input, which
+    # the client keeps, so its steps can be audited (the last hop's logits cannot).
+    config = DriverConfig(merge_same_node_hops=False)
+    with Client(swarm.address, driver_config=config) as client:
+        ids = {n.name: n.node_id for n in client.nodes()}
+        names = {node_id: name for name, node_id in ids.items()}
+        wait_for(lambda: all(serves(client, ids[n]) for n in NODES), "every node to serve")
+        tokens = client.generate(
+            MODEL, token_ids=PROMPT, max_new_tokens=10, stop_at_eos=False, run_ahead=False
+        )
+        seen: list[int] = []
+        with pytest.raises(OutputTainted) as raised:
+            for token in tokens:
+                seen.append(token.id)
+                if len(seen) == 1:
+                    cheater = client.last_run.initial_route[0].node_id
+                    trigger = triggers[names[cheater]]
+                    trigger.touch()  # steps 1 and 2 are corrupted, unchecked
+                elif len(seen) == 3:
+                    trigger.unlink()
+                    Scripted.checks = 1  # one check drawn: its checker warms up, and audits
+        result = client.last_run
+    assert raised.value.node_id == cheater
+    assert raised.value.position == len(PROMPT)  # the first decode step's position
+    proven = [f for f in result.verification.findings if f.outcome == "PRIMARY_WRONG"]
+    assert proven and {f.node_id for f in proven} == {cheater}
+    assert (proven[0].layer_start, proven[0].start_pos) == (0, len(PROMPT))
+    assert result.finish_reason == "error"
+    # The coordinator's arbiter proved it: banned, with the evidence kept.
+    with Client(swarm.address) as client:
+        wait_for(
+            lambda: (
+                {n.node_id: n.state for n in client.nodes(include_offline=True)}.get(cheater)
+                == node_pb2.NODE_STATE_BANNED
+            ),
+            "the cheater to be banned",
+        )
+    with sqlite3.connect(swarm.coordinator_dir / "coordinator.db") as db:
+        (evidence,) = db.execute(
+            "SELECT COUNT(*) FROM verification_evidence WHERE accused_node_id = ? "
+            "AND kind = 'arbitration'",
+            [cheater],
+        ).fetchone()
+    assert evidence >= 1
