@@ -94,6 +94,16 @@ class Sessions:
                 f"generated tokens together), and {request.max_length} were asked for: "
                 "generate fewer new tokens, or shorten the prompt",
             )
+        if request.max_length > self._placement.kv_tokens:
+            # Every shard is assigned this much cache: a longer session would be refused by
+            # every replica at the position that crosses it, mid-generation.
+            raise SessionError(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"this swarm's nodes keep at most {self._placement.kv_tokens} tokens of cache "
+                f"per session, and {request.max_length} were asked for: generate fewer new "
+                "tokens, or shorten the prompt (the coordinator's operator sets it with "
+                "`serve --kv-tokens`)",
+            )
         if len(request.account) > _MAX_NAME:
             raise SessionError(grpc.StatusCode.INVALID_ARGUMENT, "account name is too long")
         self._placement.note_session(info.name)

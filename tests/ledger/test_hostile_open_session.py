@@ -128,7 +128,15 @@ async def test_open_session_refuses_malformed_oversized_and_hostile_requests(
     assert escrowed(market, client) == grant.quote.amount > 0
     detail = await api(market).GetModel(common_pb2.ModelRef(name=MODEL))
     assert detail.info.max_positions == MODEL_POSITIONS
-    await api(market).OpenSession(signed_open(client, max_length=MODEL_POSITIONS))
+    # Within the positions but past the KV cache every shard is given (the harness's 64
+    # tokens): refused too, naming the setting; exactly the cache opens.
+    kv_tokens = market.coordinator.ctx.planner.kv_tokens
+    await refused(
+        api(market).OpenSession(signed_open(client, max_length=kv_tokens + 1), timeout=10),
+        grpc.StatusCode.INVALID_ARGUMENT,
+        f"at most {kv_tokens} tokens of cache",
+    )
+    await api(market).OpenSession(signed_open(client, max_length=kv_tokens))
 
 
 async def test_a_signed_open_is_accepted_once(market: JobsCoordinator) -> None:
