@@ -362,6 +362,7 @@ class AsyncClient:
                 if not finished:
                     seen_timings, seen_failovers = len(driver.timings), len(driver.failovers)
                     position = driver.length
+                    driver.raise_if_tainted(len(prompt_ids))  # before the driver's own check
                     logits = await driver.step(
                         next_input, last_only=True, defer_checks=defer, ring=ring_plan()
                     )
@@ -392,7 +393,7 @@ class AsyncClient:
                 unsettled = driver.unsettled_from()
                 while held and (unsettled is None or held[0].position < unsettled):
                     # An audit that proved a step wrong since: what follows it is not sound.
-                    driver.raise_if_tainted()
+                    driver.raise_if_tainted(len(prompt_ids))
                     ready = held.popleft()
                     index = len(result.token_ids)
                     if index == 0:
@@ -441,7 +442,7 @@ class AsyncClient:
         if completed and driver.verifier is not None and driver.verifier.proven_wrong():
             # An audit that settled only as the session closed: the text is whole, not sound.
             result.finish_reason = "error"
-            driver.raise_if_tainted()
+            driver.raise_if_tainted(len(prompt_ids))
 
     async def generate_all(self, model: str, **kwargs: Any) -> GenerationResult:
         """Run ``generate`` to the end and return its record."""

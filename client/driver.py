@@ -432,14 +432,19 @@ class PipelineDriver:
             return outputs[-1]
         return outputs[0] if len(outputs) == 1 else np.concatenate(outputs, axis=1)
 
-    def raise_if_tainted(self) -> None:
+    def raise_if_tainted(self, prompt_length: int | None = None) -> None:
         """Raise OutputTainted when an audit proved that a node's unchecked answer, still in
         this session's history, was wrong (client/verification.py): going on would build
-        on it, and rolling back cannot take back what the caller has already seen."""
+        on it, and rolling back cannot take back what the caller has already seen. With
+        ``prompt_length`` the error names the first generated token in doubt."""
         finding = self.verifier.proven_wrong() if self.verifier is not None else None
         if finding is not None and finding.start_pos < self._length:
             raise OutputTainted(
-                finding.node_id, finding.layer_start, finding.layer_end, finding.start_pos
+                finding.node_id,
+                finding.layer_start,
+                finding.layer_end,
+                finding.start_pos,
+                prompt_length,
             )
 
     def unsettled_from(self) -> int | None:

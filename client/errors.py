@@ -60,13 +60,24 @@ class OutputTainted(PipelineError):
     """A node was proven, after the fact, to have computed a step wrong that no sampled
     check had covered: the session's history from that position on holds its output."""
 
-    def __init__(self, node_id: str, layer_start: int, layer_end: int, position: int) -> None:
+    def __init__(
+        self,
+        node_id: str,
+        layer_start: int,
+        layer_end: int,
+        position: int,
+        prompt_length: int | None = None,
+    ) -> None:
+        # The step at `position` computed the token after it: the first one in doubt.
+        first = None if prompt_length is None else max(0, position + 1 - prompt_length)
+        suspect = f"position {position} on" if first is None else f"generated token {first} on"
         super().__init__(
             f"node {node_id} was proven to have computed layers [{layer_start}, {layer_end}) "
-            f"wrong from position {position} of this session on (a checker's catch-up "
-            "replayed that step, and the coordinator's arbiter confirmed it; the node is "
-            f"banned now). What was generated from position {position} on may be wrong: "
-            "generate again, and the coordinator will route around that node"
+            f"wrong at position {position} of this session (a checker's catch-up replayed "
+            "that step, and the coordinator's arbiter confirmed it; the node is banned now). "
+            f"The text from {suspect} may be wrong: generate again, and the coordinator will "
+            "route around that node"
         )
         self.node_id = node_id
         self.position = position
+        self.first_suspect_token = first

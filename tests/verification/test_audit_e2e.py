@@ -106,6 +106,9 @@ def test_an_unchecked_corruption_is_audited_proven_and_ends_the_generation(
         result = client.last_run
     assert raised.value.node_id == cheater
     assert raised.value.position == len(PROMPT)  # the first decode step's position
+    # That step computed generated token 1 (token 0 came from the prompt's step).
+    assert raised.value.first_suspect_token == 1
+    assert "generated token 1 on may be wrong" in str(raised.value)
     proven = [f for f in result.verification.findings if f.outcome == "PRIMARY_WRONG"]
     assert proven and {f.node_id for f in proven} == {cheater}
     assert (proven[0].layer_start, proven[0].start_pos) == (0, len(PROMPT))
