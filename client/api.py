@@ -295,6 +295,15 @@ class AsyncClient:
         sampler = Sampler(SamplingParams(temperature=temperature, top_p=top_p, seed=seed))
         handle = await self._model(model)
         prompt_ids = self._prompt_ids(handle, model, prompt, token_ids)
+        positions = handle.detail.info.max_positions  # 0: an older coordinator, unknown
+        if positions and len(prompt_ids) + max_new_tokens > positions:
+            room = positions - len(prompt_ids)
+            raise ValueError(
+                f"model {model!r} holds {positions} positions, prompt and new tokens "
+                f"together; this prompt has {len(prompt_ids)} tokens, so "
+                + (f"at most {room} new tokens fit" if room > 0 else "it does not fit")
+                + f" (asked for {max_new_tokens})"
+            )
         open_request = client_api_pb2.OpenSessionRequest(
             model=model,
             max_length=len(prompt_ids) + max_new_tokens,

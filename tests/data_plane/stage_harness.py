@@ -42,6 +42,7 @@ MODEL = "tiny-llama"
 NUM_LAYERS = 4
 HIDDEN = 32
 VOCAB = 64
+MAX_POSITIONS = 256  # the checkpoint's max_position_embeddings
 OPTIONS = [
     ("grpc.max_receive_message_length", codec.MAX_MESSAGE_BYTES),
     ("grpc.max_send_message_length", codec.MAX_MESSAGE_BYTES),
@@ -58,7 +59,7 @@ def make_tiny_checkpoint(directory: Path, *, seed: int = 7) -> Path:
         num_heads=4,
         num_kv_heads=2,
         vocab_size=VOCAB,
-        max_position_embeddings=256,
+        max_position_embeddings=MAX_POSITIONS,
         tokenizer=True,
         seed=seed,
     )
@@ -300,6 +301,7 @@ class FakeCoordinator(client_api_pb2_grpc.ClientApiServicer):
             vocab_size=VOCAB,
             has_tokenizer=True,
             available=True,
+            max_positions=MAX_POSITIONS,
         )
 
     async def ListNodes(self, request, context):  # noqa: N802

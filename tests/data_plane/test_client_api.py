@@ -172,6 +172,9 @@ def test_directory_calls_and_unknown_models(swarm: Swarm) -> None:
             list(client.generate(MODEL, max_new_tokens=1))
         with pytest.raises(ValueError, match="outside the vocabulary"):
             list(client.generate(MODEL, token_ids=[1, 999], max_new_tokens=1))
+        # Past the model's positions: told how many new tokens fit after this prompt.
+        with pytest.raises(ValueError, match="3 tokens, so at most 253 new tokens fit"):
+            list(client.generate(MODEL, token_ids=[1, 2, 3], max_new_tokens=254))
     assert swarm.coordinator.opened == []  # nothing was opened for bad requests
 
 
