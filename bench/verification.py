@@ -8,8 +8,8 @@ measures the detection probability over many trials, next to the formula
 
 A second table repeats flat sampling with audits (a check also compares every earlier
 call of its session on that hop, 40 calls a session): the same checks, more detection. It
-is an upper estimate of what the driver gets: the model's last hop is not audited, and a
-call whose signed answer comes back after the catch-up that replayed it is not compared.
+is an upper estimate of what the driver gets: the model's last hop is not audited, nor are
+positions a fail-over replayed on a replacement.
 
 Two policies, side by side in one run:
 - flat sampling at p = 1%, 5%, 10%;

@@ -227,6 +227,11 @@ class StageVerifier:
         self._signed_steps: dict[Span, list[_SignedStep]] = {}
         self._model = ""
         self._checked_steps: set[tuple[Span, int]] = set()
+        # (checker, span): a catch-up answer to compare again at the span's next call, its
+        # last steps' primary answers having come in after it (``_audit``).
+        self._late: dict[
+            tuple[str, Span], tuple[HopRecord, stage_pb2.ForwardRequest, stage_pb2.ForwardResponse]
+        ] = {}
         # Re-runs of a step an audit found wrong: the session's end waits for their verdicts.
         self._rechecks: set[asyncio.Task[None]] = set()
         # Told (node, layer start, layer end, tokens) of every check sent: the checker's
@@ -262,6 +267,9 @@ class StageVerifier:
             self._synced[key] = min(self._synced[key], request.start_pos)
         if replay:
             return None  # replays rebuild a cache after a fail-over; they are not sampled
+        for key in [k for k in self._late if k[1] == span]:
+            late_checker, message, answer = self._late.pop(key)
+            self._audit(late_checker, [message], [answer], history, again_later=False)
         drawn = self._drawn.pop(span, None)
         if drawn is None or drawn[0] != hop.node_id:
             checker = self._draw(hop, alternates)  # a span's first call, or a new primary
@@ -718,10 +726,16 @@ class StageVerifier:
         messages: list[stage_pb2.ForwardRequest],
         answers: list[stage_pb2.ForwardResponse],
         history: RouteHistory,
+        *,
+        again_later: bool = True,
     ) -> None:
         """Compare each catch-up answer with the primaries' signed answers for the steps it
         replayed that had no check of their own; a step that disagrees is run again on the
-        checker, as a check, after the work queued on its stream."""
+        checker, as a check, after the work queued on its stream.
+
+        A warm-up replays the call under way too, and may answer before its primary does:
+        such an answer is kept (``again_later``) and compared once more at the span's next
+        call, when the primary's answer is in and its output is the next hop's input."""
         spans = history.spans
         for message, answer in zip(messages, answers, strict=True):
             span = Span(message.layers.start, message.layers.end)
@@ -747,9 +761,11 @@ class StageVerifier:
             # Kept in position order: only the steps inside this answer's positions, so a
             # long session's audits do not rescan its whole history.
             first = bisect.bisect_left(kept, start, key=lambda r: r.start_pos)
+            reached = start  # how far this answer's positions have a signed step kept
             for step in itertools.islice(kept, first, None):
                 if step.start_pos >= end:
                     break
+                reached = max(reached, step.end_pos)
                 if (
                     step.node_id == checker.node_id
                     or not start <= step.start_pos < step.end_pos <= end
@@ -759,7 +775,10 @@ class StageVerifier:
                     continue
                 primary = _kept_output(history, following, step)
                 if primary is None:
-                    continue  # the history moved on (a rollback or replay): not this answer
+                    # Not on the next hop's history yet, or never again (a rollback or a
+                    # replay moved it on): a later look tells which.
+                    reached = min(reached, step.start_pos)
+                    continue
                 error = output_check.relative_error(
                     primary[0],
                     primary[1],
@@ -785,6 +804,8 @@ class StageVerifier:
                 )
                 self._rechecks.add(task)  # type: ignore[arg-type]
                 task.add_done_callback(self._rechecks.discard)  # type: ignore[arg-type]
+            if again_later and reached < end:
+                self._late[(checker.node_id, span)] = (checker, message, answer)
 
     async def _recheck(
         self, checker: HopRecord, span: Span, step: _SignedStep, history: RouteHistory

@@ -118,6 +118,7 @@ async def swarm(
     *,
     primary_corrupts: int | None = None,
     checker_corrupts: bool = False,
+    primary_delay_ms: int = 0,
     reports: list[verification_pb2.VerificationReport] | None = None,
 ) -> tuple[PipelineDriver, Armed, StageNode, StageNode, list[evidence.Mismatch]]:
     """Layers [0, 2) on a primary with one independent replica (its only checker), layers
@@ -132,6 +133,10 @@ async def swarm(
         primary.servicer._failpoints = CorruptsOneCall(primary_corrupts)
     if checker_corrupts:
         checker.servicer._failpoints = CorruptsOneCall(None)
+    if primary_delay_ms:
+        primary.servicer._failpoints = failpoints.Failpoints(
+            failpoints.parse(f"delay_ms={primary_delay_ms}")
+        )
     nodes = [primary, checker, last]
     accounts = {n.node_id: f"op-{i}" for i, n in enumerate(nodes)}
     grant = keyed(
@@ -223,4 +228,25 @@ async def test_a_checker_whose_catch_up_lies_cannot_stop_a_generation(
     assert all(f.outcome == "CHECKER_WRONG" for f in stats.findings)
     assert primary.node_id in {h.node_id for h in driver.route}
     assert not [f for f in driver.failovers if f.failed_node_id == primary.node_id]
+    await driver.close()
+
+
+async def test_a_call_whose_answer_comes_after_its_warm_up_is_audited_at_the_next_call(
+    start_node, keys, checkpoint
+) -> None:
+    # The primary answers 80 ms late, so the checker's warm-up (which replays the call
+    # under way) is back first: that call's step is compared at the span's next call.
+    driver, draws, primary, *_ = await swarm(start_node, keys, primary_delay_ms=80)
+
+    async def arm() -> None:
+        draws.armed = True
+
+    tokens = await greedy(driver, PROMPT, 8, after_step={4: arm})
+    assert tokens == reference_greedy(checkpoint, PROMPT, 8)
+    stats = driver.verifier.stats
+    node = primary.node_id
+    # Every call of the primary was compared once: by its own check, or by an audit.
+    assert stats.checked[node] + stats.audited[node] == stats.calls[node]
+    assert stats.audited[node] == 6  # the prompt and decode steps 1-5, before any check
+    assert not stats.findings
     await driver.close()
