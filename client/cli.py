@@ -361,13 +361,16 @@ def _models(args: argparse.Namespace) -> int:
             m.name,
             m.architecture,
             str(m.num_layers),
+            # Prompt and new tokens together; "-" from a coordinator that does not say.
+            f"{m.max_positions:,}" if m.max_positions else "-",
             human_bytes(m.total_bytes),
             "yes" if m.has_tokenizer else "no",
             "ready" if m.available else f"unavailable: {m.unavailable_reason}",
         ]
         for m in models
     ]
-    print(_table(["NAME", "ARCHITECTURE", "LAYERS", "SIZE", "TOKENIZER", "STATUS"], rows))
+    header = ["NAME", "ARCHITECTURE", "LAYERS", "CONTEXT", "SIZE", "TOKENIZER", "STATUS"]
+    print(_table(header, rows))
     return 0
 
 

@@ -247,7 +247,9 @@ def test_cli_generate_streams_text_and_lists(swarm: Swarm, capsys) -> None:
     assert tessera_cli.main(["nodes", "--coordinator", swarm.address, "--json"]) == 0
     assert len(json.loads(capsys.readouterr().out)) == 3
     assert tessera_cli.main(["models", "--coordinator", swarm.address]) == 0
-    assert MODEL in capsys.readouterr().out
+    header, row = capsys.readouterr().out.splitlines()
+    assert header.split()[:4] == ["NAME", "ARCHITECTURE", "LAYERS", "CONTEXT"]
+    assert row.split()[:4] == [MODEL, "LlamaForCausalLM", "4", "256"]  # tokens a session holds
 
     code = tessera_cli.main(
         [
