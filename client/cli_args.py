@@ -10,6 +10,8 @@ from __future__ import annotations
 import argparse
 import math
 
+from protos.dialing import dialable
+
 # The coordinator stores counts and prices as 64-bit integers; a bigger number would fail
 # in protobuf with "Value out of range", which names no flag.
 MAX_INT64 = (1 << 63) - 1
@@ -112,8 +114,7 @@ def token_ids(text: str) -> list[int]:
 def coordinator_address(text: str) -> str:
     """HOST:PORT of a coordinator to dial. gRPC would take "localhost" as port 443 and
     "http://host:7000" as a host name, then fail with a resolver message; say it here."""
-    host, sep, port = text.rpartition(":")
-    if "://" in text or not sep or not host or not port.isdigit() or not 0 < int(port) <= 65535:
+    if not dialable(text):
         raise argparse.ArgumentTypeError(
             f"{text!r} is not HOST:PORT; give the address `tessera-coordinator serve` logs "
             "as 'serving on HOST:PORT', e.g. 127.0.0.1:7000 or coord.example.org:7000"

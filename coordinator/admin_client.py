@@ -24,7 +24,7 @@ import grpc
 
 from coordinator.admin_auth import bearer_metadata
 from coordinator.secrets_store import ADDRESS_FILE, ADMIN_TOKEN_FILE
-from protos.dialing import DIAL_OPTIONS
+from protos.dialing import DIAL_OPTIONS, dialable
 
 DATA_DIR_ENV = "TESSERA_COORDINATOR_DATA_DIR"
 CHANNEL_OPTIONS = DIAL_OPTIONS
@@ -47,8 +47,7 @@ class CliError(Exception):
 def coordinator_address(text: str) -> str:
     """HOST:PORT to dial. gRPC would take "localhost" as port 443 and "http://h:1" as a host
     name, and fail later with a resolver message that names neither mistake."""
-    host, sep, port = text.rpartition(":")
-    if "://" in text or not sep or not host or not port.isdigit() or not 0 < int(port) <= 65535:
+    if not dialable(text):
         raise argparse.ArgumentTypeError(
             f"{text!r} is not HOST:PORT; give the address `tessera-coordinator serve` logs as "
             "'serving on HOST:PORT' (or --data-dir DIR of the coordinator instead)"

@@ -16,6 +16,7 @@ from node_agent import identity
 from node_agent.agent import CHANNEL_OPTIONS
 from node_agent.data_dir import default_data_dir
 from protos import identity as wire_identity
+from protos.dialing import dialable
 from protos.tessera.v1 import ledger_pb2, ledger_pb2_grpc
 
 RPC_TIMEOUT_S = 15.0
@@ -82,8 +83,7 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
 def coordinator_address(text: str) -> str:
     """HOST:PORT to dial (port 1-65535), for join, earnings and stake. gRPC would read
     "localhost" as port 443 and fail later with a message that names no flag."""
-    host, sep, port = text.rpartition(":")
-    if "://" in text or not sep or not host or not port.isdigit() or not 0 < int(port) <= 65535:
+    if not dialable(text):
         raise argparse.ArgumentTypeError(
             f"{text!r} is not HOST:PORT; give the coordinator's address as `tessera-coordinator "
             "serve` logs it ('serving on HOST:PORT'), e.g. 127.0.0.1:7000 or [::1]:7000"

@@ -31,3 +31,11 @@ DIAL_OPTIONS: list[tuple[str, int]] = [
     *MESSAGE_LIMITS,
     ("grpc.use_local_subchannel_pool", 1),
 ]
+
+
+def dialable(address: str) -> bool:
+    """True for HOST:PORT as gRPC dials it meant (port 1-65535, no scheme). gRPC itself
+    reads "localhost" as port 443 and "http://host:7000" as a host name, then fails with a
+    resolver message that names neither mistake; every CLI checks with this first."""
+    host, sep, port = address.rpartition(":")
+    return "://" not in address and bool(sep and host) and port.isdigit() and 0 < int(port) <= 65535
