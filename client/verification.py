@@ -347,7 +347,7 @@ class StageVerifier:
             self._load_grants(capability)
             if not self._keyed:
                 return None  # a coordinator without verification: nothing to check against
-            self._check_signature(hop.node_id, request, response)
+            output_sha256 = self._check_signature(hop.node_id, request, response)
         except BaseException:
             if pending is not None:
                 pending.cancel()
@@ -355,7 +355,7 @@ class StageVerifier:
         if replay:
             return None
         self.stats.calls[hop.node_id] = self.stats.calls.get(hop.node_id, 0) + 1
-        self._keep_signed(hop.node_id, request, response)
+        self._keep_signed(hop.node_id, request, response, output_sha256)
         return pending
 
     def _keep_signed(
@@ -363,6 +363,7 @@ class StageVerifier:
         node_id: str,
         request: stage_pb2.ForwardRequest,
         response: stage_pb2.ForwardResponse,
+        output_sha256: bytes,
     ) -> None:
         if request.last_position_only or len(response.output.shape) != 3:
             return  # logits: no hop takes them as input, so the client keeps none to compare
@@ -380,7 +381,7 @@ class StageVerifier:
                 start_pos=start,
                 end_pos=start + int(response.output.shape[1]),
                 input_digest=response.input_digest,
-                output_sha256=hashlib.sha256(response.output.data).digest(),
+                output_sha256=output_sha256,
                 signature=response.signature,
             )
         )
@@ -473,16 +474,19 @@ class StageVerifier:
         node_id: str,
         request: stage_pb2.ForwardRequest,
         response: stage_pb2.ForwardResponse,
-    ) -> client_api_pb2.Hop:
+    ) -> bytes:
+        """Raise NodeRejected unless ``node_id`` signed ``response`` to ``request``; returns
+        the sha256 of its output, which the signature covers."""
         grant = self._grants.get(node_id)
         if grant is None or not grant.public_key:
             raise NodeRejected(f"the session's capability carries no key for node {node_id}")
+        output_sha256 = hashlib.sha256(response.output.data).digest()
         payload = identity.output_payload(
             request.session_id,
             response.step,
             request.layers.start,
             request.layers.end,
-            hashlib.sha256(response.output.data).digest(),
+            output_sha256,
             input_digest=response.input_digest,
         )
         if not response.signature:
@@ -492,7 +496,7 @@ class StageVerifier:
             raise NodeRejected(f"node {node_id} signed no digest of its input history")
         if not identity.verify(grant.public_key, response.signature, payload):
             raise NodeRejected(f"node {node_id} sent an output whose signature does not verify")
-        return grant
+        return output_sha256
 
     # ---- redundant execution --------------------------------------------------------
 
