@@ -55,7 +55,7 @@ from node_agent.shard_manager import (
     session_of,
     shard_manager_for,
 )
-from protos import codec, identity, output_check
+from protos import codec, identity, logit_probes, output_check
 from protos.quoting import shown
 from protos.sampling import SamplingParams, draw_at
 from protos.tessera.v1 import client_api_pb2, common_pb2, stage_pb2, stage_pb2_grpc
@@ -385,6 +385,8 @@ class StageServicer(stage_pb2_grpc.StageServicer):
         batch, tokens = int(array.shape[0]), int(array.shape[1])
         if request.HasField("ring"):
             self._check_ring(claims, request, shard, batch)
+        if request.probes:
+            _check_probes(request, shard, batch, tokens)
         self._check_length(request, claims, shard, batch, tokens)
         shard.enter()
         try:
@@ -398,7 +400,9 @@ class StageServicer(stage_pb2_grpc.StageServicer):
                 if not request.relayed:
                     seen.direct = max(seen.direct, request.step)
                 cache = self._cache_for(shard, session_key, request, claims, batch, tokens)
-                output, compute_ms = await self._compute(shard, start, end, array, cache, request)
+                output, compute_ms, probed = await self._compute(
+                    shard, start, end, array, cache, request
+                )
                 cache_length = cache.length
                 input_digest = self._extend_chain(session_key, request.start_pos, array, request)
         finally:
@@ -426,6 +430,7 @@ class StageServicer(stage_pb2_grpc.StageServicer):
             signature=signature,
             usage=self._usage.record(request.session_id, start, end, request.step, batch * tokens),
             input_digest=input_digest,
+            probe_answers=probed,
         )
 
     def _extend_chain(
@@ -877,19 +882,36 @@ class StageServicer(stage_pb2_grpc.StageServicer):
         array: np.ndarray,
         cache: StageKVCache,
         request: stage_pb2.ForwardRequest,
-    ) -> tuple[common_pb2.Tensor, float]:
+    ) -> tuple[common_pb2.Tensor, float, list[stage_pb2.ProbeAnswer]]:
         stage = shard.stage_for(start, end)
         start_pos = request.start_pos
         wire_dtype = request.input.dtype
         last_position_only = request.last_position_only and stage.is_last
+        probes = list(request.probes)
+        # The probed positions' logits and the last one's (the answer), in one head matmul.
+        last = int(array.shape[1]) - 1
+        rows = sorted({p.position for p in probes} | {last}) if probes else None
 
-        def run() -> tuple[common_pb2.Tensor, float]:
+        def run() -> tuple[common_pb2.Tensor, float, list[stage_pb2.ProbeAnswer]]:
             began = time.perf_counter()
             x = _to_torch(array, wire_dtype)
+            answers: list[stage_pb2.ProbeAnswer] = []
             with torch.inference_mode():
-                out = stage.forward(x, cache, start_pos, last_position_only=last_position_only)
+                out = stage.forward(
+                    x,
+                    cache,
+                    start_pos,
+                    last_position_only=last_position_only,
+                    logit_positions=rows if rows != [last] else None,
+                )
+                if rows is not None:
+                    if rows != [last]:
+                        logits, out = out, out[:, -1:]
+                    else:
+                        logits = out
+                    answers = [_probe_answer(logits[0, rows.index(p.position)], p) for p in probes]
             tensor = _to_wire(out, logits=stage.is_last)
-            return tensor, (time.perf_counter() - began) * 1000.0
+            return tensor, (time.perf_counter() - began) * 1000.0, answers
 
         # Handing a decode step to the compute thread and back costs two thread wake-ups,
         # a real share of a hop's overhead. When that thread is idle and the stage's last
@@ -903,12 +925,12 @@ class StageServicer(stage_pb2_grpc.StageServicer):
         )
         background = request.background
         try:
-            tensor, compute_ms = await self._shards.run(  # type: ignore[misc]
+            tensor, compute_ms, answers = await self._shards.run(  # type: ignore[misc]
                 run, inline_if_idle=inline and not background, background=background
             )
             if not background:  # a check's time on the slower thread says nothing of hops
                 self._step_ms[view] = compute_ms
-            return tensor, compute_ms
+            return tensor, compute_ms, answers
         except CacheFullError as err:
             raise StageError(grpc.StatusCode.RESOURCE_EXHAUSTED, str(err)) from err
         except ValueError as err:
@@ -1010,6 +1032,39 @@ def _granted(grants: Sequence[common_pb2.LayerRange], start: int, end: int) -> b
             if covered >= end:
                 return True
     return False
+
+
+def _check_probes(
+    request: stage_pb2.ForwardRequest, shard: LoadedShard, batch: int, tokens: int
+) -> None:
+    """Probes read the logits of the model's last layer on this very call."""
+    ends_model = request.layers.end == shard.num_layers
+    if not ends_model or not request.last_position_only or request.relay_to or batch != 1:
+        raise StageError(
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "probes read logits: set them only on a call of batch 1 whose layers end at the "
+            f"model's last layer ({shard.num_layers}), with last_position_only and no "
+            f"relay_to (got layers [{request.layers.start}, {request.layers.end}), batch "
+            f"{batch}, last_position_only={request.last_position_only}, "
+            f"{len(request.relay_to)} relay hop(s))",
+        )
+    problem = logit_probes.positions_problem(request.probes, tokens, shard.config.vocab_size)
+    if problem is not None:
+        raise StageError(grpc.StatusCode.INVALID_ARGUMENT, problem)
+
+
+def _probe_answer(row: torch.Tensor, probe: stage_pb2.LogitProbe) -> stage_pb2.ProbeAnswer:
+    """One probed position's logits (``row``: [vocab] on the compute device)."""
+    row = row.float()
+    top = torch.topk(row, min(logit_probes.TOP_K, row.shape[0]))
+    probed = row[torch.tensor(list(probe.token_ids), dtype=torch.long, device=row.device)]
+    return stage_pb2.ProbeAnswer(
+        position=probe.position,
+        top_ids=top.indices.tolist(),
+        top_logits=top.values.tolist(),
+        probed_logits=probed.tolist(),
+        logsumexp=float(torch.logsumexp(row.double(), dim=0)),
+    )
 
 
 def _to_torch(array: np.ndarray, wire_dtype: str) -> torch.Tensor:

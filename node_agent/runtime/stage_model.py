@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -123,6 +123,7 @@ class StageModel(nn.Module):
         start_pos: int = 0,
         *,
         last_position_only: bool = False,
+        logit_positions: Sequence[int] | None = None,
     ) -> torch.Tensor:
         """Run the stage on a chunk at absolute positions [start_pos, start_pos + T).
 
@@ -132,6 +133,8 @@ class StageModel(nn.Module):
         makes the last stage return logits ``[B, 1, vocab]`` for the chunk's last position:
         sampling needs no more, and a prompt's other positions would cost a vocab-wide
         matmul each (other stages ignore it: the next stage needs every position).
+        ``logit_positions`` (offsets in the chunk, last stage only) returns the logits of
+        just those positions, ``[B, len, vocab]``: what an audit's probes read.
         """
         self._check_input(x)
         batch, seq = x.shape[:2]
@@ -140,7 +143,7 @@ class StageModel(nn.Module):
         if cache is not None:
             self._check_cache(cache, batch)
             cache.check_append(start_pos, seq)
-            if seq == 1 and self._graphs and not torch.is_grad_enabled():
+            if seq == 1 and self._graphs and not torch.is_grad_enabled() and not logit_positions:
                 try:
                     out = graphed_step(self, cache, x, start_pos, last_position_only)
                 except BaseException:
@@ -170,7 +173,9 @@ class StageModel(nn.Module):
             raise
         if cache is not None:
             cache.commit(start_pos + seq)
-        return self._output(hidden, last_position_only)
+        if logit_positions is not None and self.is_last:
+            hidden = hidden[:, list(logit_positions)]
+        return self._output(hidden, last_position_only and logit_positions is None)
 
     def static_decode(
         self,

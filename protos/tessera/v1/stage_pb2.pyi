@@ -10,7 +10,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class ForwardRequest(_message.Message):
-    __slots__ = ("capability", "session_id", "step", "model", "layers", "start_pos", "input", "last_position_only", "background", "relay_to", "relayed", "ring")
+    __slots__ = ("capability", "session_id", "step", "model", "layers", "start_pos", "input", "last_position_only", "background", "relay_to", "relayed", "ring", "probes")
     CAPABILITY_FIELD_NUMBER: _ClassVar[int]
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
@@ -23,6 +23,7 @@ class ForwardRequest(_message.Message):
     RELAY_TO_FIELD_NUMBER: _ClassVar[int]
     RELAYED_FIELD_NUMBER: _ClassVar[int]
     RING_FIELD_NUMBER: _ClassVar[int]
+    PROBES_FIELD_NUMBER: _ClassVar[int]
     capability: _client_api_pb2.SignedCapability
     session_id: str
     step: int
@@ -35,7 +36,30 @@ class ForwardRequest(_message.Message):
     relay_to: _containers.RepeatedCompositeFieldContainer[RelayHop]
     relayed: bool
     ring: RingContinuation
-    def __init__(self, capability: _Optional[_Union[_client_api_pb2.SignedCapability, _Mapping]] = ..., session_id: _Optional[str] = ..., step: _Optional[int] = ..., model: _Optional[str] = ..., layers: _Optional[_Union[_common_pb2.LayerRange, _Mapping]] = ..., start_pos: _Optional[int] = ..., input: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., last_position_only: _Optional[bool] = ..., background: _Optional[bool] = ..., relay_to: _Optional[_Iterable[_Union[RelayHop, _Mapping]]] = ..., relayed: _Optional[bool] = ..., ring: _Optional[_Union[RingContinuation, _Mapping]] = ...) -> None: ...
+    probes: _containers.RepeatedCompositeFieldContainer[LogitProbe]
+    def __init__(self, capability: _Optional[_Union[_client_api_pb2.SignedCapability, _Mapping]] = ..., session_id: _Optional[str] = ..., step: _Optional[int] = ..., model: _Optional[str] = ..., layers: _Optional[_Union[_common_pb2.LayerRange, _Mapping]] = ..., start_pos: _Optional[int] = ..., input: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., last_position_only: _Optional[bool] = ..., background: _Optional[bool] = ..., relay_to: _Optional[_Iterable[_Union[RelayHop, _Mapping]]] = ..., relayed: _Optional[bool] = ..., ring: _Optional[_Union[RingContinuation, _Mapping]] = ..., probes: _Optional[_Iterable[_Union[LogitProbe, _Mapping]]] = ...) -> None: ...
+
+class LogitProbe(_message.Message):
+    __slots__ = ("position", "token_ids")
+    POSITION_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    position: int
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, position: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class ProbeAnswer(_message.Message):
+    __slots__ = ("position", "top_ids", "top_logits", "probed_logits", "logsumexp")
+    POSITION_FIELD_NUMBER: _ClassVar[int]
+    TOP_IDS_FIELD_NUMBER: _ClassVar[int]
+    TOP_LOGITS_FIELD_NUMBER: _ClassVar[int]
+    PROBED_LOGITS_FIELD_NUMBER: _ClassVar[int]
+    LOGSUMEXP_FIELD_NUMBER: _ClassVar[int]
+    position: int
+    top_ids: _containers.RepeatedScalarFieldContainer[int]
+    top_logits: _containers.RepeatedScalarFieldContainer[float]
+    probed_logits: _containers.RepeatedScalarFieldContainer[float]
+    logsumexp: float
+    def __init__(self, position: _Optional[int] = ..., top_ids: _Optional[_Iterable[int]] = ..., top_logits: _Optional[_Iterable[float]] = ..., probed_logits: _Optional[_Iterable[float]] = ..., logsumexp: _Optional[float] = ...) -> None: ...
 
 class RingContinuation(_message.Message):
     __slots__ = ("route", "steps", "temperature", "top_p", "seed", "stop_token_ids", "origin_step")
@@ -88,7 +112,7 @@ class Delivery(_message.Message):
     def __init__(self, step: _Optional[int] = ..., layers: _Optional[_Union[_common_pb2.LayerRange, _Mapping]] = ..., response: _Optional[_Union[ForwardResponse, _Mapping]] = ..., error_code: _Optional[int] = ..., error_message: _Optional[str] = ...) -> None: ...
 
 class ForwardResponse(_message.Message):
-    __slots__ = ("step", "output", "compute_ms", "cache_length", "signature", "usage", "input_digest")
+    __slots__ = ("step", "output", "compute_ms", "cache_length", "signature", "usage", "input_digest", "probe_answers")
     STEP_FIELD_NUMBER: _ClassVar[int]
     OUTPUT_FIELD_NUMBER: _ClassVar[int]
     COMPUTE_MS_FIELD_NUMBER: _ClassVar[int]
@@ -96,6 +120,7 @@ class ForwardResponse(_message.Message):
     SIGNATURE_FIELD_NUMBER: _ClassVar[int]
     USAGE_FIELD_NUMBER: _ClassVar[int]
     INPUT_DIGEST_FIELD_NUMBER: _ClassVar[int]
+    PROBE_ANSWERS_FIELD_NUMBER: _ClassVar[int]
     step: int
     output: _common_pb2.Tensor
     compute_ms: float
@@ -103,7 +128,8 @@ class ForwardResponse(_message.Message):
     signature: bytes
     usage: _ledger_pb2.SignedUsage
     input_digest: bytes
-    def __init__(self, step: _Optional[int] = ..., output: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., compute_ms: _Optional[float] = ..., cache_length: _Optional[int] = ..., signature: _Optional[bytes] = ..., usage: _Optional[_Union[_ledger_pb2.SignedUsage, _Mapping]] = ..., input_digest: _Optional[bytes] = ...) -> None: ...
+    probe_answers: _containers.RepeatedCompositeFieldContainer[ProbeAnswer]
+    def __init__(self, step: _Optional[int] = ..., output: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., compute_ms: _Optional[float] = ..., cache_length: _Optional[int] = ..., signature: _Optional[bytes] = ..., usage: _Optional[_Union[_ledger_pb2.SignedUsage, _Mapping]] = ..., input_digest: _Optional[bytes] = ..., probe_answers: _Optional[_Iterable[_Union[ProbeAnswer, _Mapping]]] = ...) -> None: ...
 
 class EndSessionRequest(_message.Message):
     __slots__ = ("session_id", "capability")
