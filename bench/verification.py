@@ -8,8 +8,9 @@ measures the detection probability over many trials, next to the formula
 
 A second table repeats flat sampling with audits (a check also compares every earlier
 call of its session on that hop, 40 calls a session): the same checks, more detection. It
-is an upper estimate of what the driver gets: the model's last hop is not audited, nor are
-positions a fail-over replayed on a replacement.
+is an upper estimate of what the driver gets: positions a fail-over replayed on a
+replacement are not audited, nor are the last hop's rows the client let go for its
+memory budget (docs/verification.md, "The last hop").
 
 Two policies, side by side in one run:
 - flat sampling at p = 1%, 5%, 10%;
@@ -180,7 +181,7 @@ def main() -> int:
     )
     print(
         f"\nwith audits: a check also compares every earlier call of its session on that hop "
-        f"({SESSION_CALLS} calls a session; any hop but the model's last), same extra compute;"
+        f"({SESSION_CALLS} calls a session), same extra compute;"
         " an upper estimate (module docstring)"
     )
     print(f"{'policy':<26}{'corrupt':>8}{'checks only':>13}{'with audits':>13}")

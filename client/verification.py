@@ -22,7 +22,10 @@ step it concerned: client/driver.py.)
 A catch-up is also an audit. The checker replays the positions it missed, so its answer
 holds its own output for each of them, and the client holds the primary's signed output
 for the same positions (the next hop's input). Every earlier step that had no check of its
-own is compared there too, at no extra compute. A mismatch is settled like a check's: the
+own is compared there too, at no extra compute. The model's last hop answers logits, which
+no hop takes as input: the client keeps those rows itself (client/kept_logits.py), and the
+checker's catch-up answers a small probe per position (protos/logit_probes.py) besides the
+whole row at its last position. A mismatch is settled like a check's: the
 checker runs that very step again, and the two signed answers go to the arbiter. A primary
 proven wrong that way is banned like any other, but the tokens that followed its answer
 may have been yielded already; the driver stops the generation with ``OutputTainted``
@@ -45,9 +48,10 @@ import grpc
 import numpy as np
 
 from client.channels import ChannelPool
+from client.kept_logits import KeptLogits
 from client.records import HopRecord
 from client.route_history import RouteHistory, Span
-from protos import codec, identity, output_check
+from protos import codec, identity, logit_probes, output_check
 from protos.tessera.v1 import (
     client_api_pb2,
     common_pb2,
@@ -105,9 +109,10 @@ class NodeRejected(Exception):
 
 @dataclass(frozen=True)
 class _SignedStep:
-    """A primary's signed answer for one step of a hop that is not the model's last: what
-    an audit compares a checker's catch-up with, and the evidence if they disagree (the
-    output itself is the next hop's input, kept in the route history)."""
+    """A primary's signed answer for one step of a hop: what an audit compares a checker's
+    catch-up with, and the evidence if they disagree. The output itself is the next hop's
+    input, kept in the route history; on the model's last hop it is the logits of the
+    step's last position, ``end_pos - 1``, kept apart (client/kept_logits.py)."""
 
     node_id: str
     step: int
@@ -227,6 +232,10 @@ class StageVerifier:
         self._signed_steps: dict[Span, list[_SignedStep]] = {}
         self._model = ""
         self._checked_steps: set[tuple[Span, int]] = set()
+        # The last hop's unchecked answers (logits), by (span, step), until audited; kept
+        # only for a span whose primary a checker may be drawn for.
+        self._rows = KeptLogits()
+        self._auditable: dict[Span, bool] = {}
         # (checker, span): a catch-up answer to compare again at the span's next call, its
         # last steps' primary answers having come in after it (``_audit``).
         self._late: dict[
@@ -267,6 +276,12 @@ class StageVerifier:
             self._synced[key] = min(self._synced[key], request.start_pos)
         if replay:
             return None  # replays rebuild a cache after a fail-over; they are not sampled
+        grant = self._grants.get(hop.node_id)
+        # Worth keeping the last hop's rows for (``_keep_signed``) only if a catch-up may
+        # come: a checker can be drawn for this primary.
+        self._auditable[span] = bool(grant is not None and grant.check_probability > 0) and bool(
+            self._fit_checkers(hop, alternates)
+        )
         for key in [k for k in self._late if k[1] == span]:
             late_checker, message, answer = self._late.pop(key)
             self._audit(late_checker, [message], [answer], history, again_later=False)
@@ -365,26 +380,37 @@ class StageVerifier:
         response: stage_pb2.ForwardResponse,
         output_sha256: bytes,
     ) -> None:
-        if request.last_position_only or len(response.output.shape) != 3:
-            return  # logits: no hop takes them as input, so the client keeps none to compare
+        shape = list(response.output.shape)
+        logits = request.last_position_only
+        if len(shape) != 3 or (logits and shape[:2] != [1, 1]):
+            return  # only batch 1 is audited on the last hop (probes read one row)
         self._model = request.model
         span = Span(request.layers.start, request.layers.end)
         start = request.start_pos
         kept = self._signed_steps.setdefault(span, [])
         # A step at an earlier position rolled the session back: what was kept from there on
         # is gone from the history too.
-        del kept[bisect.bisect_left(kept, start, key=lambda r: r.start_pos) :]
+        at = bisect.bisect_left(kept, start, key=lambda r: r.start_pos)
+        for gone in kept[at:]:
+            self._rows.pop((span, gone.step))
+        del kept[at:]
         kept.append(
             _SignedStep(
                 node_id=node_id,
                 step=response.step,
                 start_pos=start,
-                end_pos=start + int(response.output.shape[1]),
+                end_pos=start + int(request.input.shape[1]),
                 input_digest=response.input_digest,
                 output_sha256=output_sha256,
                 signature=response.signature,
             )
         )
+        if (
+            logits
+            and self._auditable.get(span, False)
+            and (span, response.step) not in self._checked_steps
+        ):
+            self._rows.keep((span, response.step), response.output)
 
     async def settle(
         self,
@@ -502,9 +528,13 @@ class StageVerifier:
 
     def _pick_checker(self, hop: HopRecord, alternates: list[HopRecord]) -> HopRecord | None:
         """A random independent replica: another node and, where known, another operator."""
+        fit = self._fit_checkers(hop, alternates)
+        return self._rng.choice(fit) if fit else None
+
+    def _fit_checkers(self, hop: HopRecord, alternates: list[HopRecord]) -> list[HopRecord]:
         primary = self._grants.get(hop.node_id)
         account = primary.account if primary is not None else ""
-        fit = [
+        return [
             h
             for h in alternates
             if h.node_id != hop.node_id
@@ -512,7 +542,6 @@ class StageVerifier:
             and h.node_id in self._grants
             and independent(account, self._grants[h.node_id].account)
         ]
-        return self._rng.choice(fit) if fit else None
 
     async def _run_checker(
         self,
@@ -526,6 +555,7 @@ class StageVerifier:
             synced = 0 if attempt else self._synced.get(key, 0)
             try:
                 messages = self._catch_up(span, synced, request, history)
+                await self._add_probes(checker.node_id, span, messages[:-1])
                 async with asyncio.timeout(self._timeout_s):
                     answers = await self._send(checker, messages, checks=1)
             except grpc.aio.AioRpcError as err:
@@ -557,6 +587,7 @@ class StageVerifier:
         messages = self._catch_up(span, self._synced.get(key, 0), request, history, final=False)
         if not messages:
             return
+        await self._add_probes(checker.node_id, span, messages)
         try:
             async with asyncio.timeout(self._timeout_s):
                 answers = await self._send(checker, messages)
@@ -640,6 +671,30 @@ class StageVerifier:
         # The checker's own pipeline calls (it serves other stages too) go first.
         call.background = True
         return [*messages, call]
+
+    async def _add_probes(
+        self, checker_id: str, span: Span, messages: list[stage_pb2.ForwardRequest]
+    ) -> None:
+        """On the model's last hop, have the catch-up answer what an audit compares at each
+        position whose primary answer is kept (protos/logit_probes.py). Not at a chunk's
+        last position: its answer is that position's whole row anyway."""
+        kept = self._signed_steps.get(span, [])
+        for message in messages:
+            if not message.last_position_only or int(message.input.shape[0]) != 1:
+                continue
+            start = message.start_pos
+            end = start + int(message.input.shape[1])
+            first = bisect.bisect_left(kept, start, key=lambda r: r.start_pos)
+            for step in itertools.islice(kept, first, None):
+                if step.end_pos >= end:
+                    break
+                if step.node_id == checker_id or (span, step.step) in self._checked_steps:
+                    continue
+                row = self._rows.row((span, step.step))
+                if row is not None:
+                    message.probes.append(logit_probes.probe_for(row, step.end_pos - 1 - start))
+                    # A wide vocabulary's highest ids take a while: the pipeline goes first.
+                    await asyncio.sleep(0)
 
     async def _compare(
         self,
@@ -739,15 +794,15 @@ class StageVerifier:
 
         A warm-up replays the call under way too, and may answer before its primary does:
         such an answer is kept (``again_later``) and compared once more at the span's next
-        call, when the primary's answer is in and its output is the next hop's input."""
+        call, when the primary's answer is in (on the last hop: its logits; elsewhere: its
+        output, as the next hop's input)."""
         spans = history.spans
         for message, answer in zip(messages, answers, strict=True):
             span = Span(message.layers.start, message.layers.end)
+            last_hop = message.last_position_only
             following = history.following(span)
-            if message.last_position_only or following is None or span not in spans:
-                # The model's last hop (its catch-up answers one position's logits), or a
-                # hop a fail-over has since split: nothing kept to compare with.
-                continue
+            if span not in spans or (following is None and not last_hop):
+                continue  # a hop a fail-over has since split: nothing kept to compare with
             start = message.start_pos
             end = start + int(message.input.shape[1])
             try:
@@ -757,9 +812,10 @@ class StageVerifier:
                 log.info("checker %s: catch-up answer not usable for an audit: %s",
                          checker.node_id, err)  # fmt: skip
                 continue
+            width = 1 if last_hop else end - start
             if answer.input_digest != history.digest_after(span, end) or list(
                 replayed.shape[:2]
-            ) != [message.input.shape[0], end - start]:
+            ) != [message.input.shape[0], width]:
                 continue  # its cache holds another history: nothing to compare with
             kept = self._signed_steps.get(span, [])
             # Kept in position order: only the steps inside this answer's positions, so a
@@ -777,23 +833,29 @@ class StageVerifier:
                     or step.input_digest != history.digest_after(span, step.end_pos)
                 ):
                     continue
-                primary = _kept_output(history, following, step)
-                if primary is None:
-                    # Not on the next hop's history yet, or never again (a rollback or a
-                    # replay moved it on): a later look tells which.
-                    reached = min(reached, step.start_pos)
-                    continue
-                error = output_check.relative_error(
-                    primary[0],
-                    primary[1],
-                    replayed[:, step.start_pos - start : step.end_pos - start],
-                    answer.output.dtype,
-                )
+                if last_hop:
+                    error = self._row_error(span, step, message, answer, replayed, end)
+                    if error is None:
+                        continue  # not kept, or not probed: this catch-up cannot tell
+                else:
+                    primary = _kept_output(history, following, step)  # type: ignore[arg-type]
+                    if primary is None:
+                        # Not on the next hop's history yet, or never again (a rollback or
+                        # a replay moved it on): a later look tells which.
+                        reached = min(reached, step.start_pos)
+                        continue
+                    error = output_check.relative_error(
+                        primary[0],
+                        primary[1],
+                        replayed[:, step.start_pos - start : step.end_pos - start],
+                        answer.output.dtype,
+                    )
                 self.stats.audited_layer_tokens += (step.end_pos - step.start_pos) * (
                     span.end - span.start
                 )
                 self._checked_steps.add((span, step.step))  # audited once
                 if error <= self._tolerance(step.node_id, checker.node_id):
+                    self._rows.pop((span, step.step))
                     audited = self.stats.audited
                     audited[step.node_id] = audited.get(step.node_id, 0) + 1
                     continue
@@ -811,15 +873,42 @@ class StageVerifier:
             if again_later and reached < end:
                 self._late[(checker.node_id, span)] = (checker, message, answer)
 
+    def _row_error(
+        self,
+        span: Span,
+        step: _SignedStep,
+        message: stage_pb2.ForwardRequest,
+        answer: stage_pb2.ForwardResponse,
+        replayed: np.ndarray,
+        end: int,
+    ) -> float | None:
+        """How far a last-hop catch-up is from the primary's logits for ``step``: the whole
+        row at the catch-up's last position, a probe answer before it; None when there is
+        nothing to compare (the row was not kept, or no probe asked for it)."""
+        row = self._rows.row((span, step.step))
+        if row is None:
+            return None
+        if step.end_pos == end:
+            return output_check.relative_error(
+                row, "float32", replayed.reshape(-1), answer.output.dtype
+            )
+        position = step.end_pos - 1 - message.start_pos
+        for probe, probed in zip(message.probes, answer.probe_answers, strict=False):
+            if probe.position == position:
+                return logit_probes.probe_error(row, probe, probed)
+        if len(answer.probe_answers) != len(message.probes):
+            return float("inf")  # probes asked for and not answered: a checker to doubt
+        return None
+
     async def _recheck(
         self, checker: HopRecord, span: Span, step: _SignedStep, history: RouteHistory
     ) -> None:
         """Run a step an audit doubted again on the checker, exactly as the primary ran it,
         and settle the two signed answers like a check's."""
-        following = history.following(span)
-        if following is None or span not in history.spans:
+        if span not in history.spans:
             return  # a fail-over split the hop since: its history is kept per new hop
-        primary = _kept_output(history, following, step)
+        primary = self._primary_output(span, step, history)
+        self._rows.pop((span, step.step))
         chunks = history.inputs(span, step.start_pos, step.end_pos)
         if primary is None or sum(int(a.shape[1]) for _, a, _ in chunks) != (
             step.end_pos - step.start_pos
@@ -834,6 +923,7 @@ class StageVerifier:
             start_pos=step.start_pos,
             input=codec.encode(array, chunks[0][2]),
             background=True,
+            last_position_only=history.following(span) is None,
         )
         claimed = stage_pb2.ForwardResponse(
             step=step.step,
@@ -871,6 +961,18 @@ class StageVerifier:
         self.stats.findings.append(finding)
         log.warning("audit of node %s on layers %s at positions [%d, %d): %s",
                     step.node_id, span, step.start_pos, step.end_pos, finding.outcome)  # fmt: skip
+
+    def _primary_output(
+        self, span: Span, step: _SignedStep, history: RouteHistory
+    ) -> tuple[np.ndarray, str] | None:
+        """What ``step``'s primary signed, where the client still holds exactly that."""
+        following = history.following(span)
+        if following is not None:
+            return _kept_output(history, following, step)
+        tensor = self._rows.tensor((span, step.step))
+        if tensor is None or hashlib.sha256(tensor.data).digest() != step.output_sha256:
+            return None
+        return codec.decode(tensor, finite=False), tensor.dtype
 
     def proven_wrong(self) -> AuditFinding | None:
         """The first audit that proved a primary wrong, if any: the session's history from

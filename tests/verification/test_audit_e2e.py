@@ -1,14 +1,16 @@
 """An audit end to end: a real coordinator and four real node agents on loopback.
 
 Every node is the turncoat agent of tests/ledger: the real `tessera-node`, whose corrupt
-failpoint acts only while a trigger file exists. The test holds the trigger of the node the
-router put first for two steps, and the client draws no check until the test arms one (its
-random draws are scripted here; the nodes and the coordinator are untouched). So two steps
-are corrupted that no check was drawn for. The first check drawn after them warms its
-checker up on the session's history, that catch-up audits the steps it replays, the checker
-runs a corrupted step again, and the coordinator's own arbiter (another replica, of another
-operator) proves the node wrong: it is banned with stored evidence, and the generation
-stops with OutputTainted naming it and the first corrupted position.
+failpoint acts only while a trigger file exists. The test holds the trigger of one node of
+the route for two steps (the first hop's, or the model's last hop's), and the client draws
+no check until the test arms them (its random draws are scripted here; the nodes and the
+coordinator are untouched). So two steps are corrupted that no check was drawn for. The
+first check drawn after them warms its checker up on the session's history, that catch-up
+audits the steps it replays (hidden states on the first hop; on the last, a probe of the
+logits at each position), the checker runs a corrupted step again, and the coordinator's
+own arbiter (another replica, of another operator) proves the node wrong: it is banned
+with stored evidence, and the generation stops with OutputTainted naming it and the first
+corrupted position.
 """
 
 from __future__ import annotations
@@ -55,10 +57,12 @@ class Scripted:
         return self._choices.choice(seq)
 
 
-@pytest.fixture
-def market(tmp_path: Path) -> Iterator[tuple[LocalSwarm, dict[str, Path]]]:
+@pytest.fixture(params=["first", "last"])
+def market(
+    tmp_path: Path, request: pytest.FixtureRequest
+) -> Iterator[tuple[LocalSwarm, dict[str, Path], str]]:
     # Every node is a turncoat with a trigger of its own: the test turns whichever node the
-    # router puts first.
+    # router puts on the hop under test.
     triggers = {name: tmp_path / f"{name}-cheats" for name in NODES}
     env = {
         name: {ENV_VAR: "corrupt=1.0,seed=5", "TESSERA_TEST_CHEAT_TRIGGER": str(trigger)}
@@ -69,21 +73,21 @@ def market(tmp_path: Path) -> Iterator[tuple[LocalSwarm, dict[str, Path]]]:
         tmp_path / "swarm",
         make_market_checkpoint(tmp_path / "ckpt"),
         dict.fromkeys(NODES, turncoat),
-        layout=("--min-stages", "2", "--replicas", "4"),  # every node holds every stage
+        # Every node holds every stage: there is always an arbiter of another operator.
+        layout=("--min-stages", "2", "--replicas", "4"),
         coordinator_args=("--canary-interval", "0"),
         node_env=env,
         prices=NODES,
     ) as swarm:
-        yield swarm, triggers
+        yield swarm, triggers, request.param
 
 
 def test_an_unchecked_corruption_is_audited_proven_and_ends_the_generation(
-    market: tuple[LocalSwarm, dict[str, Path]], monkeypatch: pytest.MonkeyPatch
+    market: tuple[LocalSwarm, dict[str, Path], str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    swarm, triggers = market
+    swarm, triggers, hop = market
     monkeypatch.setattr(verification, "random", SimpleNamespace(Random=Scripted))
-    # Two hops even on one node: the first one's outputs are the next hop's input, which
-    # the client keeps, so its steps can be audited (the last hop's logits cannot).
+    # Two hops even on one node, so that the hop under test is a hop of its own.
     config = DriverConfig(merge_same_node_hops=False)
     with Client(swarm.address, driver_config=config) as client:
         ids = {n.name: n.node_id for n in client.nodes()}
@@ -97,13 +101,18 @@ def test_an_unchecked_corruption_is_audited_proven_and_ends_the_generation(
             for token in tokens:
                 seen.append(token.id)
                 if len(seen) == 1:
-                    cheater = client.last_run.initial_route[0].node_id
+                    route = client.last_run.initial_route
+                    cheater = route[0 if hop == "first" else -1].node_id
                     trigger = triggers[names[cheater]]
                     trigger.touch()  # steps 1 and 2 are corrupted, unchecked
                 elif len(seen) == 3:
                     trigger.unlink()
-                    Scripted.checks = 1  # one check drawn: its checker warms up, and audits
+                    # One check drawn per hop, the first hop's first: its checker warms up,
+                    # and audits. The last hop's draw comes second. (The router may put
+                    # the cheater on both hops: then the first hop is corrupted too.)
+                    Scripted.checks = 1 if hop == "first" else 2
         result = client.last_run
+    last_layer = route[-1].end
     assert raised.value.node_id == cheater
     assert raised.value.position == len(PROMPT)  # the first decode step's position
     # That step computed generated token 1 (token 0 came from the prompt's step).
@@ -111,7 +120,9 @@ def test_an_unchecked_corruption_is_audited_proven_and_ends_the_generation(
     assert "generated token 1 on may be wrong" in str(raised.value)
     proven = [f for f in result.verification.findings if f.outcome == "PRIMARY_WRONG"]
     assert proven and {f.node_id for f in proven} == {cheater}
-    assert (proven[0].layer_start, proven[0].start_pos) == (0, len(PROMPT))
+    where = (0, route[0].end) if hop == "first" else (route[-1].start, last_layer)
+    assert where in {(f.layer_start, f.layer_end) for f in proven}
+    assert min(f.start_pos for f in proven) == len(PROMPT)
     assert result.finish_reason == "error"
     # The coordinator's arbiter proved it: banned, with the evidence kept.
     with Client(swarm.address) as client:

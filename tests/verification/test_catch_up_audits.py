@@ -28,7 +28,7 @@ from verification.test_driver_verification import keyed
 from client.channels import ChannelPool
 from client.driver import PipelineDriver
 from client.errors import OutputTainted
-from client.verification import StageVerifier
+from client.verification import StageVerifier, VerificationStats
 from coordinator.verifier import evidence
 from coordinator.verifier.stage_runner import StageRunner
 from node_agent import failpoints
@@ -46,6 +46,41 @@ class Armed(random.Random):
 
     def random(self) -> float:
         return 0.0 if self.armed else 0.99
+
+
+def arm_after(draws: Armed) -> Callable[[], Awaitable[None]]:
+    """A hook for ``greedy(after_step=...)``: checks are drawn from then on."""
+
+    async def arm() -> None:
+        draws.armed = True
+
+    return arm
+
+
+def assert_proven(
+    raised: pytest.ExceptionInfo[OutputTainted],
+    stats: VerificationStats,
+    mismatches: list[evidence.Mismatch],
+    cheater: StageNode,
+    layers: tuple[int, int],
+    corrupted: int,
+) -> evidence.Mismatch:
+    """The audit's one finding: ``cheater`` proven wrong on ``layers`` at position
+    ``corrupted``, on evidence the coordinator's checks accepted; the mismatch it was."""
+    assert raised.value.node_id == cheater.node_id
+    [finding] = stats.findings
+    assert (finding.node_id, finding.layer_start, finding.layer_end) == (cheater.node_id, *layers)
+    assert (finding.start_pos, finding.end_pos, finding.outcome) == (
+        corrupted,
+        corrupted + 1,
+        "PRIMARY_WRONG",
+    )
+    # The evidence was the step itself, signed by both nodes: the coordinator's checks
+    # accepted it (they raise otherwise) and the arbiter's run sided with the checker.
+    [mismatch] = mismatches
+    assert mismatch.comparison.primary.node_id == cheater.node_id
+    assert mismatch.comparison.primary.step == finding.step
+    return mismatch
 
 
 class CorruptsOneCall(failpoints.Failpoints):
@@ -94,6 +129,7 @@ def arbiter(
             run = await runner.run(
                 node.node_id, node.address, MODEL, layers.start, layers.end,
                 [*comparison.prefix, comparison.input],
+                last_position_only=comparison.last_position_only,
             )  # fmt: skip
             truth = run.response.output
             assert list(truth.shape) == list(mismatch.primary_output.shape)
@@ -116,18 +152,21 @@ async def swarm(
     start_node: Callable[..., Awaitable[StageNode]],
     keys: CoordinatorKeys,
     *,
+    checked: tuple[int, int] = (0, 2),
     primary_corrupts: int | None = None,
     checker_corrupts: bool = False,
     primary_delay_ms: int = 0,
     reports: list[verification_pb2.VerificationReport] | None = None,
 ) -> tuple[PipelineDriver, Armed, StageNode, StageNode, list[evidence.Mismatch]]:
-    """Layers [0, 2) on a primary with one independent replica (its only checker), layers
-    [2, 4) on one node (never checked: no replica), and an arbiter outside the session."""
-    primary, checker, last, judge = [
-        await start_node([(0, 2)]),
-        await start_node([(0, 2)]),
-        await start_node([(2, 4)]),
-        await start_node([(0, 2)]),
+    """Layers ``checked`` ([0, 2), or the model's last ones, [2, 4)) on a primary with one
+    independent replica (its only checker), the other span on one node (never checked:
+    no replica), and an arbiter of ``checked`` outside the session."""
+    other = (2, 4) if checked == (0, 2) else (0, 2)
+    primary, checker, lone, judge = [
+        await start_node([checked]),
+        await start_node([checked]),
+        await start_node([other]),
+        await start_node([checked]),
     ]
     if primary_corrupts is not None:
         primary.servicer._failpoints = CorruptsOneCall(primary_corrupts)
@@ -137,12 +176,10 @@ async def swarm(
         primary.servicer._failpoints = failpoints.Failpoints(
             failpoints.parse(f"delay_ms={primary_delay_ms}")
         )
-    nodes = [primary, checker, last]
+    nodes = [primary, checker, lone]
     accounts = {n.node_id: f"op-{i}" for i, n in enumerate(nodes)}
-    grant = keyed(
-        keys, session_grant(keys, [(0, 2, primary, [checker]), (2, 4, last, [])]), nodes,
-        accounts, 0.5,
-    )  # fmt: skip
+    hops = sorted([(*checked, primary, [checker]), (*other, lone, [])], key=lambda h: h[0])
+    grant = keyed(keys, session_grant(keys, hops), nodes, accounts, 0.5)
     draws = Armed()
     mismatches: list[evidence.Mismatch] = []
     channels = ChannelPool()
@@ -160,28 +197,13 @@ async def test_a_corrupted_step_nobody_checked_is_found_by_a_later_catch_up(
     # corrupted while no check is drawn; the first check comes after token 4.
     driver, draws, cheater, _, mismatches = await swarm(start_node, keys, primary_corrupts=3)
 
-    async def arm() -> None:
-        draws.armed = True
-
     with pytest.raises(OutputTainted) as raised:
-        await greedy(driver, PROMPT, NEW_TOKENS, after_step={4: arm})
+        await greedy(driver, PROMPT, NEW_TOKENS, after_step={4: arm_after(draws)})
     stats = driver.verifier.stats
     corrupted = len(PROMPT) + 1  # the position call 3 computed
-    assert raised.value.node_id == cheater.node_id
     assert raised.value.position == corrupted
     assert f"position {corrupted}" in str(raised.value) and "generate again" in str(raised.value)
-    [finding] = stats.findings
-    assert (finding.node_id, finding.layer_start, finding.layer_end) == (cheater.node_id, 0, 2)
-    assert (finding.start_pos, finding.end_pos, finding.outcome) == (
-        corrupted,
-        corrupted + 1,
-        "PRIMARY_WRONG",
-    )
-    # The evidence was the step itself, signed by both nodes: the coordinator's checks
-    # accepted it (they raise otherwise) and the arbiter's run sided with the checker.
-    [mismatch] = mismatches
-    assert mismatch.comparison.primary.node_id == cheater.node_id
-    assert mismatch.comparison.primary.step == finding.step
+    mismatch = assert_proven(raised, stats, mismatches, cheater, (0, 2), corrupted)
     assert len(mismatch.comparison.prefix) >= 1  # the history before the step, as signed
     assert stats.audited_layer_tokens > 0
     await driver.close()
@@ -191,10 +213,7 @@ async def test_an_honest_swarm_is_audited_without_a_finding(start_node, keys, ch
     reports: list[verification_pb2.VerificationReport] = []
     driver, draws, primary, _, mismatches = await swarm(start_node, keys, reports=reports)
 
-    async def arm() -> None:
-        draws.armed = True
-
-    tokens = await greedy(driver, PROMPT, NEW_TOKENS, after_step={4: arm})
+    tokens = await greedy(driver, PROMPT, NEW_TOKENS, after_step={4: arm_after(draws)})
     assert tokens == reference_greedy(checkpoint, PROMPT, NEW_TOKENS)
     stats = driver.verifier.stats
     # The first check's catch-up replayed the prompt and the unchecked decode steps: every
@@ -218,10 +237,7 @@ async def test_a_checker_whose_catch_up_lies_cannot_stop_a_generation(
         start_node, keys, checker_corrupts=True
     )
 
-    async def arm() -> None:
-        draws.armed = True
-
-    tokens = await greedy(driver, PROMPT, NEW_TOKENS, after_step={4: arm})
+    tokens = await greedy(driver, PROMPT, NEW_TOKENS, after_step={4: arm_after(draws)})
     assert tokens == reference_greedy(checkpoint, PROMPT, NEW_TOKENS)
     stats = driver.verifier.stats
     assert mismatches, "the lying checker's answers were taken to the arbiter"
@@ -238,10 +254,7 @@ async def test_a_call_whose_answer_comes_after_its_warm_up_is_audited_at_the_nex
     # under way) is back first: that call's step is compared at the span's next call.
     driver, draws, primary, *_ = await swarm(start_node, keys, primary_delay_ms=80)
 
-    async def arm() -> None:
-        draws.armed = True
-
-    tokens = await greedy(driver, PROMPT, 8, after_step={4: arm})
+    tokens = await greedy(driver, PROMPT, 8, after_step={4: arm_after(draws)})
     assert tokens == reference_greedy(checkpoint, PROMPT, 8)
     stats = driver.verifier.stats
     node = primary.node_id
