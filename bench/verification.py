@@ -10,7 +10,10 @@ A second table repeats flat sampling with audits (a check also compares every ea
 call of its session on that hop, 40 calls a session): the same checks, more detection. It
 is an upper estimate of what the driver gets: positions a fail-over replayed on a
 replacement are not audited, nor are the last hop's rows the client let go for its
-memory budget (docs/verification.md, "The last hop").
+memory budget (docs/verification.md, "The last hop"). A third table adds what the
+coordinator does with audits: each call an audit found right is a verified result, so an
+honest node's check probability falls faster (its extra compute over its first 1,000
+calls), while the audits still catch a corrupter's calls (detection).
 
 Two policies, side by side in one run:
 - flat sampling at p = 1%, 5%, 10%;
@@ -91,38 +94,62 @@ def audited_detection(p: float, f: float, trials: int, rng: np.random.Generator)
 
 
 def adaptive_detection(
-    schedule: Schedule, f: float, trials: int, rng: np.random.Generator, trusted: int = 0
+    schedule: Schedule,
+    f: float,
+    trials: int,
+    rng: np.random.Generator,
+    trusted: int = 0,
+    *,
+    audits: bool = False,
 ) -> float:
     """Each trial: a node corrupting f of its outputs, checked as the Schedule says. It
     starts new, or (``trusted``) with that many consecutive verified results earned
-    honestly first: the patient cheater."""
+    honestly first: the patient cheater. With ``audits`` a check also compares the
+    unchecked calls of its session before it, and each one found right is a verified
+    result too (so the cheater's honest calls lower its check probability faster)."""
     caught = 0
     for _ in range(trials):
         consecutive = trusted
+        unchecked = 0  # calls of this session since its last check
+        corrupt_unchecked = False
         draws = rng.random((CALLS, 2))
-        for corrupt_draw, check_draw in draws:
+        for call, (corrupt_draw, check_draw) in enumerate(draws):
+            if call % SESSION_CALLS == 0:
+                unchecked, corrupt_unchecked = 0, False
+            corrupt = corrupt_draw < f
             if check_draw >= schedule.probability(consecutive):
+                unchecked += 1
+                corrupt_unchecked |= corrupt
                 continue
-            if corrupt_draw < f:
+            if corrupt or (audits and corrupt_unchecked):
                 caught += 1  # one signed wrong output, arbitrated: banned
                 break
-            consecutive += 1
+            consecutive += 1 + (unchecked if audits else 0)
+            unchecked = 0
     return caught / trials
 
 
 def honest_trajectory(
-    schedule: Schedule, calls: int, rng: np.random.Generator
+    schedule: Schedule, calls: int, rng: np.random.Generator, *, audits: bool = False
 ) -> tuple[np.ndarray, int]:
     """Check probability at each call of an honest node (checks always pass), and the
-    consecutive verified results it holds at the end."""
+    consecutive verified results it holds at the end. With ``audits`` a check's catch-up
+    also credits every unchecked call of its session before it (SESSION_CALLS calls a
+    session), as the coordinator credits audit agreements."""
     probabilities = np.empty(calls)
     consecutive = 0
+    unchecked = 0  # calls of the session so far that no check or audit has covered
     draws = rng.random(calls)
     for i in range(calls):
+        if i % SESSION_CALLS == 0:
+            unchecked = 0
         p = schedule.probability(consecutive)
         probabilities[i] = p
         if draws[i] < p:
-            consecutive += 1
+            consecutive += 1 + (unchecked if audits else 0)
+            unchecked = 0
+        else:
+            unchecked += 1
     return probabilities, consecutive
 
 
@@ -190,6 +217,26 @@ def main() -> int:
         if r.policy.startswith("flat"):
             audited = audited_detection(r.overhead_first, r.corruption, args.trials, audit_rng)
             print(f"{r.policy:<26}{r.corruption:>8.0%}{r.detected:>13.4f}{audited:>13.4f}")
+    print(
+        "\ntrust from audits (the coordinator credits each audited call as a verified "
+        f"result): an honest node's checks per call over its first {CALLS} calls, and a 5% "
+        f"corrupter's detection within its first {CALLS} calls, checks alone vs audits that "
+        "detect and earn trust"
+    )
+    print(
+        f"{'policy':<26}{'extra, checks':>14}{'with audits':>13}{'detected':>10}{'with audits':>13}"
+    )
+    for warmup, p_min in ADAPTIVE:
+        schedule = Schedule(warmup=warmup, p_min=p_min)
+        alone, _ = honest_trajectory(schedule, CALLS, audit_rng)
+        with_audits, _ = honest_trajectory(schedule, CALLS, audit_rng, audits=True)
+        caught = adaptive_detection(schedule, 0.05, args.trials, audit_rng)
+        caught_audited = adaptive_detection(schedule, 0.05, args.trials, audit_rng, audits=True)
+        name = f"adaptive w={warmup} min={p_min:.0%}"
+        print(
+            f"{name:<26}{alone.mean():>14.2%}{with_audits.mean():>13.2%}{caught:>10.4f}"
+            f"{caught_audited:>13.4f}"
+        )
     # Cheapest policy that reaches the detection goal against a 5% corrupter.
     qualifying = [r for r in rows if r.corruption == 0.05 and r.detected >= GOAL_DETECTION]
     print(f"({time.monotonic() - began:.0f} s)")

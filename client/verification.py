@@ -73,6 +73,10 @@ END_SESSION_TIMEOUT_S = 2.0
 # A checker's catch-up goes in chunks of at most this many positions (the driver's prefill
 # chunk), far below what a node accepts in one request.
 CATCH_UP_CHUNK_TOKENS = 512
+# Audit agreements go to the coordinator (they earn the nodes trust) with the next report,
+# or on their own once this many wait; at most AUDITS_PER_REPORT in one report.
+AUDITS_TO_FLUSH = 256
+AUDITS_PER_REPORT = 1024
 
 
 @dataclass
@@ -121,6 +125,16 @@ class _SignedStep:
     input_digest: bytes
     output_sha256: bytes
     signature: bytes
+
+    def evidence(self, span: Span) -> verification_pb2.SignedOutput:
+        return verification_pb2.SignedOutput(
+            node_id=self.node_id,
+            step=self.step,
+            layers=common_pb2.LayerRange(start=span.start, end=span.end),
+            input_digest=self.input_digest,
+            output_sha256=self.output_sha256,
+            signature=self.signature,
+        )
 
 
 @dataclass(frozen=True)
@@ -220,6 +234,8 @@ class StageVerifier:
         self._unfit_checkers: set[str] = set()
         self._streams: dict[str, _CheckerStream] = {}
         self._pending: list[verification_pb2.Comparison] = []
+        self._audits: list[verification_pb2.AuditAgreement] = []
+        self._flushing: asyncio.Task[None] | None = None
         # Work on each checker's stream (checks, catch-ups) takes turns on a lock per node;
         # all of it is kept, so that the session's end can cancel what is left.
         self._turns: dict[str, asyncio.Lock] = {}
@@ -450,8 +466,12 @@ class StageVerifier:
         await self._end_checker_sessions()
         if self._reporter is None or not self._keyed:
             return None  # nothing was checked: a coordinator without a verifier
+        if self._flushing is not None:
+            await self._flushing
         try:
             verdict = await self._report()
+            while self._audits:  # more than one report holds
+                verdict = await self._report()
         except grpc.aio.AioRpcError as err:
             log.warning("verification report failed: %s: %s", err.code().name, err.details())
             return None
@@ -806,7 +826,7 @@ class StageVerifier:
             start = message.start_pos
             end = start + int(message.input.shape[1])
             try:
-                self._check_signature(checker.node_id, message, answer)
+                digest = self._check_signature(checker.node_id, message, answer)
                 replayed = codec.decode(answer.output, finite=False)
             except (NodeRejected, codec.TensorError) as err:
                 log.info("checker %s: catch-up answer not usable for an audit: %s",
@@ -822,6 +842,7 @@ class StageVerifier:
             # long session's audits do not rescan its whole history.
             first = bisect.bisect_left(kept, start, key=lambda r: r.start_pos)
             reached = start  # how far this answer's positions have a signed step kept
+            vouching: verification_pb2.SignedOutput | None = None  # the checker's answer
             for step in itertools.islice(kept, first, None):
                 if step.start_pos >= end:
                     break
@@ -858,6 +879,15 @@ class StageVerifier:
                     self._rows.pop((span, step.step))
                     audited = self.stats.audited
                     audited[step.node_id] = audited.get(step.node_id, 0) + 1
+                    if vouching is None:
+                        vouching = _signed(
+                            checker.node_id, message, answer, with_output=False, digest=digest
+                        )
+                    self._audits.append(
+                        verification_pb2.AuditAgreement(
+                            primary=step.evidence(span), checker=vouching
+                        )
+                    )
                     continue
                 log.warning(
                     "audit: checker %s's catch-up disagrees with %s on layers %s at positions "
@@ -872,6 +902,9 @@ class StageVerifier:
                 task.add_done_callback(self._rechecks.discard)  # type: ignore[arg-type]
             if again_later and reached < end:
                 self._late[(checker.node_id, span)] = (checker, message, answer)
+        if len(self._audits) >= AUDITS_TO_FLUSH and self._reporter is not None:
+            if self._flushing is None or self._flushing.done():
+                self._flushing = asyncio.ensure_future(self._report_quietly())
 
     def _row_error(
         self,
@@ -1001,10 +1034,13 @@ class StageVerifier:
     async def _report(self) -> verification_pb2.ReportVerdict:
         assert self._reporter is not None
         comparisons, self._pending = self._pending, []
+        audits = self._audits[:AUDITS_PER_REPORT]
+        del self._audits[:AUDITS_PER_REPORT]
         report = verification_pb2.VerificationReport(
             session_id=self.session_id,
             capability=self._capability,
             comparisons=comparisons,
+            audits=audits,
             calls=[
                 verification_pb2.NodeCalls(
                     node_id=node,
@@ -1079,13 +1115,15 @@ def _signed(
     response: stage_pb2.ForwardResponse,
     *,
     with_output: bool,
+    digest: bytes | None = None,
 ) -> verification_pb2.SignedOutput:
+    """``digest``: the output's sha256 where the signature check already computed it."""
     signed = verification_pb2.SignedOutput(
         node_id=node_id,
         step=response.step,
         layers=common_pb2.LayerRange(start=request.layers.start, end=request.layers.end),
         input_digest=response.input_digest,
-        output_sha256=hashlib.sha256(response.output.data).digest(),
+        output_sha256=digest or hashlib.sha256(response.output.data).digest(),
         signature=response.signature,
     )
     if with_output:

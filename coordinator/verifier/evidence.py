@@ -21,6 +21,7 @@ from protos import codec, identity, output_check
 from protos.tessera.v1 import client_api_pb2, common_pb2, verification_pb2
 
 MAX_COMPARISONS = 4096
+MAX_AUDITS = 4096
 MAX_MISMATCHES = 4
 MAX_NODE_CALLS = 1024
 DIGEST_BYTES = output_check.DIGEST_BYTES
@@ -61,6 +62,11 @@ def check_limits(report: verification_pb2.VerificationReport) -> None:
             f"{len(report.comparisons)} comparisons in one report; send at most "
             f"{MAX_COMPARISONS} per report",
         )
+    if len(report.audits) > MAX_AUDITS:
+        raise ReportError(
+            grpc.StatusCode.RESOURCE_EXHAUSTED,
+            f"{len(report.audits)} audits in one report; send at most {MAX_AUDITS} per report",
+        )
     mismatches = sum(not c.agreed for c in report.comparisons)
     if mismatches > MAX_MISMATCHES:
         raise ReportError(
@@ -95,17 +101,51 @@ def check_comparison(
             grpc.StatusCode.INVALID_ARGUMENT,
             "the two outputs of a comparison must be for the same step and layers",
         )
-    for signed in (p, c):
-        if len(signed.input_digest) != DIGEST_BYTES or len(signed.output_sha256) != DIGEST_BYTES:
-            raise ReportError(
-                grpc.StatusCode.INVALID_ARGUMENT,
-                f"node {signed.node_id[:64]!r}: input and output digests have 32 bytes each",
-            )
+    _check_digests(p, c)
     if p.input_digest != c.input_digest:
         raise ReportError(
             grpc.StatusCode.INVALID_ARGUMENT,
             "the two nodes signed for different input histories; their outputs are not comparable",
         )
+    return _signed_pair(claims, p, c)
+
+
+def check_audit(
+    claims: client_api_pb2.CapabilityClaims, audit: verification_pb2.AuditAgreement
+) -> None:
+    """An audit's two signed answers are sound: two nodes of different operators, the
+    same layers, the checker's catch-up no earlier than the primary's step, and both
+    signatures those of nodes the session's capability grants these layers."""
+    p, c = audit.primary, audit.checker
+    if not p.node_id or not c.node_id or p.node_id == c.node_id:
+        raise ReportError(
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "an audit needs two different nodes (primary and checker)",
+        )
+    if (p.layers.start, p.layers.end) != (c.layers.start, c.layers.end) or c.step < p.step:
+        raise ReportError(
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "an audit's catch-up answer must be for the primary's layers, at its step or later",
+        )
+    _check_digests(p, c)
+    _signed_pair(claims, p, c)
+
+
+def _check_digests(*outputs: verification_pb2.SignedOutput) -> None:
+    for signed in outputs:
+        if len(signed.input_digest) != DIGEST_BYTES or len(signed.output_sha256) != DIGEST_BYTES:
+            raise ReportError(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"node {signed.node_id[:64]!r}: input and output digests have 32 bytes each",
+            )
+
+
+def _signed_pair(
+    claims: client_api_pb2.CapabilityClaims,
+    p: verification_pb2.SignedOutput,
+    c: verification_pb2.SignedOutput,
+) -> tuple[client_api_pb2.Hop, client_api_pb2.Hop]:
+    """Both nodes' grants, once both signatures verify and the nodes are independent."""
     grants = [_grant(claims, signed) for signed in (p, c)]
     for signed, grant in zip((p, c), grants, strict=True):
         payload = identity.output_payload(

@@ -33,6 +33,7 @@ from coordinator.verifier.canaries import Canaries
 from coordinator.verifier.evidence import (
     Mismatch,
     ReportError,
+    check_audit,
     check_comparison,
     check_limits,
     check_mismatch,
@@ -263,6 +264,8 @@ class Verifier:
         check_limits(request)
         checked: list[tuple[verification_pb2.Comparison, client_api_pb2.Hop, client_api_pb2.Hop]]
         checked = [(c, *check_comparison(claims, c)) for c in request.comparisons]
+        for audit in request.audits:
+            check_audit(claims, audit)
         mismatches = [check_mismatch(c, p, k) for c, p, k in checked if not c.agreed]
         # The replay guard is a read-then-write, and no await happens in between: two
         # reports can never both claim one signed output. One transaction for all of it.
@@ -272,6 +275,10 @@ class Verifier:
                 if comparison.agreed:
                     self.reputation.verified(comparison.primary.node_id)
                     self.reputation.verified(comparison.checker.node_id)
+            for audit in request.audits:
+                self.reputation.verified(audit.primary.node_id)
+            for node_id in self._claim_catch_ups(request):
+                self.reputation.verified(node_id)
         # Arbitration runs a third node: reports of other sessions go on meanwhile.
         verdicts = [await self._arbitrate(claims, m) for m in mismatches]
         self._record_calls(request, len(mismatches))
@@ -290,7 +297,31 @@ class Verifier:
         for comparison in request.comparisons:
             keys += [signature_key(comparison.primary.signature)]
             keys += [signature_key(comparison.checker.signature)]
+        keys += [signature_key(audit.primary.signature) for audit in request.audits]
         self._claim_keys(keys, request.session_id)
+
+    def _claim_catch_ups(self, request: verification_pb2.VerificationReport) -> list[str]:
+        """The checkers of the report's audits whose catch-up answer counts for the first
+        time: one answer audits many steps, maybe reported in several reports, and earns
+        its node trust once."""
+        db = self._ctx.db
+        fresh: dict[str, str] = {}
+        for audit in request.audits:
+            key = signature_key(audit.checker.signature)
+            if (
+                key in fresh
+                or db.execute(
+                    "SELECT 1 FROM reported_outputs WHERE signature_sha256 = ?", [key]
+                ).fetchone()
+            ):
+                continue
+            fresh[key] = audit.checker.node_id
+        now = int(time.time() * 1000)
+        db["reported_outputs"].insert_all(
+            [{"signature_sha256": k, "session_id": request.session_id, "ts_ms": now}
+             for k in fresh]
+        )  # fmt: skip
+        return list(fresh.values())
 
     def _claim_keys(self, keys: list[str], session_id: str) -> None:
         """Each signed output counts once: refuse a report that repeats one."""

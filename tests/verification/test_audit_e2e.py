@@ -140,3 +140,35 @@ def test_an_unchecked_corruption_is_audited_proven_and_ends_the_generation(
             [cheater],
         ).fetchone()
     assert evidence >= 1
+
+
+def test_an_honest_generation_s_audits_earn_its_nodes_trust(
+    market: tuple[LocalSwarm, dict[str, Path], str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    swarm, _, hop = market
+    monkeypatch.setattr(verification, "random", SimpleNamespace(Random=Scripted))
+    Scripted.checks = 0
+    config = DriverConfig(merge_same_node_hops=False)
+    with Client(swarm.address, driver_config=config) as client:
+        ids = {n.name: n.node_id for n in client.nodes()}
+        wait_for(lambda: all(serves(client, ids[n]) for n in NODES), "every node to serve")
+        tokens = client.generate(
+            MODEL, token_ids=PROMPT, max_new_tokens=10, stop_at_eos=False, run_ahead=False
+        )
+        for seen, _ in enumerate(tokens, 1):
+            if seen == 4:
+                Scripted.checks = 1 if hop == "first" else 2  # as in the test above
+        result = client.last_run
+        audited = result.route[0 if hop == "first" else -1].node_id
+        stats = result.verification
+        # The prompt's step and the decode steps before the check, audited by its warm-up.
+        assert stats.audited[audited] >= 4 and not stats.findings
+        # The real coordinator accepted them (both signatures, the pairing) and credited
+        # each as a verified result: far more than the one check drawn.
+        wait_for(
+            lambda: (
+                {n.node_id: n.trust for n in client.nodes()}[audited].verified
+                >= stats.audited[audited]
+            ),
+            "the audits to be credited",
+        )

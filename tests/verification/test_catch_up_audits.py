@@ -25,6 +25,7 @@ from data_plane.stage_harness import (
 from data_plane.test_driver import PROMPT, greedy
 from verification.test_driver_verification import keyed
 
+from client import verification as client_verification
 from client.channels import ChannelPool
 from client.driver import PipelineDriver
 from client.errors import OutputTainted
@@ -118,6 +119,8 @@ def arbiter(
         if reports is not None:
             reports.append(request)
         claims = client_api_pb2.CapabilityClaims.FromString(request.capability.claims)
+        for audit in request.audits:
+            evidence.check_audit(claims, audit)  # raises, as the coordinator would refuse
         verdicts = []
         for comparison in request.comparisons:
             primary, checker = evidence.check_comparison(claims, comparison)
@@ -224,6 +227,13 @@ async def test_an_honest_swarm_is_audited_without_a_finding(start_node, keys, ch
     # steps before the first check, each once, beside the checks of every later step.
     assert stats.audited[primary.node_id] >= 5
     await driver.verifier.finish()
+    # Every audited step went to the coordinator as an agreement signed by both nodes (it
+    # earns them trust there), vouched for by the checker's catch-up answers.
+    reported = [a for r in reports for a in r.audits]
+    assert len(reported) == stats.audited[primary.node_id]
+    assert {a.primary.node_id for a in reported} == {primary.node_id}
+    assert len({a.primary.signature for a in reported}) == len(reported)
+    assert all(a.checker.step >= a.primary.step for a in reported)
     calls = {c.node_id: c for c in reports[-1].calls}[primary.node_id]
     assert calls.checked == stats.checked[primary.node_id] + stats.audited[primary.node_id]
     assert calls.checked <= calls.calls == stats.calls[primary.node_id]
@@ -262,4 +272,23 @@ async def test_a_call_whose_answer_comes_after_its_warm_up_is_audited_at_the_nex
     assert stats.checked[node] + stats.audited[node] == stats.calls[node]
     assert stats.audited[node] == 6  # the prompt and decode steps 1-5, before any check
     assert not stats.findings
+    await driver.close()
+
+
+async def test_many_audits_go_in_reports_of_bounded_size(
+    start_node, keys, checkpoint, monkeypatch
+) -> None:
+    monkeypatch.setattr(client_verification, "AUDITS_TO_FLUSH", 2)
+    monkeypatch.setattr(client_verification, "AUDITS_PER_REPORT", 3)
+    reports: list[verification_pb2.VerificationReport] = []
+    driver, draws, primary, _, _ = await swarm(start_node, keys, reports=reports)
+    tokens = await greedy(driver, PROMPT, NEW_TOKENS, after_step={4: arm_after(draws)})
+    assert tokens == reference_greedy(checkpoint, PROMPT, NEW_TOKENS)
+    # Sent while the generation ran, as soon as 2 waited (not only at the session's end).
+    assert sum(len(r.audits) for r in reports) >= 2
+    await driver.verifier.finish()
+    sizes = [len(r.audits) for r in reports if r.audits]
+    # Never more than 3 in a report, and none lost.
+    assert len(sizes) >= 2 and max(sizes) <= 3
+    assert sum(sizes) == driver.verifier.stats.audited[primary.node_id]
     await driver.close()

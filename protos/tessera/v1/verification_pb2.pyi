@@ -167,17 +167,27 @@ class NodeCalls(_message.Message):
     checked: int
     def __init__(self, node_id: _Optional[str] = ..., calls: _Optional[int] = ..., checked: _Optional[int] = ...) -> None: ...
 
+class AuditAgreement(_message.Message):
+    __slots__ = ("primary", "checker")
+    PRIMARY_FIELD_NUMBER: _ClassVar[int]
+    CHECKER_FIELD_NUMBER: _ClassVar[int]
+    primary: SignedOutput
+    checker: SignedOutput
+    def __init__(self, primary: _Optional[_Union[SignedOutput, _Mapping]] = ..., checker: _Optional[_Union[SignedOutput, _Mapping]] = ...) -> None: ...
+
 class VerificationReport(_message.Message):
-    __slots__ = ("session_id", "capability", "comparisons", "calls")
+    __slots__ = ("session_id", "capability", "comparisons", "calls", "audits")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     CAPABILITY_FIELD_NUMBER: _ClassVar[int]
     COMPARISONS_FIELD_NUMBER: _ClassVar[int]
     CALLS_FIELD_NUMBER: _ClassVar[int]
+    AUDITS_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     capability: _client_api_pb2.SignedCapability
     comparisons: _containers.RepeatedCompositeFieldContainer[Comparison]
     calls: _containers.RepeatedCompositeFieldContainer[NodeCalls]
-    def __init__(self, session_id: _Optional[str] = ..., capability: _Optional[_Union[_client_api_pb2.SignedCapability, _Mapping]] = ..., comparisons: _Optional[_Iterable[_Union[Comparison, _Mapping]]] = ..., calls: _Optional[_Iterable[_Union[NodeCalls, _Mapping]]] = ...) -> None: ...
+    audits: _containers.RepeatedCompositeFieldContainer[AuditAgreement]
+    def __init__(self, session_id: _Optional[str] = ..., capability: _Optional[_Union[_client_api_pb2.SignedCapability, _Mapping]] = ..., comparisons: _Optional[_Iterable[_Union[Comparison, _Mapping]]] = ..., calls: _Optional[_Iterable[_Union[NodeCalls, _Mapping]]] = ..., audits: _Optional[_Iterable[_Union[AuditAgreement, _Mapping]]] = ...) -> None: ...
 
 class Verdict(_message.Message):
     __slots__ = ("outcome", "arbiter_node_id", "evidence_id", "detail")

@@ -70,7 +70,9 @@ class VerificationServicer:
     def Report(self, request, context):
         """Every comparison must carry both nodes' signed outputs; a mismatch also carries the
         input prefix the two nodes computed on, which must hash to both signed input digests.
-        Answers one verdict per mismatch, in order. Replayed comparisons are ALREADY_EXISTS.
+        Answers one verdict per mismatch, in order. Replayed comparisons are ALREADY_EXISTS,
+        and so is an audit whose primary output was reported before (a checker's catch-up
+        answer may vouch for steps reported in several reports: it earns trust once).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
