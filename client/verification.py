@@ -73,6 +73,10 @@ END_SESSION_TIMEOUT_S = 2.0
 # A checker's catch-up goes in chunks of at most this many positions (the driver's prefill
 # chunk), far below what a node accepts in one request.
 CATCH_UP_CHUNK_TOKENS = 512
+# On the model's last hop a catch-up call's probes make the checker compute a logits row
+# per probed position: calls are cut so that those rows stay within this many bytes (a
+# node refuses more than fit its output limit, 63 MiB).
+PROBE_ROWS_BYTES = 32 << 20
 # Audit agreements go to the coordinator (they earn the nodes trust) with the next report,
 # or on their own once this many wait; at most AUDITS_PER_REPORT in one report.
 AUDITS_TO_FLUSH = 256
@@ -252,6 +256,7 @@ class StageVerifier:
         # only for a span whose primary a checker may be drawn for.
         self._rows = KeptLogits()
         self._auditable: dict[Span, bool] = {}
+        self._vocab = 0  # the width of the last hop's rows, once one came
         # (checker, span): a catch-up answer to compare again at the span's next call, its
         # last steps' primary answers having come in after it (``_audit``).
         self._late: dict[
@@ -427,6 +432,7 @@ class StageVerifier:
             and (span, response.step) not in self._checked_steps
         ):
             self._rows.keep((span, response.step), response.output)
+            self._vocab = int(shape[-1])
 
     async def settle(
         self,
@@ -574,7 +580,9 @@ class StageVerifier:
         for attempt in range(2):
             synced = 0 if attempt else self._synced.get(key, 0)
             try:
-                messages = self._catch_up(span, synced, request, history)
+                messages = self._catch_up(
+                    span, synced, request, history, limit=self._limit(request)
+                )
                 await self._add_probes(checker.node_id, span, messages[:-1])
                 async with asyncio.timeout(self._timeout_s):
                     answers = await self._send(checker, messages, checks=1)
@@ -604,7 +612,10 @@ class StageVerifier:
         """Bring the checker's cache up to the end of ``request``'s input, for the check
         drawn for the span's next call."""
         key = (checker.node_id, span)
-        messages = self._catch_up(span, self._synced.get(key, 0), request, history, final=False)
+        messages = self._catch_up(
+            span, self._synced.get(key, 0), request, history, final=False,
+            limit=self._limit(request),
+        )  # fmt: skip
         if not messages:
             return
         await self._add_probes(checker.node_id, span, messages)
@@ -665,6 +676,7 @@ class StageVerifier:
         history: RouteHistory,
         *,
         final: bool = True,
+        limit: int = CATCH_UP_CHUNK_TOKENS,
     ) -> list[stage_pb2.ForwardRequest]:
         """The inputs the checker's cache lacks before this call, then the call itself;
         without ``final``, every input up to the call's end instead (a catch-up only)."""
@@ -681,7 +693,7 @@ class StageVerifier:
                 last_position_only=last_only,
                 background=True,
             )
-            for start, array, dtype in _joined(history.inputs(span, synced, end))
+            for start, array, dtype in _joined(history.inputs(span, synced, end), limit)
         ]
         if not final:
             return messages
@@ -691,6 +703,13 @@ class StageVerifier:
         # The checker's own pipeline calls (it serves other stages too) go first.
         call.background = True
         return [*messages, call]
+
+    def _limit(self, request: stage_pb2.ForwardRequest) -> int:
+        """Positions in one catch-up call: on the last hop, few enough that the rows its
+        probes read fit PROBE_ROWS_BYTES."""
+        if not request.last_position_only or not self._vocab:
+            return CATCH_UP_CHUNK_TOKENS
+        return max(1, min(CATCH_UP_CHUNK_TOKENS, PROBE_ROWS_BYTES // (4 * self._vocab)))
 
     async def _add_probes(
         self, checker_id: str, span: Span, messages: list[stage_pb2.ForwardRequest]
@@ -1058,8 +1077,10 @@ class StageVerifier:
         return verdict
 
 
-def _joined(chunks: list[tuple[int, np.ndarray, str]]) -> list[tuple[int, np.ndarray, str]]:
-    """Consecutive chunks of one dtype as one, up to CATCH_UP_CHUNK_TOKENS positions each.
+def _joined(
+    chunks: list[tuple[int, np.ndarray, str]], limit: int = CATCH_UP_CHUNK_TOKENS
+) -> list[tuple[int, np.ndarray, str]]:
+    """Consecutive chunks of one dtype as one, up to ``limit`` positions each.
 
     A checker that skipped k decode steps catches up in one forward pass instead of k round
     trips, each reading all of its weights again; it then answers the checked call about
@@ -1076,7 +1097,7 @@ def _joined(chunks: list[tuple[int, np.ndarray, str]]) -> list[tuple[int, np.nda
             group
             and dtype == group[0][2]
             and start == group[0][0] + length
-            and length + array.shape[1] <= CATCH_UP_CHUNK_TOKENS
+            and length + array.shape[1] <= limit
         ):
             group.append(chunk)
         else:

@@ -386,7 +386,7 @@ class StageServicer(stage_pb2_grpc.StageServicer):
         if request.HasField("ring"):
             self._check_ring(claims, request, shard, batch)
         if request.probes:
-            _check_probes(request, shard, batch, tokens)
+            _check_probes(request, shard, batch, tokens, self.limits)
         self._check_length(request, claims, shard, batch, tokens)
         shard.enter()
         try:
@@ -909,7 +909,8 @@ class StageServicer(stage_pb2_grpc.StageServicer):
                         logits, out = out, out[:, -1:]
                     else:
                         logits = out
-                    answers = [_probe_answer(logits[0, rows.index(p.position)], p) for p in probes]
+                    at = {position: i for i, position in enumerate(rows)}
+                    answers = [_probe_answer(logits[0, at[p.position]], p) for p in probes]
             tensor = _to_wire(out, logits=stage.is_last)
             return tensor, (time.perf_counter() - began) * 1000.0, answers
 
@@ -1035,9 +1036,14 @@ def _granted(grants: Sequence[common_pb2.LayerRange], start: int, end: int) -> b
 
 
 def _check_probes(
-    request: stage_pb2.ForwardRequest, shard: LoadedShard, batch: int, tokens: int
+    request: stage_pb2.ForwardRequest,
+    shard: LoadedShard,
+    batch: int,
+    tokens: int,
+    limits: StageLimits,
 ) -> None:
-    """Probes read the logits of the model's last layer on this very call."""
+    """Probes read the logits of the model's last layer on this very call: a row each,
+    computed if not sent, so no more of them than a full answer of logits may hold."""
     ends_model = request.layers.end == shard.num_layers
     if not ends_model or not request.last_position_only or request.relay_to or batch != 1:
         raise StageError(
@@ -1048,7 +1054,15 @@ def _check_probes(
             f"{batch}, last_position_only={request.last_position_only}, "
             f"{len(request.relay_to)} relay hop(s))",
         )
-    problem = logit_probes.positions_problem(request.probes, tokens, shard.config.vocab_size)
+    vocab = shard.config.vocab_size
+    most = max(1, limits.max_output_bytes // (4 * vocab))
+    if len(request.probes) > most:
+        raise StageError(
+            grpc.StatusCode.RESOURCE_EXHAUSTED,
+            f"{len(request.probes)} probes in one call; at a vocabulary of {vocab} this node "
+            f"reads at most {most} rows of logits per call: split the input into shorter calls",
+        )
+    problem = logit_probes.positions_problem(request.probes, tokens, vocab)
     if problem is not None:
         raise StageError(grpc.StatusCode.INVALID_ARGUMENT, problem)
 

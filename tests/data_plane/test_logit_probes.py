@@ -23,6 +23,7 @@ from data_plane.stage_harness import (
 )
 from data_plane.test_last_position_only import forward, token_tensor
 
+from node_agent.stage_server import StageLimits
 from protos import codec, logit_probes
 from protos.tessera.v1 import common_pb2, stage_pb2, stage_pb2_grpc
 
@@ -180,3 +181,19 @@ async def test_bad_probes_are_refused_and_the_node_keeps_serving(
     assert response.cache_length == len(PROMPT)
     truth = reference_logits(checkpoint, PROMPT)[0]
     assert logit_probes.probe_error(truth, probe(0, []), response.probe_answers[0]) < 1e-5
+
+
+async def test_more_probes_than_rows_of_logits_fit_are_refused(start_node, keys, checkpoint):
+    # Room for 3 rows of logits in one answer: 3 probes are read, 4 are not.
+    limits = StageLimits(max_output_bytes=3 * VOCAB * 4)
+    node = await start_node([(0, NUM_LAYERS)], limits=limits)
+    four = [probe(p, []) for p in range(4)]
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await ask(node, keys, "s-many", last_hop_call(PROMPT[:4], *four))
+    assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert "4 probes in one call" in err.value.details()
+    assert "at most 3 rows of logits per call" in err.value.details()
+    response = await ask(node, keys, "s-many", last_hop_call(PROMPT[:4], *four[:3]))
+    reference = reference_logits(checkpoint, PROMPT[:4])
+    for asked, answer in zip(four, response.probe_answers, strict=False):
+        assert logit_probes.probe_error(reference[asked.position], asked, answer) < 1e-5

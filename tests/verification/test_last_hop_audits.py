@@ -13,6 +13,7 @@ from __future__ import annotations
 import pytest
 from data_plane.stage_harness import (
     MODEL,
+    VOCAB,
     reference_greedy,
     session_grant,
 )
@@ -26,11 +27,13 @@ from verification.test_catch_up_audits import (
 )
 from verification.test_driver_verification import keyed
 
+from client import verification as client_verification
 from client.channels import ChannelPool
 from client.driver import PipelineDriver
 from client.errors import OutputTainted
 from client.verification import StageVerifier
 from node_agent import stage_server
+from node_agent.stage_server import StageLimits
 from protos.tessera.v1 import stage_pb2
 
 LAST = (2, 4)  # the model's last layers: the hop whose answers are logits
@@ -132,4 +135,35 @@ async def test_a_last_hop_nobody_can_check_keeps_no_rows(start_node, keys, check
     # none of its rows was kept.
     assert verifier.stats.calls[last.node_id] == NEW_TOKENS
     assert len(verifier._rows) == 0
+    await driver.close()
+
+
+async def test_a_long_catch_up_is_cut_into_calls_whose_probes_a_node_can_read(
+    start_node, keys, checkpoint, monkeypatch
+) -> None:
+    # The checker reads at most 3 rows of logits per call, and the client sizes its calls
+    # for that many: a catch-up over the prompt and 4 decode steps goes in calls of 3.
+    rows = 3 * VOCAB * 4
+    monkeypatch.setattr(client_verification, "PROBE_ROWS_BYTES", rows)
+    driver, draws, primary, checker, mismatches = await swarm(start_node, keys, checked=LAST)
+    checker.servicer.limits = StageLimits(max_output_bytes=rows)
+    probed: list[int] = []
+    forward = checker.servicer._forward_one
+
+    async def counting(request, stream):  # type: ignore[no-untyped-def]
+        probed.append(len(request.probes))
+        return await forward(request, stream)
+
+    checker.servicer._forward_one = counting  # type: ignore[method-assign]
+    tokens = await greedy(driver, PROMPT, NEW_TOKENS, after_step={4: arm_after(draws)})
+    assert tokens == reference_greedy(checkpoint, PROMPT, NEW_TOKENS)
+    stats = driver.verifier.stats
+    # Cut into several calls (each one's last position is compared on its whole row, the
+    # others by probes), none asking for more rows than the checker reads.
+    assert max(probed) <= 3 and len([n for n in probed if n]) >= 2
+    assert (
+        stats.checked[primary.node_id] + stats.audited[primary.node_id]
+        == (stats.calls[primary.node_id])
+    )
+    assert not stats.findings and not mismatches
     await driver.close()
