@@ -862,6 +862,7 @@ class StageVerifier:
             first = bisect.bisect_left(kept, start, key=lambda r: r.start_pos)
             reached = start  # how far this answer's positions have a signed step kept
             vouching: verification_pb2.SignedOutput | None = None  # the checker's answer
+            probed = _probe_answers(message, answer) if last_hop else {}
             for step in itertools.islice(kept, first, None):
                 if step.start_pos >= end:
                     break
@@ -874,7 +875,7 @@ class StageVerifier:
                 ):
                     continue
                 if last_hop:
-                    error = self._row_error(span, step, message, answer, replayed, end)
+                    error = self._row_error(span, step, probed, answer, replayed, end)
                     if error is None:
                         continue  # not kept, or not probed: this catch-up cannot tell
                 else:
@@ -929,7 +930,7 @@ class StageVerifier:
         self,
         span: Span,
         step: _SignedStep,
-        message: stage_pb2.ForwardRequest,
+        probed: dict[int, tuple[stage_pb2.LogitProbe, stage_pb2.ProbeAnswer | None]],
         answer: stage_pb2.ForwardResponse,
         replayed: np.ndarray,
         end: int,
@@ -944,13 +945,13 @@ class StageVerifier:
             return output_check.relative_error(
                 row, "float32", replayed.reshape(-1), answer.output.dtype
             )
-        position = step.end_pos - 1 - message.start_pos
-        for probe, probed in zip(message.probes, answer.probe_answers, strict=False):
-            if probe.position == position:
-                return logit_probes.probe_error(row, probe, probed)
-        if len(answer.probe_answers) != len(message.probes):
-            return float("inf")  # probes asked for and not answered: a checker to doubt
-        return None
+        asked = probed.get(step.end_pos - 1)
+        if asked is None:
+            return None
+        probe, probe_answer = asked
+        if probe_answer is None:
+            return float("inf")  # asked for and not answered: a checker to doubt
+        return logit_probes.probe_error(row, probe, probe_answer)
 
     async def _recheck(
         self, checker: HopRecord, span: Span, step: _SignedStep, history: RouteHistory
@@ -1075,6 +1076,18 @@ class StageVerifier:
         if verdict.HasField("risk"):
             self.stats.risk = verdict.risk
         return verdict
+
+
+def _probe_answers(
+    message: stage_pb2.ForwardRequest, answer: stage_pb2.ForwardResponse
+) -> dict[int, tuple[stage_pb2.LogitProbe, stage_pb2.ProbeAnswer | None]]:
+    """A last-hop catch-up's probes by the absolute position each asked about, with the
+    checker's answer (None where it answered fewer than it was asked)."""
+    answers = list(answer.probe_answers)
+    return {
+        message.start_pos + probe.position: (probe, answers[i] if i < len(answers) else None)
+        for i, probe in enumerate(message.probes)
+    }
 
 
 def _joined(

@@ -87,18 +87,29 @@ async def test_an_honest_last_hop_is_audited_with_probes_and_whole_rows(
     await driver.close()
 
 
-async def test_a_checker_whose_probes_lie_costs_a_recheck_and_nothing_else(
-    start_node, keys, checkpoint, monkeypatch
-) -> None:
-    real = stage_server._probe_answer
-
-    def lie(row, probe):  # type: ignore[no-untyped-def]
-        answer = real(row, probe)
+def lie(answers: list[stage_pb2.ProbeAnswer]) -> None:
+    for answer in answers:
         answer.top_logits[0] += 50.0
-        return answer
 
-    monkeypatch.setattr(stage_server, "_probe_answer", lie)
+
+def drop(answers: list[stage_pb2.ProbeAnswer]) -> None:
+    del answers[:]
+
+
+@pytest.mark.parametrize("tamper", [lie, drop], ids=["lies", "answers-none"])
+async def test_a_checker_whose_probes_fail_costs_a_recheck_and_nothing_else(
+    start_node, keys, checkpoint, tamper
+) -> None:
     driver, draws, primary, checker, mismatches = await swarm(start_node, keys, checked=LAST)
+    forward = checker.servicer._forward_one
+
+    async def tampering(request, stream):  # type: ignore[no-untyped-def]
+        response = await forward(request, stream)
+        if response is not None:
+            tamper(response.probe_answers)
+        return response
+
+    checker.servicer._forward_one = tampering  # type: ignore[method-assign]
     rechecked: list[int] = []
     recheck = driver.verifier._recheck
 
@@ -111,8 +122,8 @@ async def test_a_checker_whose_probes_lie_costs_a_recheck_and_nothing_else(
     assert tokens == reference_greedy(checkpoint, PROMPT, NEW_TOKENS)
     await driver.verifier.finish()
     stats = driver.verifier.stats
-    # Each lied-about step ran again on the checker, exactly as the primary ran it; the two
-    # signed rows agreed, so nobody went to the arbiter and the primary kept serving.
+    # Each step its probe failed ran again on the checker, exactly as the primary ran it;
+    # the two signed rows agreed, so nobody went to the arbiter and the primary kept serving.
     assert len(rechecked) >= 4
     assert not stats.findings and not mismatches
     assert primary.node_id in {h.node_id for h in driver.route}
