@@ -83,9 +83,21 @@ def test_a_node_lying_in_its_benchmark_is_corrected_by_measured_traffic(swarm: L
         assert 1 <= liar.samples <= NEW_TOKENS
         # Never faster than measured: the estimate undoes at least the lie...
         assert liar.ms_per_gparam >= LIE * liar.claimed_ms_per_gparam
-        # ...and the liar no longer looks faster than its honest twins.
-        honest_seen = [n.speed.ms_per_gparam for name, n in after.items() if name != "liar"]
-        assert liar.ms_per_gparam >= 0.3 * min(honest_seen), (liar, honest_seen)
+        # ...and the liar no longer looks faster than its honest twins for the same work.
+        # Compared per call of each node's span, not per parameter: on this tiny model a
+        # call is almost all fixed cost (~3 ms whatever its layers), and the liar's claim
+        # won it 4 of the 6 layers, so per parameter it looks 2-4x faster than a 1-layer
+        # twin even with no lie left (0.27-0.45 across runs). The lie itself is 100x.
+        layers = {h.node_id: 0 for h in result.route}
+        for hop in result.route:
+            layers[hop.node_id] += hop.end - hop.start
+        per_call = {
+            name: n.speed.ms_per_gparam * layers[n.node_id]
+            for name, n in after.items()
+            if layers.get(n.node_id)
+        }
+        honest_calls = [ms for name, ms in per_call.items() if name != "liar"]
+        assert per_call["liar"] >= 0.3 * min(honest_calls), (per_call, layers)
 
 
 def test_nodes_report_rtts_to_the_peers_they_are_told_to_probe(swarm: LocalSwarm):
