@@ -297,12 +297,13 @@ class StageVerifier:
             self._synced[key] = min(self._synced[key], request.start_pos)
         if replay:
             return None  # replays rebuild a cache after a fail-over; they are not sampled
-        grant = self._grants.get(hop.node_id)
-        # Worth keeping the last hop's rows for (``_keep_signed``) only if a catch-up may
-        # come: a checker can be drawn for this primary.
-        self._auditable[span] = bool(grant is not None and grant.check_probability > 0) and bool(
-            self._fit_checkers(hop, alternates)
-        )
+        if request.last_position_only:
+            # Worth keeping the last hop's rows for (``_keep_signed``) only if a catch-up
+            # may come: a checker can be drawn for this primary.
+            grant = self._grants.get(hop.node_id)
+            self._auditable[span] = bool(
+                grant is not None and grant.check_probability > 0
+            ) and bool(self._fit_checkers(hop, alternates))
         for key in [k for k in self._late if k[1] == span]:
             late_checker, message, answer = self._late.pop(key)
             self._audit(late_checker, [message], [answer], history, again_later=False)

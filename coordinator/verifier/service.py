@@ -304,23 +304,12 @@ class Verifier:
         """The checkers of the report's audits whose catch-up answer counts for the first
         time: one answer audits many steps, maybe reported in several reports, and earns
         its node trust once."""
-        db = self._ctx.db
         fresh: dict[str, str] = {}
         for audit in request.audits:
             key = signature_key(audit.checker.signature)
-            if (
-                key in fresh
-                or db.execute(
-                    "SELECT 1 FROM reported_outputs WHERE signature_sha256 = ?", [key]
-                ).fetchone()
-            ):
-                continue
-            fresh[key] = audit.checker.node_id
-        now = int(time.time() * 1000)
-        db["reported_outputs"].insert_all(
-            [{"signature_sha256": k, "session_id": request.session_id, "ts_ms": now}
-             for k in fresh]
-        )  # fmt: skip
+            if key not in fresh and not self._reported(key):
+                fresh[key] = audit.checker.node_id
+        self._record_reported(list(fresh), request.session_id)
         return list(fresh.values())
 
     def _claim_keys(self, keys: list[str], session_id: str) -> None:
@@ -329,18 +318,24 @@ class Verifier:
             raise ReportError(
                 grpc.StatusCode.INVALID_ARGUMENT, "the report names one signed output twice"
             )
-        db = self._ctx.db
-        for key in keys:
-            if db.execute(
+        if any(self._reported(key) for key in keys):
+            raise ReportError(
+                grpc.StatusCode.ALREADY_EXISTS,
+                "this report repeats a signed output that was already reported; each "
+                "output counts once",
+            )
+        self._record_reported(keys, session_id)
+
+    def _reported(self, key: str) -> bool:
+        return bool(
+            self._ctx.db.execute(
                 "SELECT 1 FROM reported_outputs WHERE signature_sha256 = ?", [key]
-            ).fetchone():
-                raise ReportError(
-                    grpc.StatusCode.ALREADY_EXISTS,
-                    "this report repeats a signed output that was already reported; each "
-                    "output counts once",
-                )
+            ).fetchone()
+        )
+
+    def _record_reported(self, keys: list[str], session_id: str) -> None:
         now = int(time.time() * 1000)
-        db["reported_outputs"].insert_all(
+        self._ctx.db["reported_outputs"].insert_all(
             [{"signature_sha256": k, "session_id": session_id, "ts_ms": now} for k in keys]
         )
 
