@@ -16,6 +16,19 @@ observations the claim is ignored (a node that under-claimed gets its real speed
 Each average is an exponentially weighted moving average seeded with the first sample, so
 after n samples of a steady value the estimate *is* that value, and a node that slows down
 is tracked within a few samples (weight `ALPHA` on the newest).
+
+A call costs a fixed part (the framework, kernel launches, serialisation: a few ms whatever
+the layers) plus a part that grows with the parameters it reads. Folded into one number per
+parameter, the fixed part makes a node serving few layers look slower than the same card
+serving many, and the planner would then take layers away from it for no reason. So the
+fixed part is fitted per node (`call_ms`): a least-squares line of call time over work, over
+its single-token calls, with a long memory (`FIT_ALPHA`) because only re-plans (and serving
+a second model) change a node's work. It is used once the node was seen at works that
+differ enough to tell the two parts apart (`MIN_SPREAD`), and kept after; until then it is
+0 and the per-parameter time carries everything. A node cannot choose its work (the planner
+and the drivers do), and the line always passes through its recent mean call: delaying some
+calls only moves time between the two parts, never below what its calls took, and the
+planner measures it again at any new span.
 """
 
 from __future__ import annotations
@@ -30,6 +43,12 @@ MIN_SAMPLES = 8  # observations after which measurements replace the self-report
 # once the average is established: a single stall (GC pause, swap) is not a new speed.
 MAX_STEP_FACTOR = 4.0
 MAX_PEERS = 256  # RTT averages kept per node (telemetry is bounded by what nodes probe)
+# The fixed-cost fit forgets slowly: a node's work changes only at re-plans and with batches.
+FIT_ALPHA = 0.05
+# Work must vary by this coefficient of variation before the fixed part can be told apart.
+MIN_SPREAD = 0.15
+# The fixed part is at most this share of the node's mean call: some time always scales.
+MAX_CALL_SHARE = 0.9
 
 
 @dataclass
@@ -45,11 +64,44 @@ class Ewma:
         self.samples += 1
 
 
+@dataclass
+class LineFit:
+    """Exponentially weighted least squares of y over x (a call's ms over its work)."""
+
+    weight: float = 0.0
+    x: float = 0.0
+    y: float = 0.0
+    xx: float = 0.0
+    xy: float = 0.0
+    samples: int = 0
+
+    def add(self, x: float, y: float, alpha: float = FIT_ALPHA) -> None:
+        keep = 1.0 - alpha if self.samples else 0.0
+        self.weight = keep * self.weight + 1.0
+        self.x = keep * self.x + x
+        self.y = keep * self.y + y
+        self.xx = keep * self.xx + x * x
+        self.xy = keep * self.xy + x * y
+        self.samples += 1
+
+    def intercept(self, min_spread: float = MIN_SPREAD) -> float | None:
+        """y at x = 0, or None while x has not varied enough to tell it from the slope."""
+        if self.weight <= 0:
+            return None
+        mean_x, mean_y = self.x / self.weight, self.y / self.weight
+        var_x = self.xx / self.weight - mean_x * mean_x
+        if mean_x <= 0 or var_x <= (min_spread * mean_x) ** 2:
+            return None
+        slope = (self.xy / self.weight - mean_x * mean_y) / var_x
+        return mean_y - slope * mean_x
+
+
 @dataclass(frozen=True)
 class Measured:
     """What the planner and the router should use for one node (for one model's layers)."""
 
     layer_ms: float  # compute time of one layer for one token (0: nothing known)
+    call_ms: float  # fixed time of a call, whatever its layers (0: not told apart yet)
     queue_ms: float  # mean wait before its compute starts (load)
     rtt_ms: float  # typical round trip to its peers: median of per-peer averages (0: none)
     samples: int  # step observations behind layer_ms
@@ -63,6 +115,9 @@ class Measurements:
         self.min_samples = min_samples
         self.alpha = alpha
         self._layer: dict[str, Ewma] = {}
+        self._work: dict[str, Ewma] = {}  # recent work per call, billion parameter-tokens
+        self._fit: dict[str, LineFit] = {}
+        self._call: dict[str, float] = {}  # the last fixed part the fit could tell apart
         self._queue: dict[str, Ewma] = {}
         self._rtt: dict[str, dict[str, Ewma]] = {}
 
@@ -95,6 +150,17 @@ class Measurements:
             low, high = average.value / MAX_STEP_FACTOR, average.value * MAX_STEP_FACTOR
             per = min(max(per, low), high)
         average.add(per, self.alpha)
+        self._work.setdefault(node_id, Ewma()).add(work, self.alpha)
+        if tokens == 1:
+            # Only single-token calls feed the line: a batch reads each weight once for all
+            # its tokens, a cost per layer that a line over parameter-tokens would misplace.
+            fit = self._fit.setdefault(node_id, LineFit())
+            fit.add(work, per * work)
+            intercept = fit.intercept()
+            if intercept is not None and fit.samples >= self.min_samples:
+                # Kept when the spread fades (old spans forgotten): a node's software does
+                # not change with its span, and the line through its mean follows its speed.
+                self._call[node_id] = intercept
         self._queue.setdefault(node_id, Ewma()).add(queue_ms, self.alpha)
 
     def observe_rtt(self, node_id: str, peer_id: str, rtt_ms: float) -> None:
@@ -113,6 +179,9 @@ class Measurements:
     def forget(self, node_id: str) -> None:
         """The node left for good (banned, deregistered): drop what we know."""
         self._layer.pop(node_id, None)
+        self._work.pop(node_id, None)
+        self._fit.pop(node_id, None)
+        self._call.pop(node_id, None)
         self._queue.pop(node_id, None)
         self._rtt.pop(node_id, None)
         for peers in self._rtt.values():
@@ -121,7 +190,15 @@ class Measurements:
     # ---- outputs ------------------------------------------------------------------------
 
     def ms_per_gparam(self, node_id: str, claimed: float = 0.0) -> float:
-        """Compute time per billion parameters and token to plan with.
+        """Compute time per billion parameters and token to plan with, beyond `call_ms`:
+        `mean_ms_per_gparam` less the fixed part spread over the node's recent work."""
+        mean = self.mean_ms_per_gparam(node_id, claimed)
+        call = self.call_ms(node_id)  # 0 until measurements replaced the claim
+        return mean - call / self._work[node_id].value if call else mean
+
+    def mean_ms_per_gparam(self, node_id: str, claimed: float = 0.0) -> float:
+        """A call's whole time per billion parameters and token at the work the node was
+        recently given, its fixed part included (what tells that a node slowed down).
 
         Measured once there are `min_samples` observations; before that the slower of the
         claim and the measurements so far (a claim never makes a node look faster than it
@@ -133,6 +210,21 @@ class Measurements:
         if average.samples >= self.min_samples:
             return average.value
         return max(claimed, average.value)
+
+    def call_ms(self, node_id: str) -> float:
+        """The fixed part of the node's calls (see the module's docstring): 0 until
+        `min_samples` calls of work that varied enough, then at most `MAX_CALL_SHARE` of
+        its recent mean call."""
+        intercept, average = self._call.get(node_id), self._layer.get(node_id)
+        if intercept is None or average is None or average.samples < self.min_samples:
+            return 0.0
+        mean_call = average.value * self._work[node_id].value
+        return min(max(intercept, 0.0), MAX_CALL_SHARE * mean_call)
+
+    def work(self, node_id: str) -> float:
+        """The node's recent work per call, in billion parameter-tokens (0: none seen)."""
+        recent = self._work.get(node_id)
+        return recent.value if recent else 0.0
 
     def layer_ms(self, node_id: str, params_per_layer: int, claimed_ms: float = 0.0) -> float:
         """`ms_per_gparam` for one layer of `params_per_layer` parameters."""
@@ -161,6 +253,7 @@ class Measurements:
         queue = self._queue.get(node_id)
         return Measured(
             layer_ms=self.layer_ms(node_id, params_per_layer, claimed_layer_ms),
+            call_ms=self.call_ms(node_id),
             queue_ms=queue.value if queue else 0.0,
             rtt_ms=self.rtt_ms(node_id),
             samples=samples,

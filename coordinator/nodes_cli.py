@@ -44,7 +44,14 @@ def add_parser(subparsers: Any) -> None:
         "list",
         help="show registered nodes",
         description="Show the nodes the coordinator knows (connected ones unless --all).",
-        epilog="example: tessera-coordinator nodes list --data-dir /var/lib/tessera --all",
+        epilog="columns:\n"
+        "  MS/GPARAM  time the planner gives the node per billion parameters and token,\n"
+        "             measured on real traffic ('(claim)': its own benchmark until then)\n"
+        "  CALL_MS    fixed time of each call whatever its layers; told apart once the\n"
+        "             node has served spans of different sizes ('-' until then)\n"
+        "  LEAVES/H   departures per hour online, from its history\n"
+        "  TRUST      trust score, then verified/failed checks\n\n"
+        "example: tessera-coordinator nodes list --data-dir /var/lib/tessera --all",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     listing.add_argument("--all", action="store_true", help="include offline and banned nodes")
@@ -78,6 +85,12 @@ def _age(ms: int) -> str:
     return f"{seconds:.0f}s ago" if seconds < 120 else f"{seconds / 60:.0f}m ago"
 
 
+def _speed_cells(speed: node_pb2.NodeSpeed) -> tuple[str, str]:
+    """What placement plans with: measured on real traffic, or the node's claim (marked)."""
+    per_gparam = f"{speed.ms_per_gparam:.3g}" + ("" if speed.measured else " (claim)")
+    return per_gparam, f"{speed.call_ms:.3g}" if speed.call_ms else "-"
+
+
 def run_list(args: argparse.Namespace) -> int:
     with open_channel(resolve_address(args)) as channel:
         reply = client_api_pb2_grpc.ClientApiStub(channel).ListNodes(
@@ -88,7 +101,7 @@ def run_list(args: argparse.Namespace) -> int:
         print(json.dumps(rows, indent=2))
         return 0
     header = ("NODE_ID", "NAME", "STATE", "DEVICE", "USABLE_GB", "TFLOPS", "GB/S", "LAST_SEEN",
-              "LEAVES/H", "TRUST")  # fmt: skip
+              "LEAVES/H", "TRUST", "MS/GPARAM", "CALL_MS")  # fmt: skip
     rows = [header]
     for n in reply.nodes:
         caps = n.capabilities
@@ -100,6 +113,7 @@ def run_list(args: argparse.Namespace) -> int:
             f"{n.reliability.leave_rate_per_h:.2f}" if n.HasField("reliability") else "-",
             f"{n.trust.trust:.2f} {n.trust.verified}/{n.trust.failures}"
             if n.HasField("trust") else "-",
+            *(_speed_cells(n.speed) if n.HasField("speed") else ("-", "-")),
         ))  # fmt: skip
     widths = [max(len(str(r[i])) for r in rows) for i in range(len(header))]
     for row in rows:

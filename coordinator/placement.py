@@ -125,6 +125,7 @@ def node_spec(
         kv_tokens=kv_tokens,
         region=caps.region,
         ms_per_gparam=measurements.ms_per_gparam(node.node_id, claimed) if measurements else 0.0,
+        call_ms=measurements.call_ms(node.node_id) if measurements else 0.0,
         rtt_ms=measurements.rtt_ms(node.node_id) if measurements else 0.0,
         cached=tuple(cached),
         leave_rate_per_h=leave_rate_per_h,
@@ -191,7 +192,8 @@ class Placement:
         # Sessions asked per model, decayed (DEMAND_HALF_LIFE_S): (count, as of monotonic s).
         self._demand: dict[str, tuple[float, float]] = {}
         self._planned_shares: dict[str, float] = {}  # demand shares the last plan used
-        self._planned_speed: dict[str, float] = {}  # ms per gparam the last plan used
+        # (call ms, ms per gparam) that the last plan used for each node
+        self._planned_speed: dict[str, tuple[float, float]] = {}
         # node -> (side of the band, observations in a row there): see SPEED_SHIFT_HOLD
         self._speed_shift: dict[str, tuple[int, int]] = {}
 
@@ -282,12 +284,20 @@ class Placement:
 
     def _replan_if_speed_moved(self, node_id: str) -> None:
         """Overload (or the end of it): re-plan when a node's measured speed has stayed
-        SPEED_SHIFT away from what the last plan assumed for SPEED_SHIFT_HOLD observations."""
+        SPEED_SHIFT away from what the last plan assumed for SPEED_SHIFT_HOLD observations.
+
+        Compared per gparam at the work the node now gets, the fixed part of its calls
+        included on both sides: a re-plan that changed its span alone is no shift."""
         planned, node = self._planned_speed.get(node_id), self._nodes.get(node_id)
-        if not planned or node is None:
+        work = self.measurements.work(node_id)
+        if not planned or node is None or work <= 0:
             return
-        now = self.measurements.ms_per_gparam(node_id, claimed_ms_per_gparam(node.capabilities))
-        shift = now / planned
+        planned_call_ms, planned_per_gparam = planned
+        expected = planned_per_gparam + planned_call_ms / work
+        now = self.measurements.mean_ms_per_gparam(
+            node_id, claimed_ms_per_gparam(node.capabilities)
+        )
+        shift = now / expected
         side = 1 if shift >= SPEED_SHIFT else -1 if shift <= 1 / SPEED_SHIFT else 0
         if side == 0:
             self._speed_shift.pop(node_id, None)
@@ -301,10 +311,10 @@ class Placement:
             "node %s now runs at %.3g ms per billion parameters, planned at %.3g: re-planning",
             node_id,
             now,
-            planned,
+            expected,
         )
         self._speed_shift.pop(node_id, None)
-        self._planned_speed[node_id] = now  # one re-plan per shift
+        self._planned_speed[node_id] = (0.0, now)  # one re-plan per shift
         self.schedule_replan()
 
     def observe_rtts(self, node_id: str, rtts: Mapping[str, float]) -> int:
@@ -331,6 +341,7 @@ class Placement:
         return node_pb2.NodeSpeed(
             claimed_ms_per_gparam=claimed,
             ms_per_gparam=seen.layer_ms,
+            call_ms=seen.call_ms,
             samples=seen.samples,
             measured=seen.measured,
             rtt_ms=seen.rtt_ms,
@@ -447,7 +458,8 @@ class Placement:
                 continue
             claimed = claimed_ms_per_gparam(node.capabilities) * params / 1e9
             # The verifier makes failing nodes dearer for the router.
-            ms = self.measurements.layer_ms(node_id, params, claimed) * self.trust_cost(node_id)
+            trust = self.trust_cost(node_id)
+            ms = self.measurements.layer_ms(node_id, params, claimed) * trust
             # The pipeline label only holds while the shard is the one the plan gave it.
             planned = model_plan.holders.get(node_id) if model_plan else None
             holders.append(
@@ -459,6 +471,7 @@ class Placement:
                     ms,
                     node.load,
                     group=group.get(node_id, "") if planned == shard else "",
+                    call_ms=self.measurements.call_ms(node_id) * trust,
                 )
             )
         return holders
@@ -546,7 +559,7 @@ class Placement:
                 training = self.training_bytes(node.node_id)
                 nodes.append(replace(spec, usable_bytes=max(0, spec.usable_bytes - training)))
             self._planned_shares = self.demand_shares()
-            self._planned_speed = {n.node_id: n.ms_per_gparam for n in nodes}
+            self._planned_speed = {n.node_id: (n.call_ms, n.ms_per_gparam) for n in nodes}
             self._speed_shift.clear()
             self._plans = plan(
                 [replace(m, demand=self.demand(m.name)) for m in self._models.values()],

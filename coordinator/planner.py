@@ -96,6 +96,9 @@ class NodeSpec:
     # compute time per billion parameters and token (decode reads each weight once per
     # token, so this serves every model); beats the roofline
     ms_per_gparam: float = 0.0
+    # Measured fixed time of one call, whatever its layers (framework, launches): a member
+    # costs it once per token, so it weighs against adding members to a pipeline.
+    call_ms: float = 0.0
     rtt_ms: float = 0.0  # typical round trip to the peers it hands off to (median)
     upload_mbps: float = 0.0  # uplink: pushing a token's hidden state to the next hop
     download_mbps: float = 0.0  # fetching weights (0: DEFAULT_DOWNLOAD_MBPS)
@@ -380,7 +383,7 @@ def pipeline_seconds(
 
 
 def _members_seconds(model: ModelSpec, members: Sequence[Member]) -> float:
-    compute = sum((b - a) * layer_seconds(model, n) for n, a, b in members)
+    compute = sum((b - a) * layer_seconds(model, n) + n.call_ms / 1e3 for n, a, b in members)
     return compute + network_seconds(model, [n for n, _, _ in members])
 
 
@@ -474,6 +477,7 @@ class _Cand:
     both: int  # layers next to both
     seconds: float  # per layer and token
     send_s: float  # hand-off of one token's hidden state to the next member
+    call_s: float  # fixed time of its call per token, whatever its layers
 
     @property
     def shape(self) -> tuple[str, int, int, int, int]:
@@ -507,6 +511,7 @@ def _candidate(model: ModelSpec, node: NodeSpec, used: int) -> _Cand | None:
         layers(embed + head),
         layer_seconds(model, node),
         handoff_seconds(model, node),
+        node.call_ms / 1e3,
     )
 
 
@@ -670,7 +675,7 @@ def _bin_cover(model: ModelSpec, pool: list[_Cand]) -> tuple[list[Chain], list[_
 
 def _chain_seconds(model: ModelSpec, chain: Chain) -> float:
     """Estimated time per token through a chain."""
-    compute = sum((b - a) * c.seconds for c, a, b in chain)
+    compute = sum((b - a) * c.seconds + c.call_s for c, a, b in chain)
     return compute + network_seconds(model, [c.node for c, _, _ in chain])
 
 
@@ -683,7 +688,7 @@ def _chain_value(model: ModelSpec, chain: Chain, seconds: float | None = None) -
 
 def _own_seconds(c: _Cand) -> float:
     """What a member adds to its pipeline's time per token, for ranking nodes of a shape."""
-    return c.mid * c.seconds + c.node.rtt_ms / 2000.0 + c.send_s
+    return c.mid * c.seconds + c.call_s + c.node.rtt_ms / 2000.0 + c.send_s
 
 
 LARGE_SWARM_PIPELINES = 200

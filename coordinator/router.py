@@ -5,10 +5,11 @@ plan (the route is then the minimum-latency chain over all ready holders), the s
 layout when the operator asked for deeper pipelines (one or more hops per stage).
 
 Within each stage a dynamic program over layer positions finds the cheapest chain of
-holders: node cost is the load-adjusted time of the layers a holder runs, edge cost is
-half the measured RTT between consecutive nodes (one way), plus half the client's RTT at
-both ends. Every hop comes with alternates (other ready holders of the same range, cheapest
-first) for fail-over. Nodes already used by the route are avoided when another will do.
+holders: node cost is the load-adjusted time of a holder's call (its fixed part and the
+layers it runs), edge cost is half the measured RTT between consecutive nodes (one way),
+plus half the client's RTT at both ends. Every hop comes with alternates (other ready
+holders of the same range, cheapest first) for fail-over. Nodes already used by the route
+are avoided when another will do.
 """
 
 from __future__ import annotations
@@ -42,9 +43,12 @@ class Holder:
     # pipelines are preferred: a route that borrows one member of a pipeline strands the
     # others' KV slots, and at saturation that costs a whole session per borrowed slot.
     group: str = ""
+    # Fixed time of a call whatever its layers: splitting a span over more hops pays it
+    # once per hop, so a chain of nodes slightly faster per layer can lose to one node.
+    call_ms: float = 0.0
 
     def cost(self, layers: int) -> float:
-        return layers * self.ms_per_layer * (1.0 + self.load)
+        return (self.call_ms + layers * self.ms_per_layer) * (1.0 + self.load)
 
 
 @dataclass(frozen=True)

@@ -137,6 +137,9 @@ async def test_admin_cli_lists_and_drains(tmp_path) -> None:
             header, row = listed.stdout.splitlines()[:2]
             at = header.index("LEAVES/H")  # columns are padded to line up
             assert row[at:].split()[0] == "0.69"  # no history yet: the planner's prior
+            # No traffic timed yet: the planner uses the node's own benchmark, and says so.
+            speed = row[header.index("MS/GPARAM") :].split()
+            assert float(speed[0]) > 0 and speed[1:] == ["(claim)", "-"]
 
             as_json = cli("nodes", "list", "--all", "--json", "--coordinator", coordinator.address)
             assert json.loads(as_json.stdout)[0]["name"] == "cli-node"

@@ -12,7 +12,7 @@ import time
 
 import grpc
 import pytest
-from planner.test_placement_and_sessions import caps, make, ready_all
+from planner.test_placement_and_sessions import ReplanCounter, caps, make, ready_all
 
 from coordinator.placement import (
     MAX_PROBE_PEERS,
@@ -197,3 +197,54 @@ def test_the_planner_sees_the_nodes_bandwidth():
     node.capabilities.memory_bandwidth_gbps = 900.0
     spec = node_spec(node, kv_tokens=4096)
     assert spec.mem_bandwidth == 900.0
+
+
+async def test_a_calls_fixed_part_reaches_planning_routing_and_list_nodes():
+    """A node's calls cost 3 ms whatever their layers, plus 2 ms a layer. Once drivers
+    timed it on two spans, placement plans, routes and lists it with the fixed part told
+    apart, and later calls on the smaller span alone are no change of speed to re-plan for."""
+    swarm, placement, sessions, _ = make(min_stages=1)
+    for i in range(2):
+        placement.node_up(PlacementNode(f"n{i}", f"127.0.0.1:{9000 + i}", caps()))
+    await placement.replan()
+    await ready_all(placement, swarm)
+    grant = sessions.open_session(client_api_pb2.OpenSessionRequest(model="m", max_length=256))
+    stage = grant.stages[0]
+    node, span = stage.primary.node_id, stage.layers
+    assert (span.start, span.end) == (0, 6)  # one node serves the whole tiny model
+    one_layer = common_pb2.LayerRange(start=0, end=1)
+
+    def timed(
+        layers: common_pb2.LayerRange, count: int, slower: float = 1.0
+    ) -> list[client_api_pb2.StepTime]:
+        wall = slower * (3.0 + 2.0 * (layers.end - layers.start))
+        step = client_api_pb2.StepTime(node_id=node, layers=layers, tokens=1, wall_ms=wall)
+        return [step] * count
+
+    assert sessions.report_step_times(report(grant, timed(span, 16))).accepted == 16
+    assert placement.speed(node).call_ms == 0.0  # one span: not told apart yet
+    assert sessions.report_step_times(report(grant, timed(one_layer, 16))).accepted == 16
+    assert sessions.report_step_times(report(grant, timed(span, 32))).accepted == 32
+    params = placement.measurements.work(node) * 1e9 / 6  # parameters per layer
+    speed = placement.speed(node)
+    assert speed.call_ms == pytest.approx(3.0, rel=1e-6)
+    assert speed.ms_per_gparam * params / 1e9 == pytest.approx(2.0, rel=1e-2)
+    holder = {h.node_id: h for h in placement.ready_holders("m")}[node]
+    assert holder.call_ms == pytest.approx(3.0, rel=1e-6)
+    assert holder.cost(6) == pytest.approx(15.0, rel=1e-2)
+    spec = node_spec(PlacementNode(node, "x", caps()), 1024, placement.measurements)
+    assert spec.call_ms == pytest.approx(3.0, rel=1e-6)
+
+    await placement.settled()  # the re-plan the claim's correction asked for
+    await placement.replan()  # the plan now assumes 3 ms + 2 ms a layer for the node
+    replans = ReplanCounter(placement)
+    # 5 ms for 1 layer is 2.5x its per-parameter time on 6 layers, and just what the plan
+    # expects of a 1-layer call: no shift.
+    assert sessions.report_step_times(report(grant, timed(one_layer, 64))).accepted == 64
+    await placement.settled()
+    assert replans.count == 0
+    # The same node slowing down 3x on that span is still a shift, and re-plans.
+    slow = timed(one_layer, 64, slower=3.0)
+    assert sessions.report_step_times(report(grant, slow)).accepted == 64
+    await placement.settled()
+    assert replans.count == 1

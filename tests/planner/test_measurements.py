@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from coordinator.measurements import MAX_PEERS, MIN_SAMPLES, Measurements
+from coordinator.measurements import MAX_CALL_SHARE, MAX_PEERS, MIN_SAMPLES, Measurements
 
 PARAMS = 200_000_000  # a 7B-sized layer
 TRUE_MS = 0.6  # per layer and token: 3.0 ms per billion parameter-tokens
@@ -147,3 +147,95 @@ def test_bad_settings_are_refused():
         Measurements(min_samples=0)
     with pytest.raises(ValueError):
         Measurements(alpha=1.5)
+
+
+# ---- the fixed part of a call ------------------------------------------------------------
+
+CALL_MS = 3.0  # what every call costs whatever its layers (framework, kernel launches)
+
+
+def timed(m: Measurements, node: str, layers: int, *, call_ms: float = CALL_MS, tokens: int = 1):
+    m.observe_step(
+        node,
+        layers=layers,
+        params_per_layer=PARAMS,
+        tokens=tokens,
+        compute_ms=call_ms + TRUE_MS * layers * tokens,
+    )
+
+
+def test_the_fixed_part_of_a_call_is_told_apart_once_the_node_served_two_spans():
+    m = Measurements()
+    for _ in range(3 * MIN_SAMPLES):
+        timed(m, "n", 8)
+    # One span alone cannot tell a fixed part from a slope: per parameter, as before.
+    assert m.call_ms("n") == 0.0
+    assert m.layer_ms("n", PARAMS) == pytest.approx(TRUE_MS + CALL_MS / 8)
+    for _ in range(6 * MIN_SAMPLES):  # a re-plan gave it 2 layers; the averages settle
+        timed(m, "n", 2)
+    assert m.call_ms("n") == pytest.approx(CALL_MS, rel=1e-6)
+    assert m.layer_ms("n", PARAMS) == pytest.approx(TRUE_MS, rel=1e-6)
+    assert m.of("n", PARAMS).call_ms == pytest.approx(CALL_MS, rel=1e-6)
+    # Per parameter alone it looked 2.5x slower per layer on 2 layers than it is.
+    assert m.mean_ms_per_gparam("n") * PARAMS / 1e9 == pytest.approx(TRUE_MS + CALL_MS / 2)
+
+
+def test_batches_do_not_feed_the_fixed_part():
+    """A batch reads each weight once for all its tokens: its time is not a point on the
+    line of one token's call over its parameters."""
+    m = Measurements()
+    for tokens in [1, 8] * (2 * MIN_SAMPLES):
+        timed(m, "n", 4, tokens=tokens)
+    assert m.call_ms("n") == 0.0
+
+
+def test_the_fixed_part_needs_min_samples_and_forget_drops_it():
+    m = Measurements()
+    for layers in [2, 8] * (MIN_SAMPLES // 2 - 1):
+        timed(m, "n", layers)
+    assert m.call_ms("n") == 0.0
+    for layers in [2, 8]:
+        timed(m, "n", layers)
+    assert m.call_ms("n") > 0.0
+    m.forget("n")
+    assert m.call_ms("n") == 0.0 and m.work("n") == 0.0
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    calls=st.lists(
+        st.tuples(st.integers(1, 32), st.floats(0.05, 500.0)),
+        min_size=MIN_SAMPLES,
+        max_size=4 * MIN_SAMPLES,
+    )
+)
+def test_whatever_a_node_does_its_plan_time_at_its_recent_work_is_its_recent_mean(calls):
+    """A node cannot pick its spans, only how long its calls take. Whatever the times, even
+    a node that stalls small calls to look fast per layer: the fixed part stays within
+    [0, MAX_CALL_SHARE] of its recent mean call, and fixed part + per-parameter time at its
+    recent work is exactly that mean, so the split moves no time off what was seen."""
+    m = Measurements()
+    for layers, ms in calls:
+        m.observe_step("n", layers=layers, params_per_layer=PARAMS, tokens=1, compute_ms=ms)
+    work = m.work("n")
+    mean_call = m.mean_ms_per_gparam("n") * work
+    call = m.call_ms("n")
+    assert 0.0 <= call <= MAX_CALL_SHARE * mean_call * (1 + 1e-9)
+    assert call + m.ms_per_gparam("n") * work == pytest.approx(mean_call, rel=1e-9)
+    assert m.ms_per_gparam("n") > 0.0
+
+
+def test_the_fixed_part_is_kept_when_the_old_span_is_forgotten():
+    m = Measurements()
+    for layers in [8] * (3 * MIN_SAMPLES) + [2] * (3 * MIN_SAMPLES):
+        timed(m, "n", layers)
+    assert m.call_ms("n") == pytest.approx(CALL_MS, rel=1e-6)
+    for _ in range(50 * MIN_SAMPLES):  # the 8-layer calls fade out of the fit
+        timed(m, "n", 2)
+    assert m._fit["n"].intercept() is None
+    assert m.call_ms("n") == pytest.approx(CALL_MS, rel=1e-6)
+    assert m.layer_ms("n", PARAMS) == pytest.approx(TRUE_MS, rel=1e-6)
+    for _ in range(6 * MIN_SAMPLES):  # the card slows down 2x: the per-layer part follows
+        m.observe_step("n", layers=2, params_per_layer=PARAMS, tokens=1,
+                       compute_ms=CALL_MS + 2 * TRUE_MS * 2)  # fmt: skip
+    assert m.call_ms("n") + 2 * m.layer_ms("n", PARAMS) == pytest.approx(CALL_MS + 4 * TRUE_MS)

@@ -51,6 +51,19 @@ class Swarm:
         return True
 
 
+class ReplanCounter:
+    """Counts the re-plans placement runs from now on, the debounced ones included."""
+
+    def __init__(self, placement: Placement) -> None:
+        self.count = 0
+        self._replan = placement.replan
+        placement.replan = self._counted  # type: ignore[method-assign]
+
+    async def _counted(self) -> None:
+        self.count += 1
+        await self._replan()
+
+
 async def ready_all(placement: Placement, swarm: Swarm) -> None:
     for node_id, kind, start, end in list(swarm.commands):
         if kind == "assign":

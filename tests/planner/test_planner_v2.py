@@ -4,6 +4,7 @@ import math
 import time
 from dataclasses import replace
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -239,6 +240,31 @@ def test_a_pipeline_slower_than_the_latency_bound_is_dissolved_into_replicas():
     assert len(p.holders) == 6  # the dissolved pipeline's members replicate layers
     assert not p.missing_layers()
     assert estimated_tokens_per_s(bounded(bound), p, {n.node_id: n for n in nodes}) > 0
+
+
+def test_a_members_fixed_call_time_is_paid_once_per_token_and_counts_against_the_bound():
+    """Two regions of the same cards; one region's software costs 40 ms a call (measured
+    call_ms). Its pipelines are slower by 40 ms per member, and under a bound between the
+    two they are dissolved while the other region's serve."""
+    fast = [node(i, 0.15, bw=900, region="eu") for i in range(4)]
+    slow = [replace(node(i, 0.15, bw=900, region="us"), call_ms=40.0) for i in range(4, 8)]
+    nodes = fast + slow
+    free = plan([MODEL], nodes, replicas=1)["m"]
+    by_id = {n.node_id: n for n in nodes}
+    per_region: dict[str, list[float]] = {}
+    for pipe in free.pipelines:
+        region = by_id[pipe[0]].region
+        assert {by_id[nid].region for nid in pipe} == {region}
+        seconds = pipeline_seconds(MODEL, free, by_id, pipe)
+        plain = {nid: replace(by_id[nid], call_ms=0.0) for nid in pipe}
+        extra = seconds - pipeline_seconds(MODEL, free, plain, pipe)
+        assert extra == pytest.approx(0.040 * len(pipe) if region == "us" else 0.0)
+        per_region.setdefault(region, []).append(seconds)
+    assert per_region["eu"] and per_region["us"]
+    bound = (max(per_region["eu"]) + min(per_region["us"])) / 2
+    p = plan([bounded(bound)], nodes, replicas=1)["m"]
+    assert p.pipelines and all(by_id[pipe[0]].region == "eu" for pipe in p.pipelines)
+    assert not p.missing_layers()
 
 
 def test_when_no_pipeline_meets_the_bound_the_fastest_one_still_serves():

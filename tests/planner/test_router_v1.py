@@ -66,3 +66,20 @@ def test_a_much_faster_mix_beats_a_whole_pipeline():
         h("fast", 0, 12, ms=1.0),
     ]
     assert [s.primary.node_id for s in route([0, 12], holders)] == ["fast"]
+
+
+def test_a_calls_fixed_part_is_paid_once_per_hop():
+    """Two nodes slightly faster per layer win a span only while a call costs nothing
+    beyond its layers; with a fixed part per call, one node for the whole span wins."""
+    faster_pair = [h("b", 0, 4, ms=0.8), h("c", 4, 8, ms=0.8)]
+    plain = route([0, 8], [h("a", 0, 8, ms=1.0), *faster_pair])
+    assert [s.primary.node_id for s in plain] == ["b", "c"]  # 6.4 ms < 8 ms
+    with_calls = [
+        Holder(x.node_id, x.address, x.start, x.end, x.ms_per_layer, call_ms=2.0)
+        for x in [h("a", 0, 8, ms=1.0), *faster_pair]
+    ]
+    stages = route([0, 8], with_calls)  # 2 + 8 = 10 ms < 2 x (2 + 3.2) = 10.4 ms
+    assert [(s.primary.node_id, s.start, s.end) for s in stages] == [("a", 0, 8)]
+    assert with_calls[0].cost(8) == pytest.approx(10.0)
+    loaded = Holder("a", "x", 0, 8, 1.0, load=1.0, call_ms=2.0)
+    assert loaded.cost(8) == pytest.approx(20.0), "load slows the whole call"

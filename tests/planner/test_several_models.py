@@ -9,7 +9,7 @@ from dataclasses import replace
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from planner.test_placement_and_sessions import CONFIG, Swarm, caps
+from planner.test_placement_and_sessions import CONFIG, ReplanCounter, Swarm, caps
 from planner.test_planner_v2 import MODEL, node
 
 from coordinator.placement import (
@@ -152,26 +152,18 @@ async def test_a_node_whose_reports_swing_back_and_forth_causes_no_replan():
         placement.observe_step(node, "m", layers, 1, call_ms)
     await placement.settled()
     steady = placement.plan_of("m")
-    replans = 0
-    replan = placement.replan
-
-    async def counted() -> None:
-        nonlocal replans
-        replans += 1
-        await replan()
-
-    placement.replan = counted  # type: ignore[method-assign]
+    replans = ReplanCounter(placement)
     for _ in range(10):
         for ms in (4 * call_ms, call_ms / 4):  # a report's worth of each: 16 calls
             for _ in range(16):
                 placement.observe_step(node, "m", layers, 1, ms)
             await placement.settled()
-    assert replans == 0
+    assert replans.count == 0
     assert placement.plan_of("m") is steady
     for _ in range(2 * SPEED_SHIFT_HOLD):  # a shift that lasts still re-plans, once
         placement.observe_step(node, "m", layers, 1, 4 * call_ms)
     await placement.settled()
-    assert replans == 1
+    assert replans.count == 1
 
 
 async def test_nodes_joining_before_any_model_is_imported_replan_quietly(caplog):

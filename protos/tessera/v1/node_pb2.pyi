@@ -156,18 +156,20 @@ class NodeReliability(_message.Message):
     def __init__(self, leave_rate_per_h: _Optional[float] = ..., departures: _Optional[int] = ..., hours_online: _Optional[float] = ...) -> None: ...
 
 class NodeSpeed(_message.Message):
-    __slots__ = ("claimed_ms_per_gparam", "ms_per_gparam", "samples", "measured", "rtt_ms")
+    __slots__ = ("claimed_ms_per_gparam", "ms_per_gparam", "samples", "measured", "rtt_ms", "call_ms")
     CLAIMED_MS_PER_GPARAM_FIELD_NUMBER: _ClassVar[int]
     MS_PER_GPARAM_FIELD_NUMBER: _ClassVar[int]
     SAMPLES_FIELD_NUMBER: _ClassVar[int]
     MEASURED_FIELD_NUMBER: _ClassVar[int]
     RTT_MS_FIELD_NUMBER: _ClassVar[int]
+    CALL_MS_FIELD_NUMBER: _ClassVar[int]
     claimed_ms_per_gparam: float
     ms_per_gparam: float
     samples: int
     measured: bool
     rtt_ms: float
-    def __init__(self, claimed_ms_per_gparam: _Optional[float] = ..., ms_per_gparam: _Optional[float] = ..., samples: _Optional[int] = ..., measured: _Optional[bool] = ..., rtt_ms: _Optional[float] = ...) -> None: ...
+    call_ms: float
+    def __init__(self, claimed_ms_per_gparam: _Optional[float] = ..., ms_per_gparam: _Optional[float] = ..., samples: _Optional[int] = ..., measured: _Optional[bool] = ..., rtt_ms: _Optional[float] = ..., call_ms: _Optional[float] = ...) -> None: ...
 
 class NodeTrust(_message.Message):
     __slots__ = ("trust", "check_probability", "consecutive_verified", "verified", "failures", "canary_passed", "canary_failed")
