@@ -210,7 +210,7 @@ def parity(args: argparse.Namespace, checkpoint: Path, report: Report) -> None:
     hf_error = max(errors(ours, hf_logits))
     report.say(f"runtime fp32 vs transformers fp32 (CPU, whole model): {hf_error:.1e}")
     report.data["transformers_vs_runtime_fp32"] = hf_error
-    if hf_error >= output_check.tolerance("cpu", "float32"):
+    if hf_error >= output_check.tolerance("cpu", "float32", layers=shape.layers):
         report.fail(f"the runtime's fp32 logits differ from transformers' by {hf_error:.1e}")
     del hf
 
@@ -234,7 +234,8 @@ def parity(args: argparse.Namespace, checkpoint: Path, report: Report) -> None:
                 }
                 mine = (device.type, dtype_name(dtype))
                 for checker, (theirs, kind) in checkers.items():
-                    tolerance = output_check.pair_tolerance(mine, kind)
+                    start, end = spans[index]
+                    tolerance = output_check.pair_tolerance(mine, kind, layers=end - start)
                     for where, part in (
                         ("prefill", slice(0, prefill)),
                         ("decode", slice(prefill, None)),

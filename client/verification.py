@@ -771,7 +771,7 @@ class StageVerifier:
         stats = self.stats
         stats.checked[node_id] = stats.checked.get(node_id, 0) + 1
         stats.pairs.append((node_id, checker.node_id))
-        limit = self._tolerance(node_id, checker.node_id)
+        limit = self._tolerance(node_id, checker.node_id, request.layers.end - request.layers.start)
         error = output_check.relative_error(
             codec.decode(response.output, finite=False),
             response.output.dtype,
@@ -811,10 +811,10 @@ class StageVerifier:
             self._unfit_checkers.add(checker.node_id)
         return outcome
 
-    def _tolerance(self, primary: str, checker: str) -> float:
+    def _tolerance(self, primary: str, checker: str, layers: int) -> float:
         a, b = self._grants[primary], self._grants[checker]
         return output_check.pair_tolerance(
-            (a.device_kind, a.compute_dtype), (b.device_kind, b.compute_dtype)
+            (a.device_kind, a.compute_dtype), (b.device_kind, b.compute_dtype), layers=layers
         )
 
     # ---- audits: a catch-up compared with the steps it replays ----------------------
@@ -896,7 +896,7 @@ class StageVerifier:
                     span.end - span.start
                 )
                 self._checked_steps.add((span, step.step))  # audited once
-                if error <= self._tolerance(step.node_id, checker.node_id):
+                if error <= self._tolerance(step.node_id, checker.node_id, span.end - span.start):
                     self._rows.pop((span, step.step))
                     audited = self.stats.audited
                     audited[step.node_id] = audited.get(step.node_id, 0) + 1

@@ -21,8 +21,9 @@ PASS_NAMES = {
 
 
 def tolerance() -> float:
-    """Training computes in fp32 on every node: one tolerance for every comparison."""
-    return output_check.tolerance("cpu", "float32")
+    """Training computes in fp32 on every node: one tolerance for every comparison. Its
+    margin over honest fp32 differences (thousands of times) leaves depth no say."""
+    return output_check.tolerance("cpu", "float32", layers=1)
 
 
 def answer_bytes(kind: int, answer: verification_pb2.TrainingAnswer) -> bytes:

@@ -54,6 +54,7 @@ class _Answer:
     session_id: str
     # A reference must be real work: not zeros, and not the canary's input handed back.
     plausible: bool
+    layers: int  # how many layers the canary ran through (its tolerance grows with them)
 
 
 @dataclass
@@ -62,9 +63,11 @@ class _Reference:
     dtype: str
     agreed_by: list[tuple[str, str, str]]  # (node id, device kind, compute dtype)
 
-    def tolerance(self, facts: NodeFacts) -> float:
+    def tolerance(self, facts: NodeFacts, layers: int) -> float:
         mine = (facts.device_kind, facts.compute_dtype)
-        return max(output_check.pair_tolerance(mine, (k, d)) for _, k, d in self.agreed_by)
+        return max(
+            output_check.pair_tolerance(mine, (k, d), layers=layers) for _, k, d in self.agreed_by
+        )
 
 
 class Canaries:
@@ -154,7 +157,9 @@ class Canaries:
             log.warning("canary answer of %s is malformed: %s", facts.node_id, err)
             return
         plausible = bool(np.any(array)) and not _echoes(array, out.dtype, chunk)
-        answer = _Answer(facts, array, out.dtype, run.response.signature, run.session_id, plausible)
+        answer = _Answer(
+            facts, array, out.dtype, run.response.signature, run.session_id, plausible, end - start
+        )
         self._judge(key, answer)
 
     def _judge(self, key: str, answer: _Answer) -> None:
@@ -173,6 +178,7 @@ class Canaries:
             tolerance = output_check.pair_tolerance(
                 (answer.facts.device_kind, answer.facts.compute_dtype),
                 (other.facts.device_kind, other.facts.compute_dtype),
+                layers=answer.layers,
             )
             error = output_check.relative_error(
                 answer.output, answer.dtype, other.output, other.dtype
@@ -207,7 +213,8 @@ class Canaries:
                 "pair": key,
                 "comparisons": row["comparisons"] + 1,
                 "max_error": max(row["max_error"], error),
-                "tolerance": tolerance,
+                # The tolerance of the comparison that set max_error (it grows with depth).
+                "tolerance": tolerance if new_high else row.get("tolerance", tolerance),
                 "updated_ms": int(time.time() * 1000),
             }
             self._calibration[key] = row
@@ -244,7 +251,7 @@ class Canaries:
         error = output_check.relative_error(
             answer.output, answer.dtype, reference.output, reference.dtype
         )
-        tolerance = reference.tolerance(facts)
+        tolerance = reference.tolerance(facts, answer.layers)
         log.debug(
             "canary %s on %s (%s, %s): relative error %.3g (tolerance %.3g)",
             key, facts.node_id, facts.device_kind, facts.compute_dtype, error, tolerance,

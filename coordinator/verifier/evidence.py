@@ -208,8 +208,11 @@ def check_mismatch(
         )
     p_out, c_out = comparison.primary.output, comparison.checker.output
     error = output_check.relative_error(outputs[0], p_out.dtype, outputs[1], c_out.dtype)
+    layers = comparison.primary.layers
     tolerance = output_check.pair_tolerance(
-        (primary.device_kind, primary.compute_dtype), (checker.device_kind, checker.compute_dtype)
+        (primary.device_kind, primary.compute_dtype),
+        (checker.device_kind, checker.compute_dtype),
+        layers=layers.end - layers.start,
     )
     if error <= tolerance:
         raise ReportError(

@@ -570,12 +570,16 @@ class Verifier:
             agrees_p = output_check.relative_error(
                 answer, out.dtype, mismatch.primary_output, p.output.dtype
             ) <= output_check.pair_tolerance(
-                arbiter_class, (mismatch.primary.device_kind, mismatch.primary.compute_dtype)
+                arbiter_class,
+                (mismatch.primary.device_kind, mismatch.primary.compute_dtype),
+                layers=end - start,
             )
             agrees_c = output_check.relative_error(
                 answer, out.dtype, mismatch.checker_output, c.output.dtype
             ) <= output_check.pair_tolerance(
-                arbiter_class, (mismatch.checker.device_kind, mismatch.checker.compute_dtype)
+                arbiter_class,
+                (mismatch.checker.device_kind, mismatch.checker.compute_dtype),
+                layers=end - start,
             )
             if agrees_c != agrees_p:
                 loser, winner = (p, c) if agrees_c else (c, p)

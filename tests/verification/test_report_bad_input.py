@@ -47,16 +47,21 @@ class Node:
         return identity.node_id(self.public_key)
 
     def sign(
-        self, session_id: str, step: int, output: np.ndarray, digest: bytes | None = None
+        self,
+        session_id: str,
+        step: int,
+        output: np.ndarray,
+        digest: bytes | None = None,
+        layers: tuple[int, int] = LAYERS,
     ) -> verification_pb2.SignedOutput:
         tensor = codec.encode(output.astype(np.float32))
         digest = digest or output_check.prefix_digest([(PREFIX, "int64"), (INPUT, "int64")])
         out_hash = hashlib.sha256(tensor.data).digest()
-        payload = identity.output_payload(session_id, step, *LAYERS, out_hash, input_digest=digest)
+        payload = identity.output_payload(session_id, step, *layers, out_hash, input_digest=digest)
         return verification_pb2.SignedOutput(
             node_id=self.node_id,
             step=step,
-            layers=common_pb2.LayerRange(start=LAYERS[0], end=LAYERS[1]),
+            layers=common_pb2.LayerRange(start=layers[0], end=layers[1]),
             input_digest=digest,
             output_sha256=out_hash,
             signature=self.key.sign(payload),  # type: ignore[attr-defined]
