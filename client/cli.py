@@ -63,8 +63,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="list the swarm's nodes",
         description="List the nodes registered with the coordinator: id, name, state, "
         "device, usable memory, measured matmul TFLOPS, memory bandwidth, when it was last "
-        "heard from, how often it leaves (departures per hour online) and its trust (the "
-        "share of its checked results that were right).",
+        "heard from, how often it leaves (departures per hour online), its trust (the "
+        "share of its checked results that were right) and the speed placement plans it "
+        "with: ms per billion parameters and token measured on real traffic, plus the "
+        "fixed time of each call once spans of different sizes told it apart ('claimed': "
+        "the node's own benchmark, until traffic is timed).",
         epilog="examples:\n  tessera nodes --coordinator coord.example.org:7000\n"
         "  tessera nodes --all --json     # offline and banned ones too, for scripts",
         formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -320,11 +323,13 @@ def _nodes(args: argparse.Namespace) -> int:
             _ago(now_ms - n.last_seen_unix_ms) if n.last_seen_unix_ms else "never",
             _leaves(n),
             _trust(n),
+            _speed(n),
         ]
         for n in nodes
     ]
     header = [
-        "ID", "NAME", "STATE", "DEVICE", "MEMORY", "TFLOPS", "GB/S", "LAST SEEN", "LEAVES", "TRUST"
+        "ID", "NAME", "STATE", "DEVICE", "MEMORY", "TFLOPS", "GB/S", "LAST SEEN", "LEAVES", "TRUST",
+        "SPEED",
     ]  # fmt: skip
     print(_table(header, rows))
     return 0
@@ -337,6 +342,19 @@ def _leaves(node: node_pb2.NodeInfo) -> str:
         return "-"
     r = node.reliability
     return f"{r.leave_rate_per_h:.2f}/h ({r.departures} in {r.hours_online:.1f} h)"
+
+
+def _speed(node: node_pb2.NodeInfo) -> str:
+    """What placement plans the node's calls with: ms per billion parameters and token,
+    plus the fixed part of each call once told apart; a speed nobody measured yet is the
+    node's own claim, and says so."""
+    if not node.HasField("speed"):
+        return "-"
+    s = node.speed
+    text = f"{s.ms_per_gparam:.3g} ms/Gparam"
+    if s.call_ms:
+        text += f" + {s.call_ms:.3g} ms/call"
+    return text if s.measured else f"{text} (claimed)"
 
 
 def _trust(node: node_pb2.NodeInfo) -> str:

@@ -236,7 +236,7 @@ def test_cli_generate_streams_text_and_lists(swarm: Swarm, capsys) -> None:
     table = capsys.readouterr().out.splitlines()
     assert table[0].split() == [
         "ID", "NAME", "STATE", "DEVICE", "MEMORY", "TFLOPS", "GB/S", "LAST", "SEEN", "LEAVES",
-        "TRUST"
+        "TRUST", "SPEED"
     ]  # fmt: skip
     assert len(table) == 4 and "online" in table[1] and "3s ago" in table[1]
     node = node_pb2.NodeInfo(
@@ -244,6 +244,10 @@ def test_cli_generate_streams_text_and_lists(swarm: Swarm, capsys) -> None:
     )
     assert tessera_cli._leaves(node) == "2.50/h (5 in 1.0 h)"
     assert tessera_cli._leaves(node_pb2.NodeInfo()) == "-"  # a coordinator without a planner
+    speed = node_pb2.NodeSpeed(ms_per_gparam=2.0, call_ms=3.0, measured=True)
+    assert tessera_cli._speed(node_pb2.NodeInfo(speed=speed)) == "2 ms/Gparam + 3 ms/call"
+    claimed = node_pb2.NodeSpeed(ms_per_gparam=0.5)
+    assert tessera_cli._speed(node_pb2.NodeInfo(speed=claimed)) == "0.5 ms/Gparam (claimed)"
     assert tessera_cli.main(["nodes", "--coordinator", swarm.address, "--json"]) == 0
     assert len(json.loads(capsys.readouterr().out)) == 3
     assert tessera_cli.main(["models", "--coordinator", swarm.address]) == 0
