@@ -5,13 +5,16 @@ Pure data, no I/O: the coordinator feeds observations in (drivers report per-sta
 times of real traffic, nodes report RTTs to their peers in telemetry) and reads estimates
 out when it builds the planner's NodeSpecs and the router's Holders.
 
-Why it cannot be gamed by the node: a node's speed comes from *driver-measured* stage
-times (the client's clock, minus the client-node round trip), never from numbers the node
-sends. Its self-reported benchmark (`matmul_tflops`) is only a prior, and a pessimistic
-one: until `MIN_SAMPLES` observations exist the estimate is the slower of the claim and
-what was measured, so a node that claims 10x its speed is corrected by its first
-observation and can never look faster than its measurements. After `MIN_SAMPLES`
-observations the claim is ignored (a node that under-claimed gets its real speed).
+Why it cannot be gamed by the node: a node's speed comes from *driver-measured* stage times
+(the client's clock; the node's queueing and the client-node round trip included, which is
+what a route through it costs), never from numbers the node sends. Its load for the router
+comes from its telemetry (active sessions and queue length), and lying low there buys
+nothing: the waits it causes show in these times. Its self-reported benchmark
+(`matmul_tflops`) is only a prior, and a pessimistic one: until `MIN_SAMPLES` observations
+exist the estimate is the slower of the claim and what was measured, so a node that claims
+10x its speed is corrected by its first observation and can never look faster than its
+measurements. After `MIN_SAMPLES` observations the claim is ignored (a node that
+under-claimed gets its real speed).
 
 Each average is an exponentially weighted moving average seeded with the first sample, so
 after n samples of a steady value the estimate *is* that value, and a node that slows down
@@ -102,7 +105,6 @@ class Measured:
 
     layer_ms: float  # compute time of one layer for one token (0: nothing known)
     call_ms: float  # fixed time of a call, whatever its layers (0: not told apart yet)
-    queue_ms: float  # mean wait before its compute starts (load)
     rtt_ms: float  # typical round trip to its peers: median of per-peer averages (0: none)
     samples: int  # step observations behind layer_ms
     measured: bool  # True once layer_ms no longer depends on the node's claim
@@ -118,7 +120,6 @@ class Measurements:
         self._work: dict[str, Ewma] = {}  # recent work per call, billion parameter-tokens
         self._fit: dict[str, LineFit] = {}
         self._call: dict[str, float] = {}  # the last fixed part the fit could tell apart
-        self._queue: dict[str, Ewma] = {}
         self._rtt: dict[str, dict[str, Ewma]] = {}
 
     # ---- inputs -------------------------------------------------------------------------
@@ -131,18 +132,19 @@ class Measurements:
         params_per_layer: int,
         tokens: int,
         compute_ms: float,
-        queue_ms: float = 0.0,
     ) -> None:
         """One stage call of real traffic, as the driver timed it.
 
-        `compute_ms`: the driver's wall time for the call minus its round trip to the node
-        and minus `queue_ms`; `layers` layers of `params_per_layer` parameters ran on
-        `tokens` tokens. Stored per billion parameters and token, so one average serves
-        every model (decode reads each weight once per step: time ~ parameters).
-        Observations that cannot be real (no work, negative or non-finite times) are ignored.
+        `compute_ms`: the driver's wall time for the call, the node's queueing and the
+        round trip included (what a route through the node costs at its load; the router
+        adds the node's current load from telemetry); `layers` layers of `params_per_layer`
+        parameters ran on `tokens` tokens. Stored per billion parameters and token, so one
+        average serves every model (decode reads each weight once per step: time ~
+        parameters). Observations that cannot be real (no work, negative or non-finite
+        times) are ignored.
         """
         work = layers * params_per_layer * tokens / 1e9
-        if work <= 0 or not _finite_non_negative(compute_ms, queue_ms):
+        if work <= 0 or not _finite_non_negative(compute_ms):
             return
         per = compute_ms / work
         average = self._layer.setdefault(node_id, Ewma())
@@ -161,7 +163,6 @@ class Measurements:
                 # Kept when the spread fades (old spans forgotten): a node's software does
                 # not change with its span, and the line through its mean follows its speed.
                 self._call[node_id] = intercept
-        self._queue.setdefault(node_id, Ewma()).add(queue_ms, self.alpha)
 
     def observe_rtt(self, node_id: str, peer_id: str, rtt_ms: float) -> None:
         """A round trip `node_id` measured to `peer_id` (its telemetry's rtt_ms map)."""
@@ -182,7 +183,6 @@ class Measurements:
         self._work.pop(node_id, None)
         self._fit.pop(node_id, None)
         self._call.pop(node_id, None)
-        self._queue.pop(node_id, None)
         self._rtt.pop(node_id, None)
         for peers in self._rtt.values():
             peers.pop(node_id, None)
@@ -250,11 +250,9 @@ class Measurements:
     def of(self, node_id: str, params_per_layer: int, claimed_layer_ms: float = 0.0) -> Measured:
         average = self._layer.get(node_id)
         samples = average.samples if average else 0
-        queue = self._queue.get(node_id)
         return Measured(
             layer_ms=self.layer_ms(node_id, params_per_layer, claimed_layer_ms),
             call_ms=self.call_ms(node_id),
-            queue_ms=queue.value if queue else 0.0,
             rtt_ms=self.rtt_ms(node_id),
             samples=samples,
             measured=samples >= self.min_samples,

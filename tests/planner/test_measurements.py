@@ -1,4 +1,4 @@
-"""Measured speed, queueing and RTT replace what a node claims, within a bounded number of
+"""Measured speed and RTT replace what a node claims, within a bounded number of
 observations, and no observation sequence lets a node look faster than it was seen."""
 
 import math
@@ -86,35 +86,21 @@ def test_speed_is_per_parameter_so_one_average_serves_every_model():
     assert m.layer_ms("n", PARAMS * 4) == pytest.approx(TRUE_MS * 4)  # a 4x larger layer
 
 
-def test_queueing_is_averaged_and_reported():
-    m = Measurements()
-    for q in (10.0, 10.0, 40.0):
-        m.observe_step("n", layers=1, params_per_layer=PARAMS, tokens=1, compute_ms=1, queue_ms=q)
-    assert 10.0 < m.of("n", PARAMS).queue_ms < 40.0
-
-
 @pytest.mark.parametrize(
-    "layers, tokens, compute_ms, queue_ms",
+    "layers, tokens, compute_ms",
     [
-        (0, 1, 5.0, 0.0),
-        (4, 0, 5.0, 0.0),
-        (-4, 1, 5.0, 0.0),
-        (4, 1, -5.0, 0.0),
-        (4, 1, math.nan, 0.0),
-        (4, 1, math.inf, 0.0),
-        (4, 1, 5.0, -1.0),
-        (4, 1, 5.0, math.nan),
+        (0, 1, 5.0),
+        (4, 0, 5.0),
+        (-4, 1, 5.0),
+        (4, 1, -5.0),
+        (4, 1, math.nan),
+        (4, 1, math.inf),
     ],
 )
-def test_impossible_observations_are_ignored(layers, tokens, compute_ms, queue_ms):
+def test_impossible_observations_are_ignored(layers, tokens, compute_ms):
     m = Measurements()
     m.observe_step(
-        "n",
-        layers=layers,
-        params_per_layer=PARAMS,
-        tokens=tokens,
-        compute_ms=compute_ms,
-        queue_ms=queue_ms,
+        "n", layers=layers, params_per_layer=PARAMS, tokens=tokens, compute_ms=compute_ms
     )
     assert m.of("n", PARAMS, 1.5).layer_ms == 1.5 and m.of("n", PARAMS).samples == 0
 
