@@ -364,10 +364,6 @@ class PipelineDriver:
     def route(self) -> list[HopRecord]:
         return [slot.hop for slot in self._slots]
 
-    @property
-    def steps_taken(self) -> int:
-        return self._step
-
     async def step(
         self,
         token_ids: np.ndarray | Iterable[int],

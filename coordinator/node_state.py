@@ -17,10 +17,6 @@ class NodeState(str, enum.Enum):  # noqa: UP042 - keeps the str-mixin semantics 
     def to_proto(self) -> int:
         return _TO_PROTO[self]
 
-    @classmethod
-    def from_proto(cls, value: int) -> NodeState:
-        return _FROM_PROTO[value]
-
 
 _TO_PROTO = {
     NodeState.ONLINE: node_pb2.NODE_STATE_ONLINE,
@@ -29,7 +25,6 @@ _TO_PROTO = {
     NodeState.DRAINING: node_pb2.NODE_STATE_DRAINING,
     NodeState.BANNED: node_pb2.NODE_STATE_BANNED,
 }
-_FROM_PROTO = {v: k for k, v in _TO_PROTO.items()}
 
 # Why every connected node goes offline when the coordinator stops, and why whoever was
 # still connected is marked offline when it starts again (after a crash): the

@@ -32,7 +32,7 @@ from coordinator import db as database
 from coordinator import secrets_store
 from coordinator.addresses import split_host_port
 from coordinator.context import CoordinatorContext
-from coordinator.events import EventBus, InProcessBus, MqttBus
+from coordinator.events import EventBus, MqttBus, create_bus
 from coordinator.node_state import SHUTDOWN_REASON
 from coordinator.presence import PresenceWatcher
 from coordinator.registry import Registry
@@ -158,11 +158,11 @@ def build_context(settings: Settings, bus: EventBus | None = None) -> Coordinato
         ) from None
     signing_key = secrets_store.load_or_create_signing_key(settings.data_dir)
     admin_token = secrets_store.load_or_create_admin_token(settings.data_dir)
-    if bus is None and settings.mqtt_url:
-        # The broker tells everyone if we vanish without saying goodbye.
-        bus = MqttBus(settings.mqtt_url, will=(COORDINATOR_PRESENCE_TOPIC, b'{"state":"offline"}'))
-    elif bus is None:
-        bus = InProcessBus()
+    if bus is None:
+        # With a broker, it tells everyone if we vanish without saying goodbye.
+        bus = create_bus(
+            settings.mqtt_url, will=(COORDINATOR_PRESENCE_TOPIC, b'{"state":"offline"}')
+        )
     registry = Registry(
         database.NodeRepository(db), settings, bus, identity.public_key_bytes(signing_key)
     )

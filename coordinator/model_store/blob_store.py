@@ -51,11 +51,6 @@ class BlobStore:
     def new_writer(self) -> BlobWriter:
         return BlobWriter(self, self.incoming / f"{uuid.uuid4().hex}.part")
 
-    def iter_chunks(self, sha256: str, chunk_bytes: int) -> Iterator[bytes]:
-        with self.path(sha256).open("rb") as handle:
-            while chunk := handle.read(chunk_bytes):
-                yield chunk
-
     def delete(self, sha256: str) -> None:
         self.path(sha256).unlink(missing_ok=True)
 

@@ -125,10 +125,6 @@ class ModelConfig:
             layer_sliding_windows=_layer_sliding_windows(raw, architecture, num_layers),
         )
 
-    @property
-    def num_query_groups(self) -> int:
-        return self.num_attention_heads // self.num_key_value_heads
-
     def sliding_window_for_layer(self, layer: int) -> int | None:
         if not self.layer_sliding_windows:
             return None
