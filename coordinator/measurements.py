@@ -46,7 +46,7 @@ MIN_SAMPLES = 8  # observations after which measurements replace the self-report
 # once the average is established: a single stall (GC pause, swap) is not a new speed.
 MAX_STEP_FACTOR = 4.0
 MAX_PEERS = 256  # RTT averages kept per node (telemetry is bounded by what nodes probe)
-# The fixed-cost fit forgets slowly: a node's work changes only at re-plans and with batches.
+# The fixed-cost fit forgets slowly: a node's work changes only at re-plans (or a 2nd model).
 FIT_ALPHA = 0.05
 # Work must vary by this coefficient of variation before the fixed part can be told apart.
 MIN_SPREAD = 0.15
