@@ -30,7 +30,7 @@ async def test_get_model_refuses_hostile_names_briefly(harness: Harness) -> None
     await refused(api.GetModel(common_pb2.ModelRef()), grpc.StatusCode.NOT_FOUND, "no model")
     # Over the 64 MiB message limit: refused by gRPC before the store sees it.
     oversized = common_pb2.ModelRef(name="x" * (codec.MAX_MESSAGE_BYTES + 10))
-    await refused(api.GetModel(oversized), grpc.StatusCode.RESOURCE_EXHAUSTED, "")
+    await refused(api.GetModel(oversized), grpc.StatusCode.RESOURCE_EXHAUSTED, "larger than max")
 
     # Still serving.
     assert list((await api.ListModels(common_pb2.Empty())).models) == []
@@ -68,7 +68,9 @@ async def test_session_calls_refuse_huge_session_ids_briefly(harness: Harness) -
     oversized = client_api_pb2.CloseSessionRequest(
         session_id="x" * (codec.MAX_MESSAGE_BYTES + 10), capability=genuine
     )
-    await refused(api.CloseSession(oversized), grpc.StatusCode.RESOURCE_EXHAUSTED, "")
+    await refused(
+        api.CloseSession(oversized), grpc.StatusCode.RESOURCE_EXHAUSTED, "larger than max"
+    )
 
     # Still serving: the session's own close goes through.
     closed = await api.CloseSession(

@@ -205,7 +205,10 @@ def test_cli_generate_json(swarm: Swarm, capsys) -> None:
     assert code == 0
     output = json.loads(capsys.readouterr().out)
     assert output["token_ids"] == reference_greedy(swarm.checkpoint, [1, 9, 17, 25], 5)
-    assert isinstance(output["text"], str)
+    # The new tokens' text as it continues the prompt (spaces included), not decoded alone.
+    prompt = [1, 9, 17, 25]
+    whole = swarm.tokenizer.decode(prompt + output["token_ids"])
+    assert output["text"] == whole[len(swarm.tokenizer.decode(prompt)) :]
     assert [hop["start"] for hop in output["route"]] == [0, 2]
     assert {s["requests"] for s in output["stages"]} == {5}
     assert output["failovers"] == []

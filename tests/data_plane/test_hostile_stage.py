@@ -91,7 +91,9 @@ async def test_end_session_refuses_hostile_ids_and_oversized_messages(
         await refused(end("s-bystander", garbage), grpc.StatusCode.UNAUTHENTICATED, "forged")
         # Over the 64 MiB message limit: refused by gRPC before the servicer sees it.
         oversized = "x" * (codec.MAX_MESSAGE_BYTES + 10)
-        await refused(end(oversized, genuine), grpc.StatusCode.RESOURCE_EXHAUSTED, "")
+        await refused(
+            end(oversized, genuine), grpc.StatusCode.RESOURCE_EXHAUSTED, "larger than max"
+        )
         assert node.manager.active_sessions() == 1  # none of that ended the session
 
         await still_serves(bystander, token)

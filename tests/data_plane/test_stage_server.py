@@ -294,6 +294,11 @@ def _other_key_capability(s: Session) -> client_api_pb2.SignedCapability:
     return s.capability(key=identity.generate_private_key())
 
 
+def _without_input(request: stage_pb2.ForwardRequest) -> stage_pb2.ForwardRequest:
+    request.ClearField("input")
+    return request
+
+
 BAD_CASES = [
     BadCase(
         "float token ids",
@@ -350,10 +355,16 @@ BAD_CASES = [
         "batch 9 is larger",
     ),
     BadCase(
-        "no input",
+        "an empty tensor",
         lambda s: [s.request(common_pb2.Tensor(), start=0)],
         grpc.StatusCode.INVALID_ARGUMENT,
-        "",
+        "dtype '' is not accepted",
+    ),
+    BadCase(
+        "no input",
+        lambda s: [_without_input(s.request(ids([[1]]), start=0))],
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "carries no input",
     ),
     BadCase(
         "empty layer range",

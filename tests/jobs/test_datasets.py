@@ -41,10 +41,13 @@ def _data(payload: bytes, shard: int = 0, offset: int = 0) -> jobs_pb2.DatasetCh
 
 
 async def _refused(jc: JobsCoordinator, messages: list) -> grpc.aio.AioRpcError:
+    blobs = sorted(jc.jobs.blobs.all_digests())
+    jobs = await jc.stub.ListJobs(jobs_pb2.ListJobsRequest())
     with pytest.raises(grpc.aio.AioRpcError) as caught:
         await jc.stub.UploadDataset(aiter_of(messages))
-    # The coordinator survives and still answers.
-    assert (await jc.stub.ListJobs(jobs_pb2.ListJobsRequest())) is not None
+    # Nothing of the refused upload is kept, and the coordinator still answers as before.
+    assert sorted(jc.jobs.blobs.all_digests()) == blobs
+    assert await jc.stub.ListJobs(jobs_pb2.ListJobsRequest()) == jobs
     return caught.value
 
 

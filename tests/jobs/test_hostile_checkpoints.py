@@ -61,7 +61,7 @@ async def test_download_refuses_hostile_requests_briefly_and_keeps_serving(
     await refused(download(metadata=junk), grpc.StatusCode.UNAUTHENTICATED, "ticket in hex")
     # Over the 64 MiB message limit: refused by gRPC before the store sees it.
     oversized = "x" * (codec.MAX_MESSAGE_BYTES + 10)
-    await refused(download(job_id=oversized), grpc.StatusCode.RESOURCE_EXHAUSTED, "")
+    await refused(download(job_id=oversized), grpc.StatusCode.RESOURCE_EXHAUSTED, "larger than max")
 
     # Still serving: the owner gets its part, intact.
     chunks = [c async for c in download()]

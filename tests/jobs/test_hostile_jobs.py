@@ -40,7 +40,7 @@ async def test_reads_refuse_huge_and_empty_ids_briefly(start_jobs) -> None:
         await refused(stub.GetDataset(ref), grpc.StatusCode.NOT_FOUND, "no dataset")
         await refused(stub.DownloadDataset(ref), grpc.StatusCode.NOT_FOUND, "no dataset")
     oversized = jobs_pb2.JobRef(job_id="x" * (codec.MAX_MESSAGE_BYTES + 10))
-    await refused(stub.GetJob(oversized), grpc.StatusCode.RESOURCE_EXHAUSTED, "")
+    await refused(stub.GetJob(oversized), grpc.StatusCode.RESOURCE_EXHAUSTED, "larger than max")
     # An absurd list limit is capped, not an error.
     assert list((await stub.ListJobs(jobs_pb2.ListJobsRequest(limit=2**32 - 1))).jobs) == []
 
@@ -57,7 +57,7 @@ async def test_submit_refuses_huge_names_briefly_and_records_nothing(start_jobs)
         (
             dict(output_model="x" * (codec.MAX_MESSAGE_BYTES + 10)),
             grpc.StatusCode.RESOURCE_EXHAUSTED,
-            "",
+            "larger than max",
         ),
     ]
     for overrides, code, words in cases:
@@ -120,7 +120,7 @@ async def test_driver_calls_refuse_foreign_forged_and_oversized_input_and_keep_t
             jc.stub.FinishJob,
             finish(error="x" * (codec.MAX_MESSAGE_BYTES + 10)),
             grpc.StatusCode.RESOURCE_EXHAUSTED,
-            "",
+            "larger than max",
         ),
     ]
     for call, request, code, words in cases:

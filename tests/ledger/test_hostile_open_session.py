@@ -155,7 +155,9 @@ async def test_a_signed_open_is_accepted_once(market: JobsCoordinator) -> None:
     again = signed_open(client, max_length=MAX_LENGTH - 1)
     again.nonce = request.nonce
     again.client_signature = client.sign(identity.open_session_payload(again))
-    await refused(api(market).OpenSession(again, timeout=10), grpc.StatusCode.ALREADY_EXISTS, "")
+    await refused(
+        api(market).OpenSession(again, timeout=10), grpc.StatusCode.ALREADY_EXISTS, "replay"
+    )
     # A request without a nonce (an old client), or with a short one, is told what to do.
     for nonce in (b"", b"\x01" * 8):
         bare = signed_open(client)

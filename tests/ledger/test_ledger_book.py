@@ -108,7 +108,10 @@ def test_usage_past_the_escrow_is_scaled_to_the_quote(ledger: Ledger) -> None:
     ledger.grant("calice", 10_000, "r1")
     ledger.open_hold("s1", "calice", 100, PRICES, 10**15, b"k" * 32)
     result = ledger.settle("s1", [Usage("a", "n1", 0, 3, 1000), Usage("b", "n2", 3, 6, 1000)])
-    assert result.charged <= 100 and result.charged + result.refunded == 100
+    # Worth 3,000 and 6,000 at the quoted prices: each node gets its share of the 100 held,
+    # rounded down (33 and 66), and the client gets back what rounding left.
+    assert (result.charged, result.refunded) == (99, 1)
+    assert ledger.earnings("n1").pending == 33 and ledger.earnings("n2").pending == 66
 
 
 def test_settlement_refuses_unknown_nodes_duplicate_and_overflowing_receipts(

@@ -194,11 +194,15 @@ async def test_delay_change_takes_effect_mid_stream(echo_port):
 
 async def test_settings_are_validated(echo_port):
     async with LinkEmulator("127.0.0.1", echo_port) as link:
+        link.set(delay_ms=40, jitter_ms=5, bandwidth_bps=1_000_000)
+        before = link.settings
         with pytest.raises(ValueError, match="delay_ms"):
             link.set(delay_ms=-1)
         with pytest.raises(ValueError, match="bytes per second"):
             link.set(bandwidth_bps=0)
-        assert link.settings.delay_ms == 0  # a rejected change leaves the link as it was
+        with pytest.raises(ValueError, match="bytes per second"):
+            link.set(delay_ms=10, bandwidth_bps=0)  # one bad value refuses the whole change
+        assert link.settings == before  # a rejected change leaves the link as it was
 
 
 async def test_unreachable_target_closes_the_client_and_the_proxy_keeps_serving(echo_port):

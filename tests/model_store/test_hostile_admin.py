@@ -56,7 +56,7 @@ async def test_remove_model_refuses_hostile_input_and_keeps_the_model(
             await refused(remove(name), grpc.StatusCode.NOT_FOUND, "known models: tiny")
         # Over the 64 MiB message limit: refused by gRPC before the store sees it.
         oversized = "x" * (codec.MAX_MESSAGE_BYTES + 10)
-        await refused(remove(oversized), grpc.StatusCode.RESOURCE_EXHAUSTED, "")
+        await refused(remove(oversized), grpc.StatusCode.RESOURCE_EXHAUSTED, "larger than max")
 
         # Nothing was lost: the model is listed, fetchable, and its blobs are on disk.
         assert store_server.blob_files() == blobs

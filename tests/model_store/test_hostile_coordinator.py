@@ -57,7 +57,7 @@ async def test_manifest_and_fetch_refuse_hostile_names_and_digests_briefly(serve
         )
         # Over the 64 MiB message limit: refused by gRPC before the store sees it.
         oversized = "x" * (codec.MAX_MESSAGE_BYTES + 10)
-        await refused(manifest(oversized), grpc.StatusCode.RESOURCE_EXHAUSTED, "")
+        await refused(manifest(oversized), grpc.StatusCode.RESOURCE_EXHAUSTED, "larger than max")
 
         # The same node still gets its manifest and a tensor.
         listed = await manifest("tiny")

@@ -165,13 +165,9 @@ async def test_sessions_route_around_a_measured_slow_link():
     assert others, "the test needs an alternate for the second stage"
     placement.measurements.observe_rtts(first, {second: 500.0, **{o: 1.0 for o in others}})
     again = sessions.open_session(client_api_pb2.OpenSessionRequest(model="m", max_length=8))
-    if again.stages[0].primary.node_id == first:
-        assert again.stages[1].primary.node_id != second
-    else:  # the route moved its first stage instead: it avoids the slow pair either way
-        assert (again.stages[0].primary.node_id, again.stages[1].primary.node_id) != (
-            first,
-            second,
-        )
+    route = [stage.primary.node_id for stage in again.stages]
+    # Whichever stage moved, no hand-off crosses the slow link any more.
+    assert (first, second) not in zip(route, route[1:], strict=False), route
 
 
 def test_the_claimed_speed_is_the_slower_of_compute_and_streaming_the_weights():

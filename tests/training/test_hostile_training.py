@@ -70,8 +70,8 @@ async def test_save_and_close_refuse_hostile_input_and_keep_the_job(
         await refused(save(step=step), grpc.StatusCode.FAILED_PRECONDITION, "stale step")
     # Over the 64 MiB message limit: refused by gRPC before the servicer sees it.
     oversized = "x" * (codec.MAX_MESSAGE_BYTES + 10)
-    await refused(save(job_id=oversized), grpc.StatusCode.RESOURCE_EXHAUSTED, "")
-    await refused(close(job_id=oversized), grpc.StatusCode.RESOURCE_EXHAUSTED, "")
+    await refused(save(job_id=oversized), grpc.StatusCode.RESOURCE_EXHAUSTED, "larger than max")
+    await refused(close(job_id=oversized), grpc.StatusCode.RESOURCE_EXHAUSTED, "larger than max")
 
     # Nothing was uploaded or closed: the job is open at version 1 on both nodes.
     assert store.stored == {}

@@ -52,7 +52,7 @@ async def test_get_session_risk_refuses_bad_capabilities_and_ids(session: Sessio
         (
             risk_request(session, session_id="x" * (codec.MAX_MESSAGE_BYTES + 10)),
             grpc.StatusCode.RESOURCE_EXHAUSTED,
-            "",
+            "larger than max",
         ),
     ]
     for request, code, words in cases:
@@ -88,7 +88,9 @@ async def test_reports_refuse_huge_and_empty_ids_briefly(session: Session) -> No
             "no job",
         )
     oversized = verification_pb2.TrainingChecks(job_id="j" * (codec.MAX_MESSAGE_BYTES + 10))
-    await refused(stub.ReportTrainingChecks(oversized), grpc.StatusCode.RESOURCE_EXHAUSTED, "")
+    await refused(
+        stub.ReportTrainingChecks(oversized), grpc.StatusCode.RESOURCE_EXHAUSTED, "larger than max"
+    )
 
     # Still serving: an empty report of the session's own lands.
     verdict = await session.report()
