@@ -15,12 +15,13 @@ def test_cpu_benchmark_is_positive_and_fast() -> None:
 
 
 def test_the_budget_bounds_the_run_time() -> None:
-    """The run lasts about its budget: at least it, and not much more (set-up and warm-up
-    calls are a few matmuls of 1024 x 1024)."""
+    """The run lasts about its budget: at least it, plus set-up and a few warm-up matmuls."""
     took = {}
     for budget in (0.05, 0.6):
         start = time.perf_counter()
         measure_tflops("cpu", budget_s=budget)
         took[budget] = time.perf_counter() - start
-    assert 0.05 <= took[0.05] < 0.5, took  # the default budget alone is 0.5 s
-    assert 0.6 <= took[0.6] < 1.5, took
+    assert took[0.05] >= 0.05 and took[0.6] >= 0.6, took
+    # The same set-up and warm-up on both sides: what is left is the budgets' difference
+    # (0.55 s), whatever the machine's load; a benchmark ignoring its budget shows ~0.
+    assert 0.35 < took[0.6] - took[0.05] < 1.2, took
