@@ -25,9 +25,10 @@ from protos import identity
 from protos.tessera.v1 import client_api_pb2, common_pb2, node_pb2
 
 
-async def three_node_session(max_length: int = 32):
-    swarm, placement, sessions, key = make()
-    for i in range(3):
+async def ready_session(max_length: int = 32, *, nodes: int = 3, min_stages: int = 3):
+    """A session on `nodes` ready nodes (three stages by default)."""
+    swarm, placement, sessions, key = make(min_stages)
+    for i in range(nodes):
         placement.node_up(PlacementNode(f"n{i}", f"127.0.0.1:{9000 + i}", caps()))
     await placement.replan()
     await ready_all(placement, swarm)
@@ -50,7 +51,7 @@ def step_of(stage: client_api_pb2.RouteStage, wall_ms: float = 5.0, tokens: int 
 
 
 async def test_step_reports_replace_the_claimed_speed():
-    _, placement, sessions, _, grant = await three_node_session()
+    _, placement, sessions, _, grant = await ready_session()
     stage = grant.stages[0]
     node = stage.primary.node_id
     claimed = placement.speed(node).claimed_ms_per_gparam
@@ -66,7 +67,7 @@ async def test_step_reports_replace_the_claimed_speed():
 
 
 async def test_bad_step_reports_are_refused_with_the_right_codes():
-    _, placement, sessions, _, grant = await three_node_session(max_length=4)
+    _, placement, sessions, _, grant = await ready_session(max_length=4)
     stage = grant.stages[0]
     cases = [
         ([step_of(stage)] * (MAX_STEP_TIMES + 1), grpc.StatusCode.RESOURCE_EXHAUSTED),
@@ -128,7 +129,7 @@ async def test_bad_step_reports_are_refused_with_the_right_codes():
 
 
 async def test_nodes_are_told_their_neighbours_and_only_those_rtts_count():
-    swarm, placement, _, _, grant = await three_node_session()
+    swarm, placement, _, _, grant = await ready_session()
     ids = {f"n{i}" for i in range(3)}
     for node_id in ids:
         peers = dict(swarm.probes[node_id])
@@ -199,12 +200,7 @@ async def test_a_calls_fixed_part_reaches_planning_routing_and_list_nodes():
     """A node's calls cost 3 ms whatever their layers, plus 2 ms a layer. Once drivers
     timed it on two spans, placement plans, routes and lists it with the fixed part told
     apart, and later calls on the smaller span alone are no change of speed to re-plan for."""
-    swarm, placement, sessions, _ = make(min_stages=1)
-    for i in range(2):
-        placement.node_up(PlacementNode(f"n{i}", f"127.0.0.1:{9000 + i}", caps()))
-    await placement.replan()
-    await ready_all(placement, swarm)
-    grant = sessions.open_session(client_api_pb2.OpenSessionRequest(model="m", max_length=256))
+    _, placement, sessions, _, grant = await ready_session(256, nodes=2, min_stages=1)
     stage = grant.stages[0]
     node, span = stage.primary.node_id, stage.layers
     assert (span.start, span.end) == (0, 6)  # one node serves the whole tiny model
