@@ -1181,7 +1181,7 @@ class PipelineDriver:
             try:
                 pending = self.verifier.check_reply(
                     self._capability, slot.hop, request, response, replay=replay,
-                    pending=call.pending,
+                    pending=call.pending, history=self._history,
                 )  # fmt: skip
             except NodeRejected as err:
                 slot.close_stream()

@@ -30,6 +30,12 @@ checker runs that very step again, and the two signed answers go to the arbiter.
 proven wrong that way is banned like any other, but the tokens that followed its answer
 may have been yielded already; the driver stops the generation with ``OutputTainted``
 instead of going on from a history it knows is wrong (docs/verification.md, "Audits").
+
+A fail-over's replay is an audit too: the replacement recomputes every position of the
+span, and the client holds what the failed node (or any earlier primary) signed for them.
+Only a step that disagrees is settled differently: running it again on the replacement
+would roll back the cache its pipeline calls use, so that waits for the session's end,
+and a primary proven wrong then taints the generation as above.
 """
 
 from __future__ import annotations
@@ -264,6 +270,9 @@ class StageVerifier:
         ] = {}
         # Re-runs of a step an audit found wrong: the session's end waits for their verdicts.
         self._rechecks: set[asyncio.Task[None]] = set()
+        # Steps a fail-over's replay doubted, to run again on its node when the session
+        # ends (``_audit``): now it would roll back the cache the pipeline is using there.
+        self._rechecks_at_end: list[tuple[HopRecord, Span, _SignedStep, RouteHistory]] = []
         # Told (node, layer start, layer end, tokens) of every check sent: the checker's
         # usage receipt counts them, and the client does not pay for them (client/billing).
         self.on_check_sent: Callable[[str, int, int, int], None] | None = None
@@ -371,6 +380,7 @@ class StageVerifier:
         *,
         replay: bool = False,
         pending: PendingCheck | None = None,
+        history: RouteHistory | None = None,
     ) -> PendingCheck | None:
         """Check the reply's signature now, before its output is used; raises
         NodeRejected when it must not be used.
@@ -379,6 +389,10 @@ class StageVerifier:
         none): the driver passes the output on and settles the check with ``settle``
         before the step's result is returned, so the checker's answer is awaited while
         the rest of the pipeline runs instead of on every hop's critical path.
+
+        A ``replay`` (a fail-over rebuilding a replacement's cache) is also an audit, as a
+        checker's catch-up is: the replacement recomputes positions whose outputs another
+        node signed, and with ``history`` those are compared at no extra compute.
         """
         try:
             self._load_grants(capability)
@@ -390,6 +404,9 @@ class StageVerifier:
                 pending.cancel()
             raise
         if replay:
+            if history is not None:
+                self._audit(hop, [request], [response], history, again_later=False,
+                            recheck_at_end=True)  # fmt: skip
             return None
         self.stats.calls[hop.node_id] = self.stats.calls.get(hop.node_id, 0) + 1
         self._keep_signed(hop.node_id, request, response, output_sha256)
@@ -468,8 +485,11 @@ class StageVerifier:
         await self._compare(hop, checker, request, response, checked, history)
 
     async def finish(self) -> verification_pb2.SessionRisk | None:
-        """End the checkers' caches, send what is left to report; returns the
-        coordinator's risk figures."""
+        """Settle what replays doubted, end the checkers' caches, send what is left to
+        report; returns the coordinator's risk figures."""
+        for checker, span, step, history in self._rechecks_at_end:
+            self._recheck_later(checker, span, step, history)
+        self._rechecks_at_end.clear()
         await self._end_checker_sessions()
         if self._reporter is None or not self._keyed:
             return None  # nothing was checked: a coordinator without a verifier
@@ -827,10 +847,13 @@ class StageVerifier:
         history: RouteHistory,
         *,
         again_later: bool = True,
+        recheck_at_end: bool = False,
     ) -> None:
         """Compare each catch-up answer with the primaries' signed answers for the steps it
         replayed that had no check of their own; a step that disagrees is run again on the
-        checker, as a check, after the work queued on its stream.
+        checker, as a check, after the work queued on its stream (``recheck_at_end``: when
+        the session ends, for a fail-over's replacement, whose cache the pipeline uses).
+        Only a node of another operator than the step's vouches for it.
 
         A warm-up replays the call under way too, and may answer before its primary does:
         such an answer is kept (``again_later``) and compared once more at the span's next
@@ -869,7 +892,7 @@ class StageVerifier:
                     break
                 reached = max(reached, step.end_pos)
                 if (
-                    step.node_id == checker.node_id
+                    not self._independent(step.node_id, checker.node_id)
                     or not start <= step.start_pos < step.end_pos <= end
                     or (span, step.step) in self._checked_steps
                     or step.input_digest != history.digest_after(span, step.end_pos)
@@ -911,21 +934,39 @@ class StageVerifier:
                     )
                     continue
                 log.warning(
-                    "audit: checker %s's catch-up disagrees with %s on layers %s at positions "
-                    "[%d, %d) (relative error %.3g); running that step again on the checker",
-                    checker.node_id, step.node_id, span, step.start_pos, step.end_pos, error,
+                    "audit: %s's %s disagrees with %s on layers %s at positions [%d, %d) "
+                    "(relative error %.3g); running that step again on %s %s",
+                    checker.node_id, "replay" if recheck_at_end else "catch-up", step.node_id,
+                    span, step.start_pos, step.end_pos, error, checker.node_id,
+                    "when the session ends" if recheck_at_end else "now",
                 )  # fmt: skip
-                task = self._queue(
-                    checker,
-                    lambda step=step, span=span: self._recheck(checker, span, step, history),
-                )
-                self._rechecks.add(task)  # type: ignore[arg-type]
-                task.add_done_callback(self._rechecks.discard)  # type: ignore[arg-type]
+                if recheck_at_end:
+                    self._rechecks_at_end.append((checker, span, step, history))
+                else:
+                    self._recheck_later(checker, span, step, history)
             if again_later and reached < end:
                 self._late[(checker.node_id, span)] = (checker, message, answer)
         if len(self._audits) >= AUDITS_TO_FLUSH and self._reporter is not None:
             if self._flushing is None or self._flushing.done():
                 self._flushing = asyncio.ensure_future(self._report_quietly())
+
+    def _independent(self, node_a: str, node_b: str) -> bool:
+        """Two different nodes the capability names, not both run by one operator."""
+        a, b = self._grants.get(node_a), self._grants.get(node_b)
+        return (
+            node_a != node_b
+            and a is not None
+            and b is not None
+            and independent(a.account, b.account)
+        )
+
+    def _recheck_later(
+        self, checker: HopRecord, span: Span, step: _SignedStep, history: RouteHistory
+    ) -> None:
+        """Queue ``_recheck`` on the checker's stream; the session's end waits for it."""
+        task = self._queue(checker, lambda: self._recheck(checker, span, step, history))
+        self._rechecks.add(task)  # type: ignore[arg-type]
+        task.add_done_callback(self._rechecks.discard)  # type: ignore[arg-type]
 
     def _row_error(
         self,

@@ -17,7 +17,8 @@ from __future__ import annotations
 
 import random
 import sqlite3
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -25,10 +26,11 @@ import pytest
 from support.market import PROMPT, make_market_checkpoint, running_market, serves, wait_for
 
 import client.verification as verification
-from client.api import Client
+from client.api import Client, GeneratedToken
 from client.driver import DriverConfig
 from client.errors import OutputTainted
 from client.local_swarm import LocalSwarm
+from client.records import HopRecord
 from node_agent.failpoints import ENV_VAR
 from protos.tessera.v1 import node_pb2
 
@@ -55,6 +57,63 @@ class Scripted:
 
     def choice(self, seq):  # noqa: ANN001, ANN201
         return self._choices.choice(seq)
+
+
+@contextmanager
+def generating(
+    swarm: LocalSwarm, monkeypatch: pytest.MonkeyPatch
+) -> Iterator[tuple[Client, dict[str, str], Iterator[GeneratedToken]]]:
+    """A client whose check draws are scripted (none until armed), once every node serves,
+    and its generation of 10 tokens after PROMPT, stepped on demand: (client, node ids by
+    name, the tokens)."""
+    monkeypatch.setattr(verification, "random", SimpleNamespace(Random=Scripted))
+    Scripted.checks = 0
+    # Two hops even on one node, so that the hop under test is a hop of its own.
+    config = DriverConfig(merge_same_node_hops=False)
+    with Client(swarm.address, driver_config=config) as client:
+        ids = {n.name: n.node_id for n in client.nodes()}
+        wait_for(lambda: all(serves(client, ids[n]) for n in NODES), "every node to serve")
+        tokens = client.generate(
+            MODEL, token_ids=PROMPT, max_new_tokens=10, stop_at_eos=False, run_ahead=False
+        )
+        yield client, ids, tokens
+
+
+def wait_banned(swarm: LocalSwarm, node_id: str) -> None:
+    with Client(swarm.address) as client:
+        wait_for(
+            lambda: (
+                {n.node_id: n.state for n in client.nodes(include_offline=True)}.get(node_id)
+                == node_pb2.NODE_STATE_BANNED
+            ),
+            f"node {node_id} to be banned",
+        )
+
+
+class Cheat:
+    """The turncoat on hop ``hop`` of the route corrupts steps 1 and 2 of a generation: its
+    trigger is held from the first token to the third."""
+
+    def __init__(
+        self, client: Client, ids: dict[str, str], triggers: dict[str, Path], hop: int
+    ) -> None:
+        self.client, self.triggers, self.hop = client, triggers, hop
+        self.names = {node_id: name for name, node_id in ids.items()}
+        self.seen: list[int] = []
+        self.cheater = ""
+        self.route: list[HopRecord] = []
+
+    def run(self, tokens: Iterator[GeneratedToken], after: Callable[[int], None]) -> None:
+        """Take every token; ``after(n)`` runs after the n-th."""
+        for token in tokens:
+            self.seen.append(token.id)
+            if len(self.seen) == 1:
+                self.route = self.client.last_run.initial_route
+                self.cheater = self.route[self.hop].node_id
+                self.triggers[self.names[self.cheater]].touch()
+            elif len(self.seen) == 3:
+                self.triggers[self.names[self.cheater]].unlink()
+            after(len(self.seen))
 
 
 @pytest.fixture(params=["first", "last"])
@@ -86,32 +145,20 @@ def test_an_unchecked_corruption_is_audited_proven_and_ends_the_generation(
     market: tuple[LocalSwarm, dict[str, Path], str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     swarm, triggers, hop = market
-    monkeypatch.setattr(verification, "random", SimpleNamespace(Random=Scripted))
-    # Two hops even on one node, so that the hop under test is a hop of its own.
-    config = DriverConfig(merge_same_node_hops=False)
-    with Client(swarm.address, driver_config=config) as client:
-        ids = {n.name: n.node_id for n in client.nodes()}
-        names = {node_id: name for name, node_id in ids.items()}
-        wait_for(lambda: all(serves(client, ids[n]) for n in NODES), "every node to serve")
-        tokens = client.generate(
-            MODEL, token_ids=PROMPT, max_new_tokens=10, stop_at_eos=False, run_ahead=False
-        )
-        seen: list[int] = []
+
+    def arm(seen: int) -> None:
+        if seen == 3:
+            # One check drawn per hop, the first hop's first: its checker warms up, and
+            # audits. The last hop's draw comes second. (The router may put the cheater on
+            # both hops: then the first hop is corrupted too.)
+            Scripted.checks = 1 if hop == "first" else 2
+
+    with generating(swarm, monkeypatch) as (client, ids, tokens):
+        cheat = Cheat(client, ids, triggers, 0 if hop == "first" else -1)
         with pytest.raises(OutputTainted) as raised:
-            for token in tokens:
-                seen.append(token.id)
-                if len(seen) == 1:
-                    route = client.last_run.initial_route
-                    cheater = route[0 if hop == "first" else -1].node_id
-                    trigger = triggers[names[cheater]]
-                    trigger.touch()  # steps 1 and 2 are corrupted, unchecked
-                elif len(seen) == 3:
-                    trigger.unlink()
-                    # One check drawn per hop, the first hop's first: its checker warms up,
-                    # and audits. The last hop's draw comes second. (The router may put
-                    # the cheater on both hops: then the first hop is corrupted too.)
-                    Scripted.checks = 1 if hop == "first" else 2
+            cheat.run(tokens, arm)
         result = client.last_run
+    route, cheater = cheat.route, cheat.cheater
     last_layer = route[-1].end
     assert raised.value.node_id == cheater
     assert raised.value.position == len(PROMPT)  # the first decode step's position
@@ -125,14 +172,7 @@ def test_an_unchecked_corruption_is_audited_proven_and_ends_the_generation(
     assert min(f.start_pos for f in proven) == len(PROMPT)
     assert result.finish_reason == "error"
     # The coordinator's arbiter proved it: banned, with the evidence kept.
-    with Client(swarm.address) as client:
-        wait_for(
-            lambda: (
-                {n.node_id: n.state for n in client.nodes(include_offline=True)}.get(cheater)
-                == node_pb2.NODE_STATE_BANNED
-            ),
-            "the cheater to be banned",
-        )
+    wait_banned(swarm, cheater)
     with sqlite3.connect(swarm.coordinator_dir / "coordinator.db") as db:
         (evidence,) = db.execute(
             "SELECT COUNT(*) FROM verification_evidence WHERE accused_node_id = ? "
@@ -146,15 +186,7 @@ def test_an_honest_generation_s_audits_earn_its_nodes_trust(
     market: tuple[LocalSwarm, dict[str, Path], str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     swarm, _, hop = market
-    monkeypatch.setattr(verification, "random", SimpleNamespace(Random=Scripted))
-    Scripted.checks = 0
-    config = DriverConfig(merge_same_node_hops=False)
-    with Client(swarm.address, driver_config=config) as client:
-        ids = {n.name: n.node_id for n in client.nodes()}
-        wait_for(lambda: all(serves(client, ids[n]) for n in NODES), "every node to serve")
-        tokens = client.generate(
-            MODEL, token_ids=PROMPT, max_new_tokens=10, stop_at_eos=False, run_ahead=False
-        )
+    with generating(swarm, monkeypatch) as (client, _, tokens):
         for seen, _ in enumerate(tokens, 1):
             if seen == 4:
                 Scripted.checks = 1 if hop == "first" else 2  # as in the test above
@@ -172,3 +204,34 @@ def test_an_honest_generation_s_audits_earn_its_nodes_trust(
             ),
             "the audits to be credited",
         )
+
+
+@pytest.mark.parametrize("market", ["first"], indirect=True)
+def test_a_node_killed_after_an_unchecked_corruption_is_proven_wrong_by_its_replay(
+    market: tuple[LocalSwarm, dict[str, Path], str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # No check is ever drawn. The first hop's node corrupts steps 1 and 2, then is killed
+    # with kill -9: the replacement's replay recomputes those positions, the client
+    # compares them with what the dead node signed, and at the session's end the doubted
+    # step runs again on the replacement and goes to the coordinator's arbiter.
+    swarm, triggers, _ = market
+    with generating(swarm, monkeypatch) as (client, ids, tokens):
+        cheat = Cheat(client, ids, triggers, 0)
+
+        def kill(seen: int) -> None:
+            if seen == 5:
+                swarm.node(cheat.cheater).kill9()
+
+        with pytest.raises(OutputTainted) as raised:
+            cheat.run(tokens, kill)
+        result = client.last_run
+    cheater, seen = cheat.cheater, cheat.seen
+    assert len(seen) == 10  # the generation ran to its end before the verdict came
+    assert result.verification.check_steps == []
+    assert [e.failed_node_id for e in result.failovers][:1] == [cheater]
+    assert raised.value.node_id == cheater
+    assert raised.value.position == len(PROMPT)
+    proven = [f for f in result.verification.findings if f.outcome == "PRIMARY_WRONG"]
+    assert {f.node_id for f in proven} == {cheater}
+    assert min(f.start_pos for f in proven) == len(PROMPT)
+    wait_banned(swarm, cheater)
