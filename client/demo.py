@@ -290,8 +290,9 @@ def _checked(result: GenerationResult) -> str:
     calls, checked = sum(stats.calls.values()), sum(stats.checked.values())
     audited = sum(stats.audited.values())
     text = f"{checked} of {calls} calls checked on a second node"
-    # A checker's catch-up also compares the unchecked steps it replays (an audit).
-    return text + (f", {audited} more audited by their catch-ups" if audited else "")
+    # A checker's catch-up, and a fail-over's replay, also compare the unchecked steps
+    # they recompute (an audit).
+    return text + (f", {audited} more audited by catch-ups and replays" if audited else "")
 
 
 def _summary(reference: GenerationResult, faulty: GenerationResult, names: dict[str, str]) -> None:
