@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 from support.checkpoints import TINY_SHAPE, make_checkpoint, transformers_greedy
+from support.swarms import three_stage_swarm
 from support.waiting import wait_for
 
 from client.api import Client
@@ -50,14 +51,7 @@ def reference(checkpoint: Path) -> list[int]:
 
 @pytest.fixture(scope="module")
 def swarm(tmp_path_factory: pytest.TempPathFactory, checkpoint: Path) -> Iterator[LocalSwarm]:
-    work = tmp_path_factory.mktemp("swarm")
-    with LocalSwarm(
-        work, coordinator_args=["--min-stages", "3", "--replicas", "2", "--heartbeat-interval", "1"]
-    ) as s:
-        s.start_coordinator()
-        nodes = [s.start_node(name) for name in NODES]
-        s.wait_registered(nodes)
-        s.add_model(checkpoint, MODEL)
+    with three_stage_swarm(tmp_path_factory.mktemp("swarm"), checkpoint, MODEL, NODES) as s:
         yield s
 
 

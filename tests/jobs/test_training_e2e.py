@@ -24,6 +24,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from support.checkpoints import TINY_SHAPE, make_checkpoint, transformers_greedy, write_safetensors
+from support.swarms import three_stage_swarm
 from support.waiting import wait_for
 
 from client import billing
@@ -68,14 +69,7 @@ def dataset(tmp_path_factory: pytest.TempPathFactory) -> tuple[TokenDataset, Pat
 
 @pytest.fixture(scope="module")
 def swarm(tmp_path_factory: pytest.TempPathFactory, checkpoint: Path) -> Iterator[LocalSwarm]:
-    work = tmp_path_factory.mktemp("swarm")
-    with LocalSwarm(
-        work, coordinator_args=["--min-stages", "3", "--replicas", "2", "--heartbeat-interval", "1"]
-    ) as s:
-        s.start_coordinator()
-        nodes = [s.start_node(name) for name in NODES]
-        s.wait_registered(nodes)
-        s.add_model(checkpoint, MODEL)
+    with three_stage_swarm(tmp_path_factory.mktemp("swarm"), checkpoint, MODEL, NODES) as s:
         yield s
 
 
