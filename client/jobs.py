@@ -56,8 +56,12 @@ from protos.tessera.v1 import (
 
 log = logging.getLogger("tessera.jobs")
 
-# Re-planning may find no node for a while (replacements still loading the shard).
+# How long the runner waits for an answer while the coordinator says UNAVAILABLE: a
+# re-plan that finds no node yet (replacements still loading the shard), or a coordinator
+# that is down or restarting (the stages train without it between reports).
 REPLAN_PATIENCE_S = 120.0
+# Retries within this time log at INFO (a re-plan's usual wait), later ones at WARNING.
+QUIET_RETRY_S = 5.0
 MAX_RECOVERIES = 20
 # Arbitration replays a stage's calls since a checkpoint on a third node.
 DISPUTE_TIMEOUT_S = 600.0
@@ -347,17 +351,21 @@ class JobRunner:
         return self._session
 
     async def _with_patience(self, what: str, method: Any, request: Callable[[], Any]) -> Any:
-        """Call with ``request()``, retrying while the coordinator has no node for a stage
-        yet (UNAVAILABLE)."""
-        deadline = time.monotonic() + REPLAN_PATIENCE_S
+        """Call with ``request()``, retrying while the coordinator answers UNAVAILABLE (no
+        node for a stage yet) or cannot be reached (down, or restarting), up to
+        REPLAN_PATIENCE_S. The coordinator takes a retry of a report it recorded before its
+        answer was lost as a success."""
+        began = time.monotonic()
         delay = 0.5
         while True:
             try:
                 return await method(request(), timeout=30.0)
             except grpc.aio.AioRpcError as err:
-                if err.code() != grpc.StatusCode.UNAVAILABLE or time.monotonic() > deadline:
+                waited = time.monotonic() - began
+                if err.code() != grpc.StatusCode.UNAVAILABLE or waited > REPLAN_PATIENCE_S:
                     raise CoordinatorError(what, err.code(), err.details() or "") from err
-                log.info("%s: %s; retrying in %.1fs", what, err.details(), delay)
+                level = logging.INFO if waited < QUIET_RETRY_S else logging.WARNING
+                log.log(level, "%s: %s; retrying in %.1fs", what, err.details(), delay)
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, 5.0)
 
@@ -404,9 +412,15 @@ class JobRunner:
             wall_s=result.wall_s,
             usage=self._receipts() if settle else [],
         )
-        await self.api.call(f"reporting step {result.step}", self.api.stub.ReportStep, request)
+        await self._with_patience(
+            f"reporting step {result.step}", self.api.stub.ReportStep, lambda: request
+        )
 
-    async def _finish(self, state: int, error: str = "") -> jobs_pb2.JobInfo:
+    async def _finish(
+        self, state: int, error: str = "", *, patient: bool = True
+    ) -> jobs_pb2.JobInfo:
+        """Record the job's end; ``patient`` waits out a coordinator restart (a pause does
+        not: the runner is stopping, and ``--resume`` opens the job whatever it says)."""
         assert self._session is not None
         request = jobs_pb2.FinishJobRequest(
             job_id=self.job_id,
@@ -415,13 +429,17 @@ class JobRunner:
             error=error[:4000],
             usage=self._receipts(),
         )
-        return await self.api.call("finishing the job", self.api.stub.FinishJob, request)
+        if not patient:
+            return await self.api.call("finishing the job", self.api.stub.FinishJob, request)
+        return await self._with_patience(
+            "finishing the job", self.api.stub.FinishJob, lambda: request
+        )
 
     async def _pause(self, reason: str) -> None:
         if self._session is None:
             return
         try:
-            await self._finish(jobs_pb2.JOB_STATE_PAUSED, reason)
+            await self._finish(jobs_pb2.JOB_STATE_PAUSED, reason, patient=False)
             self.on_event(JobEvent("paused", self.job_id, 0, 0, detail=reason))
         except (TesseraError, grpc.aio.AioRpcError) as err:
             log.info("could not mark job %s paused: %s", self.job_id, err)

@@ -12,8 +12,11 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
-from collections.abc import AsyncIterator
+import logging
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
+from typing import TypeVar
 
 import grpc
 
@@ -21,7 +24,17 @@ from node_agent.context import AgentContext
 from node_agent.shard_fetcher import NODE_ID_METADATA, TICKET_METADATA
 from protos.tessera.v1 import common_pb2, training_pb2, training_pb2_grpc
 
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
 CHUNK_BYTES = 1 << 20
+UNREACHABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+# A coordinator that is down or restarting: the transfer is tried again for this long
+# (well within the driver's call timeout) before the driver hears of it.
+UPSTREAM_PATIENCE_S = 60.0
+# A restarted coordinator knows no ticket until the agent registers again: a refusal of
+# the ticket waits this long for a new one.
+NEW_TICKET_WAIT_S = 15.0
 
 
 class CheckpointTransferError(Exception):
@@ -75,11 +88,11 @@ class CheckpointClient:
                     chunk.header.CopyFrom(header)
                 yield chunk
 
-        async with self._channel() as stub:
-            try:
-                receipt = await stub.UploadCheckpoint(chunks(), metadata=self._metadata())
-            except grpc.aio.AioRpcError as err:
-                raise self._failed("upload", ref, err) from err
+        async def attempt() -> training_pb2.CheckpointReceipt:
+            async with self._channel() as stub:
+                return await stub.UploadCheckpoint(chunks(), metadata=self._metadata())
+
+        receipt = await self._patiently("upload", ref, attempt)
         if receipt.sha256 != digest or receipt.total_bytes != len(data):
             raise CheckpointTransferError(
                 grpc.StatusCode.DATA_LOSS,
@@ -93,18 +106,55 @@ class CheckpointClient:
         request = training_pb2.DownloadCheckpointRequest(
             job_id=ref.job_id, step=ref.step, layers=ref.layers()
         )
-        async with self._channel() as stub:
-            try:
+
+        async def attempt() -> bytes:
+            async with self._channel() as stub:
                 return await self._receive(
                     stub.DownloadCheckpoint(request, metadata=self._metadata()),
                     ref,
                     expected_sha256,
                     max_bytes,
                 )
-            except grpc.aio.AioRpcError as err:
-                raise self._failed("download", ref, err) from err
+
+        return await self._patiently("download", ref, attempt)
 
     # ---- internals --------------------------------------------------------------------
+
+    async def _patiently(
+        self, what: str, ref: CheckpointRef, attempt: Callable[[], Awaitable[T]]
+    ) -> T:
+        """Run ``attempt``, again while the coordinator cannot be reached (up to
+        UPSTREAM_PATIENCE_S) and once the agent has a new ticket after a refusal of its old
+        one (a restarted coordinator), so that a coordinator restart does not fail a
+        training stage that is healthy."""
+        began = time.monotonic()
+        delay = 0.5
+        while True:
+            ticket = self._ctx.attach_ticket
+            try:
+                return await attempt()
+            except grpc.aio.AioRpcError as err:
+                code = err.code()
+                failure = self._failed(what, ref, err)
+                if code == grpc.StatusCode.UNAUTHENTICATED:
+                    if not await self._new_ticket(ticket):
+                        raise failure from err
+                elif code not in UNREACHABLE or time.monotonic() - began > UPSTREAM_PATIENCE_S:
+                    raise failure from err
+                else:
+                    log.warning("%s; trying again in %.1fs", failure.message, delay)
+                    await asyncio.sleep(delay)
+                    delay = min(delay * 2, 5.0)
+
+    async def _new_ticket(self, refused: bytes) -> bool:
+        """Wait (up to NEW_TICKET_WAIT_S) for the agent to register again with a ticket
+        other than ``refused``."""
+        deadline = time.monotonic() + NEW_TICKET_WAIT_S
+        while self._ctx.attach_ticket == refused:
+            if time.monotonic() > deadline:
+                return False
+            await asyncio.sleep(0.2)
+        return True
 
     async def _receive(
         self,
@@ -154,7 +204,7 @@ class CheckpointClient:
         self, what: str, ref: CheckpointRef, err: grpc.aio.AioRpcError
     ) -> CheckpointTransferError:
         code = err.code()
-        if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+        if code in UNREACHABLE:
             return CheckpointTransferError(
                 grpc.StatusCode.UNAVAILABLE,
                 f"cannot {what} the checkpoint of {ref.describe()}: the coordinator at "

@@ -266,6 +266,10 @@ class JobManager:
     def report_step(self, request: jobs_pb2.ReportStepRequest) -> JobRecord:
         job = self._driven_job(request.job_id, request.capability)
         if request.step != job.step:
+            if request.step == job.step - 1 and self._recorded(job.id, request):
+                # A retry of the step just recorded, whose answer was lost (this process
+                # restarted in between): the driver must not stop for it.
+                return job
             raise StoreError(
                 grpc.StatusCode.FAILED_PRECONDITION,
                 f"step {request.step} reported, but job {job.id} is at step {job.step}; report "
@@ -377,6 +381,23 @@ class JobManager:
         session = self._session(job)
         session.replaced_stage = request.stage
         return session
+
+    def _recorded(self, job_id: str, request: jobs_pb2.ReportStepRequest) -> bool:
+        return any(
+            r.step == request.step and r.loss == request.loss and r.grad_norm == request.grad_norm
+            for r in self.repo.losses(job_id)
+        )
+
+    def repeated_finish(self, request: jobs_pb2.FinishJobRequest) -> JobRecord | None:
+        """The job, when ``request`` repeats the end its current session already recorded (a
+        retry whose answer was lost); None for any other request."""
+        job = self.require_job(request.job_id)
+        if job.state == "running" or job.state != STATE_NAMES.get(request.state):
+            return None
+        claims = identity.open_capability(self._public, request.capability)
+        if claims is None or claims.session_id != job.id:
+            return None
+        return job if claims.issued_unix_ms == job.session_issued_ms else None
 
     def finish(self, request: jobs_pb2.FinishJobRequest) -> JobRecord:
         """Validate and record the end state; exporting trained weights is the caller's."""

@@ -281,6 +281,9 @@ class Jobs:
     # ---- finishing ----------------------------------------------------------------------
 
     async def finish(self, request: jobs_pb2.FinishJobRequest) -> jobs_pb2.JobInfo:
+        repeated = self.manager.repeated_finish(request)
+        if repeated is not None:
+            return self.manager.info(repeated)  # settled and exported the first time
         job = self.manager.finish(request)
         if job.state == "done" and job.output_model:
             await self._export(job)

@@ -117,8 +117,12 @@ async def test_steps_are_reported_in_order_by_the_current_driver_only(
 
     await jc.stub.ReportStep(report(0))
     await jc.stub.ReportStep(report(1, loss=2.0))
-    for bad in (report(1), report(5)):  # repeated, skipped ahead
+    for bad in (report(1), report(5)):  # repeated with another loss, skipped ahead
         assert await _code(jc.stub.ReportStep(bad)) == grpc.StatusCode.FAILED_PRECONDITION
+    # The very report of the last step again: a driver's retry whose answer was lost (the
+    # coordinator restarted). Taken, and nothing changes.
+    await jc.stub.ReportStep(report(1, loss=2.0))
+    assert await _code(jc.stub.ReportStep(report(0))) == grpc.StatusCode.FAILED_PRECONDITION
     for bad in (report(2, loss=math.nan), report(2, tokens_per_s=-1.0),
                 report(2, stage_ms=[1, 2, 3, 4])):  # fmt: skip
         assert await _code(jc.stub.ReportStep(bad)) == grpc.StatusCode.INVALID_ARGUMENT
@@ -282,6 +286,12 @@ async def test_finish_rules(jc: JobsCoordinator) -> None:
     )
     paused = await jc.stub.FinishJob(finish(jobs_pb2.JOB_STATE_PAUSED))
     assert paused.state == jobs_pb2.JOB_STATE_PAUSED
+    # The same end again (a retry whose answer was lost) is answered as the first; another
+    # end is refused.
+    assert (await jc.stub.FinishJob(finish(jobs_pb2.JOB_STATE_PAUSED))) == paused
+    assert await _code(jc.stub.FinishJob(finish(jobs_pb2.JOB_STATE_FAILED))) == (
+        grpc.StatusCode.FAILED_PRECONDITION
+    )
     assert jc.coordinator.ctx.planner.training_bytes(session.hops[0].node_id) == 0
     resumed = await jc.stub.OpenTrainingSession(
         jobs_pb2.OpenTrainingSessionRequest(job_id=job.job_id)
@@ -293,5 +303,9 @@ async def test_finish_rules(jc: JobsCoordinator) -> None:
         )
     )  # fmt: skip
     assert failed.state == jobs_pb2.JOB_STATE_FAILED and failed.error == "the user gave up"
+    # The first session's paused end, repeated now, is another session's: refused.
+    assert await _code(jc.stub.FinishJob(finish(jobs_pb2.JOB_STATE_PAUSED))) == (
+        grpc.StatusCode.FAILED_PRECONDITION
+    )
     reopen = jobs_pb2.OpenTrainingSessionRequest(job_id=job.job_id)
     assert await _code(jc.stub.OpenTrainingSession(reopen)) == grpc.StatusCode.FAILED_PRECONDITION

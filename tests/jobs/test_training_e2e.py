@@ -6,6 +6,8 @@
   (training is deterministic: same model, data, seed and batches, fp32 on CPU).
 * the runner (the `tessera train` process) killed with kill -9: `tessera train --resume`
   continues from the last checkpoint and finishes with the same losses.
+* kill -9 of the coordinator mid-job, started again 2 s later: the job rides it out with no
+  re-plan and the same losses.
 * a job saved with --output-model is served by the swarm like any model, and its greedy
   output equals transformers' on the trained weights the coordinator stored.
 """
@@ -18,6 +20,8 @@ import re
 import sqlite3
 import subprocess
 import sys
+import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -230,3 +234,36 @@ def load_base(checkpoint: Path) -> dict[str, np.ndarray]:
     from safetensors.numpy import load_file
 
     return load_file(str(checkpoint / "model.safetensors"))
+
+
+def test_a_job_rides_out_a_coordinator_restart(swarm, dataset, reference) -> None:
+    # kill -9 of the coordinator after step 3, started again on its database 2 s later.
+    # The stages train without it; the runner's step report waits for it, and the nodes
+    # (which register again by themselves) checkpoint into it as before: no stage is
+    # blamed, nothing is re-planned or rolled back, and every loss is the reference's.
+    heal(swarm)
+    address = swarm.address
+    restarted = threading.Event()
+
+    def restart() -> None:
+        swarm.coordinator.kill9()
+        time.sleep(2.0)
+        swarm.start_coordinator(listen=address)
+        restarted.set()
+
+    def blip(client: AsyncClient, job_id: str, step: int) -> None:
+        if step == 3:
+            threading.Thread(target=restart, daemon=True).start()
+
+    info, events = run_job(swarm, dataset[0], hook=blip)
+    assert restarted.wait(60), "the coordinator did not come back"
+    assert info.state == 5 and info.step == SPEC.steps  # JOB_STATE_DONE
+    assert info.replans == 0 and not [e for e in events if e.kind in ("replan", "resume")]
+    trained = step_losses(events)
+    assert [s for s, _ in trained] == list(range(SPEC.steps)), "every step once, in order"
+    for step, loss in trained:
+        assert loss == pytest.approx(reference[step], rel=1e-5), step
+    with Client(address) as client:
+        job = client.job(info.job_id)
+    assert [p.step for p in job.losses] == list(range(SPEC.steps))
+    assert job.checkpoint_step == SPEC.steps
