@@ -315,7 +315,8 @@ def _nodes(args: argparse.Namespace) -> int:
         [
             n.node_id,
             n.name,
-            _STATE_NAMES.get(n.state, "?"),
+            _STATE_NAMES.get(n.state, "?")
+            + (", unreachable" if n.data_address and not n.reachable else ""),
             f"{n.capabilities.device_kind}: {n.capabilities.device_name}".strip(": "),
             human_bytes(n.capabilities.memory_usable_bytes),
             f"{n.capabilities.matmul_tflops:.2f}",

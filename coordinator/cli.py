@@ -163,6 +163,12 @@ def _add_serve_parser(subparsers: Any) -> None:
         help="silence after which a node is offline (default: 3 heartbeat intervals)",
     )
     serve_parser.add_argument(
+        "--reachability-recheck", type=_positive_seconds, default=30.0, metavar="S",
+        help="a node whose data address this coordinator cannot dial back gets no shards "
+        "(clients could not reach it either); it is dialed again this often "
+        "(default: %(default)s s)",
+    )  # fmt: skip
+    serve_parser.add_argument(
         "--heartbeat-ack-every", type=int, choices=[1, 2], default=1, metavar="N",
         help="acknowledge every Nth heartbeat, and every state change at once (default: "
         "%(default)s). 2 halves the acks the coordinator writes, about a third of its CPU per "
@@ -246,6 +252,7 @@ def _run_serve(args: argparse.Namespace) -> int:
         mqtt_url=args.mqtt,
         heartbeat_interval_s=args.heartbeat_interval,
         offline_after_s=args.offline_after,
+        reachability_recheck_s=args.reachability_recheck,
         heartbeat_ack_every=args.heartbeat_ack_every,
         replicas=args.replicas,
         min_stages=args.min_stages,

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Coroutine
 from typing import Any
 
 import grpc
@@ -17,7 +18,12 @@ from coordinator.context import CoordinatorContext
 from coordinator.ledger.amounts import LedgerError
 from coordinator.node_state import NodeState
 from coordinator.placement import Placement, PlacementNode, model_spec
-from coordinator.registry import NodeStateChanged, ShardStatusReported, TelemetryReported
+from coordinator.registry import (
+    NodeStateChanged,
+    NodeView,
+    ShardStatusReported,
+    TelemetryReported,
+)
 from coordinator.reliability import HISTORY_EVENTS
 from coordinator.sessions import SessionError, Sessions
 from protos.tessera.v1 import client_api_pb2
@@ -35,6 +41,8 @@ class SessionRpc:
         self._ctx = ctx
         self._placement = placement
         self._tasks: set[asyncio.Task[Any]] = set()
+        # Online nodes placement does not get: their data address was not reachable.
+        self._unreachable: set[str] = set()
         store = ctx.model_store
         self.sessions = Sessions(
             ctx.signing_key,
@@ -74,13 +82,51 @@ class SessionRpc:
     async def start(self) -> None:
         self._refresh_models()
         for view in self._ctx.registry.nodes([NodeState.ONLINE]):
-            self._placement.node_up(
-                PlacementNode(view.node_id, view.data_address, view.capabilities)
-            )
+            self._node_up(view)
+        self._spawn(self._recheck_unreachable())
 
     async def stop(self) -> None:
         for task in self._tasks:
             task.cancel()
+
+    def _spawn(self, work: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.get_running_loop().create_task(work)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    def _node_up(self, view: NodeView) -> None:
+        """Hand an online node to placement, unless it advertised a data address the
+        coordinator could not dial back: clients could not reach it either (a node behind
+        NAT, a closed port, a wrong --advertise), so it gets no shards until a later dial
+        (``_recheck_unreachable``) reaches it."""
+        if view.data_address and not view.reachable:
+            if view.node_id not in self._unreachable:
+                log.warning(
+                    "node %s advertises %s, which this coordinator could not dial back: "
+                    "clients could not reach it either, so it gets no shards (dialed again "
+                    "every %.0f s; its operator should open that port, or pass --advertise "
+                    "with an address others can reach)",
+                    view.node_id, view.data_address, self._ctx.settings.reachability_recheck_s,
+                )  # fmt: skip
+            self._unreachable.add(view.node_id)
+            return
+        self._unreachable.discard(view.node_id)
+        self._placement.node_up(PlacementNode(view.node_id, view.data_address, view.capabilities))
+
+    async def _recheck_unreachable(self) -> None:
+        registry = self._ctx.registry
+        while True:
+            await asyncio.sleep(self._ctx.settings.reachability_recheck_s)
+            for node_id in sorted(self._unreachable):
+                view = registry.node(node_id)
+                if view is None or view.state is not NodeState.ONLINE:
+                    self._unreachable.discard(node_id)
+                elif await registry.recheck_reachability(node_id):
+                    log.info("node %s answers at %s now: it may get shards", node_id,
+                             view.data_address)  # fmt: skip
+                    fresh = registry.node(node_id)
+                    if fresh is not None and fresh.state is NodeState.ONLINE:
+                        self._node_up(fresh)
 
     def _refresh_models(self) -> None:
         store = self._ctx.model_store
@@ -102,17 +148,12 @@ class SessionRpc:
             if event.new is NodeState.ONLINE:
                 view = self._ctx.registry.node(event.node_id)
                 if view is not None:
-                    self._placement.node_up(
-                        PlacementNode(view.node_id, view.data_address, view.capabilities)
-                    )
+                    self._node_up(view)
             elif event.new in _GONE:
+                self._unreachable.discard(event.node_id)
                 self._placement.node_down(event.node_id)
         elif isinstance(event, ShardStatusReported):
-            task = asyncio.get_running_loop().create_task(
-                self._placement.shard_status(event.node_id, event.status)
-            )
-            self._tasks.add(task)
-            task.add_done_callback(self._tasks.discard)
+            self._spawn(self._placement.shard_status(event.node_id, event.status))
         elif isinstance(event, TelemetryReported):
             t = event.telemetry
             self._placement.update_load(event.node_id, float(t.active_sessions + t.queue_length))

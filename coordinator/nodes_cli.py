@@ -78,6 +78,13 @@ def _state_name(value: int) -> str:
     return node_pb2.NodeState.Name(value).removeprefix("NODE_STATE_").lower()
 
 
+def _state_cell(node: node_pb2.NodeInfo) -> str:
+    """Its state, and whether this coordinator could dial its data address back (a node
+    it cannot reach gets no shards)."""
+    unreachable = node.data_address and not node.reachable
+    return _state_name(node.state) + (", unreachable" if unreachable else "")
+
+
 def _age(ms: int) -> str:
     if not ms:
         return "-"
@@ -106,7 +113,7 @@ def run_list(args: argparse.Namespace) -> int:
     for n in reply.nodes:
         caps = n.capabilities
         rows.append((
-            n.node_id, n.name, _state_name(n.state), f"{caps.device_kind} {caps.device_name}"[:32],
+            n.node_id, n.name, _state_cell(n), f"{caps.device_kind} {caps.device_name}"[:32],
             f"{caps.memory_usable_bytes / 1e9:.1f}", f"{caps.matmul_tflops:.2f}",
             f"{caps.memory_bandwidth_gbps:.0f}" if caps.memory_bandwidth_gbps else "-",
             _age(n.last_seen_unix_ms),

@@ -138,6 +138,7 @@ class NodeView:
             state_changed_unix_ms=self.state_changed_ms,
             data_address=self.data_address,
             shards=self.shards,
+            reachable=self.reachable,
         )
         if self.telemetry is not None:
             info.telemetry.CopyFrom(self.telemetry)
@@ -550,6 +551,16 @@ class Registry:
             state_changed_ms=node.state_changed_ms,
             reachable=node.reachable,
         )
+
+    async def recheck_reachability(self, node_id: str) -> bool:
+        """Dial a node that was not reachable at its registration again; True once it
+        answers (it then counts as reachable until it registers again)."""
+        node = self._nodes.get(node_id)
+        if node is None or not node.data_address:
+            return False
+        if not node.reachable:
+            node.reachable = await self._probe_reachability(node.data_address, node_id)
+        return node.reachable
 
     async def _probe_reachability(self, address: str, node_id: str) -> bool:
         """Dial the node's stage server back: can clients reach it directly?"""

@@ -31,6 +31,9 @@ class Settings:
     # A node's last_seen column is rewritten at most this often (memory is always current).
     last_seen_persist_s: float = 30.0
     reachability_timeout_s: float = 1.5
+    # A node the coordinator could not dial back gets no shards (clients could not reach
+    # it either); it is dialed again this often while it stays attached.
+    reachability_recheck_s: float = 30.0
     # How long a stopping server lets running calls finish.
     shutdown_grace_s: float = 5.0
     # Placement: every layer keeps at least this many ready replicas when capacity allows.
