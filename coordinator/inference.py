@@ -32,6 +32,8 @@ log = logging.getLogger("tessera.inference")
 
 # Nodes in these states hold no routable shards.
 _GONE = frozenset({NodeState.OFFLINE, NodeState.DRAINING, NodeState.BANNED})
+# Dials of unreachable nodes in flight at once.
+RECHECK_DIALS = 32
 
 
 class SessionRpc:
@@ -115,18 +117,25 @@ class SessionRpc:
 
     async def _recheck_unreachable(self) -> None:
         registry = self._ctx.registry
+        # Each dial may wait out its timeout: many unreachable nodes are dialed side by side.
+        dialing = asyncio.Semaphore(RECHECK_DIALS)
+
+        async def recheck(node_id: str) -> None:
+            view = registry.node(node_id)
+            if view is None or view.state is not NodeState.ONLINE:
+                self._unreachable.discard(node_id)
+                return
+            async with dialing:
+                if not await registry.recheck_reachability(node_id):
+                    return
+            log.info("node %s answers at %s now: it may get shards", node_id, view.data_address)
+            fresh = registry.node(node_id)
+            if fresh is not None and fresh.state is NodeState.ONLINE:
+                self._node_up(fresh)
+
         while True:
             await asyncio.sleep(self._ctx.settings.reachability_recheck_s)
-            for node_id in sorted(self._unreachable):
-                view = registry.node(node_id)
-                if view is None or view.state is not NodeState.ONLINE:
-                    self._unreachable.discard(node_id)
-                elif await registry.recheck_reachability(node_id):
-                    log.info("node %s answers at %s now: it may get shards", node_id,
-                             view.data_address)  # fmt: skip
-                    fresh = registry.node(node_id)
-                    if fresh is not None and fresh.state is NodeState.ONLINE:
-                        self._node_up(fresh)
+            await asyncio.gather(*(recheck(n) for n in sorted(self._unreachable)))
 
     def _refresh_models(self) -> None:
         store = self._ctx.model_store
