@@ -1365,6 +1365,8 @@ class PipelineDriver:
                 f"gave up on layers {slot.span} after {self.config.max_failovers_per_step} "
                 f"fail-overs in one step; last error from {failed.node_id}: {failure}"
             )
+        if failure.code == grpc.StatusCode.UNAVAILABLE and self._reporter is not None:
+            self._reporter.unreachable(failed.node_id)  # the coordinator dials it back
         key = (failed.node_id, slot.span)
         if failure.code in REPLAY_SAME_NODE_CODES and key not in self._replayed_this_step:
             self._replayed_this_step.add(key)

@@ -4,7 +4,9 @@ They are the coordinator's measured speed of each node: a node's self-reported b
 is only a prior until real traffic has been timed on the client's clock, so a node cannot
 make itself look faster than it is. Reports are batched (every `every` calls and at close),
 sent in the background so a decode step never waits on the coordinator, and best effort: a
-report that fails is dropped, never retried into a growing backlog.
+report that fails is dropped, never retried into a growing backlog. A node the driver could
+not connect to goes out at once: the coordinator dials it back, and places no shards on a
+node that clients cannot reach.
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ class StepReporter:
         self._send = send
         self.every = max(1, min(every, MAX_BATCH))
         self._pending: list[client_api_pb2.StepTime] = []
+        self._unreachable: set[str] = set()
         self._tasks: set[asyncio.Task[None]] = set()
         self.sent = 0  # entries the coordinator accepted
 
@@ -51,9 +54,18 @@ class StepReporter:
             )
         )
         if len(self._pending) >= self.every:
-            task = asyncio.get_running_loop().create_task(self._flush())
-            self._tasks.add(task)
-            task.add_done_callback(self._tasks.discard)
+            self._flush_soon()
+
+    def unreachable(self, node_id: str) -> None:
+        """The driver could not connect to this node: the coordinator hears of it at once
+        (it dials the node back itself before it acts on it)."""
+        self._unreachable.add(node_id)
+        self._flush_soon()
+
+    def _flush_soon(self) -> None:
+        task = asyncio.get_running_loop().create_task(self._flush())
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
 
     async def close(self) -> None:
         """Send what is left and wait for the reports in flight."""
@@ -63,10 +75,14 @@ class StepReporter:
 
     async def _flush(self) -> None:
         batch, self._pending = self._pending[:MAX_BATCH], self._pending[MAX_BATCH:]
-        if not batch:
+        unreachable, self._unreachable = sorted(self._unreachable), set()
+        if not batch and not unreachable:
             return
         report = client_api_pb2.StepTimesReport(
-            session_id=self._session_id, capability=self._capability(), steps=batch
+            session_id=self._session_id,
+            capability=self._capability(),
+            steps=batch,
+            unreachable_node_ids=unreachable,
         )
         try:
             ack = await self._send(report)

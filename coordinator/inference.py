@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Coroutine
 from typing import Any
 
@@ -34,6 +35,8 @@ log = logging.getLogger("tessera.inference")
 _GONE = frozenset({NodeState.OFFLINE, NodeState.DRAINING, NodeState.BANNED})
 # Dials of unreachable nodes in flight at once.
 RECHECK_DIALS = 32
+# A node that drivers report they cannot connect to is dialed back at most this often.
+REDIAL_MIN_S = 10.0
 
 
 class SessionRpc:
@@ -45,6 +48,8 @@ class SessionRpc:
         self._tasks: set[asyncio.Task[Any]] = set()
         # Online nodes placement does not get: their data address was not reachable.
         self._unreachable: set[str] = set()
+        # When a driver's report last made this coordinator dial a node (monotonic s).
+        self._redialed: dict[str, float] = {}
         store = ctx.model_store
         self.sessions = Sessions(
             ctx.signing_key,
@@ -53,6 +58,7 @@ class SessionRpc:
             model_names=lambda: [m.name for m in store.models()] if store else [],
             billing=ctx.ledger.billing if ctx.ledger is not None else None,
             hop_details=self._hop_details,
+            on_unreachable=self._doubt_reachability,
         )
         # The planner's reliability input: every node's departures and time online, from
         # the state changes in the database, then as they happen.
@@ -114,6 +120,31 @@ class SessionRpc:
             return
         self._unreachable.discard(view.node_id)
         self._placement.node_up(PlacementNode(view.node_id, view.data_address, view.capabilities))
+
+    def _doubt_reachability(self, node_ids: list[str]) -> None:
+        """Drivers could not connect to these nodes: dial each back (at most every
+        REDIAL_MIN_S; a driver's word alone moves nothing), and take one that does not
+        answer out of placement until it does (``_recheck_unreachable``)."""
+        now = time.monotonic()
+        for node_id in node_ids:
+            if node_id in self._unreachable or now - self._redialed.get(node_id, -1e9) < (
+                REDIAL_MIN_S
+            ):
+                continue
+            self._redialed[node_id] = now
+            self._spawn(self._redial(node_id))
+
+    async def _redial(self, node_id: str) -> None:
+        view = self._ctx.registry.node(node_id)
+        if view is None or view.state is not NodeState.ONLINE or node_id in self._unreachable:
+            return
+        if await self._ctx.registry.recheck_reachability(node_id, again=True):
+            return
+        fresh = self._ctx.registry.node(node_id)
+        if fresh is None or fresh.state is not NodeState.ONLINE:
+            return
+        self._node_up(fresh)  # now unreachable: it leaves placement, with the warning
+        self._placement.node_down(node_id)
 
     async def _recheck_unreachable(self) -> None:
         registry = self._ctx.registry

@@ -552,13 +552,13 @@ class Registry:
             reachable=node.reachable,
         )
 
-    async def recheck_reachability(self, node_id: str) -> bool:
-        """Dial a node that was not reachable at its registration again; True once it
-        answers (it then counts as reachable until it registers again)."""
+    async def recheck_reachability(self, node_id: str, *, again: bool = False) -> bool:
+        """Dial a node that was not reachable at its registration again (``again``: even
+        one that was, which a client could not reach); True when it answers."""
         node = self._nodes.get(node_id)
         if node is None or not node.data_address:
             return False
-        if not node.reachable:
+        if again or not node.reachable:
             node.reachable = await self._probe_reachability(node.data_address, node_id)
         return node.reachable
 

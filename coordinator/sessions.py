@@ -58,10 +58,13 @@ class Sessions:
         token_ttl_s: float = TOKEN_TTL_S,
         billing: Any = None,
         hop_details: Callable[[client_api_pb2.Hop], None] | None = None,
+        on_unreachable: Callable[[list[str]], None] | None = None,
     ) -> None:
         # Fills in what a driver needs to verify a hop's node (key, account, dtype, check
         # probability); the verifier provides it.
         self._hop_details = hop_details
+        # Told the granted nodes a driver could not connect to (it dials them back itself).
+        self._on_unreachable = on_unreachable
         self._key = signing_key
         self._public = identity.public_key_bytes(signing_key)
         self._placement = placement
@@ -241,6 +244,20 @@ class Sessions:
             granted.setdefault(grant.node_id, []).append((grant.layers.start, grant.layers.end))
         for i, step in enumerate(request.steps):
             _check_step(i, step, granted, claims.max_tokens)
+        unreachable = list(request.unreachable_node_ids)
+        if len(unreachable) > len(granted):
+            raise SessionError(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"{len(unreachable)} unreachable nodes reported for a session of "
+                f"{len(granted)} nodes",
+            )
+        for node_id in unreachable:
+            if node_id not in granted:
+                raise SessionError(
+                    grpc.StatusCode.INVALID_ARGUMENT,
+                    f"unreachable_node_ids names {shown(node_id)}, which this session's "
+                    "capability does not grant",
+                )
         counted = self._reported.setdefault(claims.session_id, Counter())
         self._reported.move_to_end(claims.session_id)
         while len(self._reported) > MAX_COUNTED_SESSIONS:
@@ -261,6 +278,8 @@ class Sessions:
             ):
                 counted[step.node_id] += 1
                 accepted += 1
+        if unreachable and self._on_unreachable is not None:
+            self._on_unreachable(sorted(set(unreachable)))
         return client_api_pb2.StepTimesAck(accepted=accepted)
 
     # ---- helpers ----------------------------------------------------------------------------

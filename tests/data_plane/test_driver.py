@@ -19,7 +19,7 @@ from data_plane.stage_harness import (
 from client.driver import DriverConfig, PipelineDriver
 from client.errors import PipelineError, RequestRejected
 from node_agent.stage_server import StageServicer
-from protos.tessera.v1 import client_api_pb2_grpc, stage_pb2, stage_pb2_grpc
+from protos.tessera.v1 import client_api_pb2, client_api_pb2_grpc, stage_pb2, stage_pb2_grpc
 
 PROMPT = [1, 5, 9, 13, 20, 7]
 NEW_TOKENS = 10
@@ -133,6 +133,35 @@ async def test_a_stopped_node_fails_over_to_its_alternate(start_node, keys, chec
     assert event.stalled_ms > 0
     assert [h.node_id for h in driver.route] == [a.node_id, b_alt.node_id, c.node_id]
     await driver.close()
+
+
+async def test_a_node_the_driver_cannot_connect_to_is_reported_at_once(
+    start_node, keys, checkpoint
+) -> None:
+    a = await start_node([(0, 2)])
+    b = await start_node([(2, 4)])
+    b_alt = await start_node([(2, 4)])
+    reports: list[client_api_pb2.StepTimesReport] = []
+
+    async def send(report: client_api_pb2.StepTimesReport) -> client_api_pb2.StepTimesAck:
+        reports.append(report)
+        return client_api_pb2.StepTimesAck(accepted=len(report.steps))
+
+    grant = session_grant(keys, [(0, 2, a, []), (2, 4, b, [b_alt])])
+    # Step times alone would wait for a full batch (256): the report comes from the failure.
+    driver = PipelineDriver(
+        grant, MODEL, config=DriverConfig(report_every=1000), report_step_times=send
+    )
+
+    tokens = await greedy(driver, PROMPT, NEW_TOKENS, after_step={3: lambda: b.server.stop(0)})
+    assert tokens == reference_greedy(checkpoint, PROMPT, NEW_TOKENS)
+    await asyncio.sleep(0.1)  # the report goes out in the background
+    # Before the session's last report (at close): the coordinator dials the node back.
+    [report] = reports
+    assert list(report.unreachable_node_ids) == [b.node_id]
+    assert report.capability == grant.capability
+    await driver.close()
+    assert all(not r.unreachable_node_ids for r in reports[1:])
 
 
 async def test_a_straggler_is_replaced_after_its_deadline(start_node, keys, checkpoint) -> None:

@@ -13,6 +13,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from pathlib import Path
 
+import grpc
 import pytest
 from support.checkpoints import TINY_SHAPE, make_checkpoint, transformers_greedy
 from support.link_emulator import LinkEmulator
@@ -21,7 +22,7 @@ from support.waiting import wait_for
 
 from client.api import Client
 from client.local_swarm import LocalSwarm
-from protos.tessera.v1 import node_pb2
+from protos.tessera.v1 import client_api_pb2, client_api_pb2_grpc, node_pb2
 
 pytestmark = pytest.mark.slow
 
@@ -33,9 +34,7 @@ NODES = ("alpha", "bravo", "charlie")
 
 @pytest.fixture
 def swarm(tmp_path: Path) -> Iterator[tuple[LocalSwarm, Path]]:
-    checkpoint = make_checkpoint(
-        tmp_path / "tiny", "llama", num_layers=6, **TINY_SHAPE, seed=7
-    )
+    checkpoint = make_checkpoint(tmp_path / "tiny", "llama", num_layers=6, **TINY_SHAPE, seed=7)
     with LocalSwarm(
         tmp_path / "swarm",
         coordinator_args=[
@@ -52,6 +51,14 @@ def swarm(tmp_path: Path) -> Iterator[tuple[LocalSwarm, Path]]:
 
 def shards(client: Client, node_id: str) -> list[node_pb2.ShardStatus]:
     return list({n.node_id: n for n in client.nodes()}[node_id].shards)
+
+
+def serves(client: Client, node_id: str) -> bool:
+    return any(st.state == node_pb2.SHARD_STATE_READY for st in shards(client, node_id))
+
+
+def reachable(client: Client, node_id: str) -> bool:
+    return {n.node_id: n for n in client.nodes()}[node_id].reachable
 
 
 def test_an_unreachable_node_gets_shards_only_once_it_answers(swarm) -> None:
@@ -84,18 +91,62 @@ def test_an_unreachable_node_gets_shards_only_once_it_answers(swarm) -> None:
             assert "could not dial back" in s.coordinator.log_text()  # the operator is told
 
             link.set(down=False)  # the operator opened the port
-            wait_for(
-                lambda: any(
-                    st.state == node_pb2.SHARD_STATE_READY for st in shards(client, echo.node_id)
-                ),
-                "the node to be placed once it answers",
-                90,
-            )
-            assert {n.node_id: n for n in client.nodes()}[echo.node_id].reachable
+            wait_for(lambda: serves(client, echo.node_id), "the node to be placed", 90)
+            assert reachable(client, echo.node_id)
             assert "answers at" in s.coordinator.log_text()
             result = client.generate_all(
                 MODEL, token_ids=PROMPT, max_new_tokens=NEW_TOKENS, stop_at_eos=False
             )
             assert result.token_ids == reference
+    finally:
+        link.stop_thread()
+
+
+def granted(client_channel: grpc.Channel) -> client_api_pb2.SessionGrant:
+    return client_api_pb2_grpc.ClientApiStub(client_channel).OpenSession(
+        client_api_pb2.OpenSessionRequest(model=MODEL, max_length=32), timeout=30
+    )
+
+
+def grants(grant: client_api_pb2.SessionGrant) -> set[str]:
+    claims = client_api_pb2.CapabilityClaims.FromString(grant.capability.claims)
+    return {g.node_id for g in claims.grants}
+
+
+def test_a_node_clients_cannot_reach_any_more_leaves_placement_until_it_answers(swarm) -> None:
+    # Its line goes down while its own Attach stream (which it dialed out) stays up, as when
+    # a router's port forwarding is lost: only the clients notice.
+    s, _ = swarm
+    port = free_port()
+    link = LinkEmulator("127.0.0.1", port, name="echo's line")
+    advertised = link.start_in_thread()
+    try:
+        echo = s.start_node("echo", ["--listen", f"127.0.0.1:{port}", "--advertise", advertised])
+        s.wait_registered([echo])
+        with Client(s.address) as client, grpc.insecure_channel(s.address) as channel:
+            wait_for(lambda: serves(client, echo.node_id), "echo to be placed", 90)
+            grant = granted(channel)
+            assert echo.node_id in grants(grant)
+            link.set(down=True)
+            # A driver that could not connect says so with its step times.
+            stub = client_api_pb2_grpc.ClientApiStub(channel)
+            stub.ReportStepTimes(
+                client_api_pb2.StepTimesReport(
+                    session_id=grant.session_id,
+                    capability=grant.capability,
+                    unreachable_node_ids=[echo.node_id],
+                ),
+                timeout=30,
+            )
+            # The coordinator dials it back itself, and takes it out of placement.
+            wait_for(lambda: not reachable(client, echo.node_id), "the dial back to fail", 30)
+            wait_for(lambda: echo.node_id not in grants(granted(channel)), "new routes without it")
+            assert {n.node_id: n for n in client.nodes()}[echo.node_id].state == (
+                node_pb2.NODE_STATE_ONLINE
+            )
+
+            link.set(down=False)
+            wait_for(lambda: reachable(client, echo.node_id), "the node to answer again", 30)
+            wait_for(lambda: echo.node_id in grants(granted(channel)), "routes with it again", 90)
     finally:
         link.stop_thread()

@@ -120,6 +120,22 @@ async def test_bad_step_reports_are_refused_with_the_right_codes():
             client_api_pb2.StepTimesReport(session_id=grant.session_id, capability=forged)
         )
     assert err.value.code == grpc.StatusCode.UNAUTHENTICATED
+    # Unreachable nodes: only those the capability grants, at most one entry per node.
+    granted = {g.node_id for g in client_api_pb2.CapabilityClaims.FromString(
+        grant.capability.claims).grants}  # fmt: skip
+    for ids, why in (
+        (["stranger"], "does not grant"),
+        ([stage.primary.node_id] * (len(granted) + 1), "unreachable nodes reported"),
+    ):
+        with pytest.raises(SessionError) as err:
+            sessions.report_step_times(
+                client_api_pb2.StepTimesReport(
+                    session_id=grant.session_id,
+                    capability=grant.capability,
+                    unreachable_node_ids=ids,
+                )
+            )
+        assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT and why in err.value.message
     # A session reports each node at most max_length times: one client cannot drown a node.
     sessions.report_step_times(report(grant, [step_of(stage)] * 4))
     with pytest.raises(SessionError) as err:

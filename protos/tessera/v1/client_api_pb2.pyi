@@ -218,14 +218,16 @@ class StepTime(_message.Message):
     def __init__(self, node_id: _Optional[str] = ..., layers: _Optional[_Union[_common_pb2.LayerRange, _Mapping]] = ..., tokens: _Optional[int] = ..., wall_ms: _Optional[float] = ...) -> None: ...
 
 class StepTimesReport(_message.Message):
-    __slots__ = ("session_id", "capability", "steps")
+    __slots__ = ("session_id", "capability", "steps", "unreachable_node_ids")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     CAPABILITY_FIELD_NUMBER: _ClassVar[int]
     STEPS_FIELD_NUMBER: _ClassVar[int]
+    UNREACHABLE_NODE_IDS_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     capability: SignedCapability
     steps: _containers.RepeatedCompositeFieldContainer[StepTime]
-    def __init__(self, session_id: _Optional[str] = ..., capability: _Optional[_Union[SignedCapability, _Mapping]] = ..., steps: _Optional[_Iterable[_Union[StepTime, _Mapping]]] = ...) -> None: ...
+    unreachable_node_ids: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, session_id: _Optional[str] = ..., capability: _Optional[_Union[SignedCapability, _Mapping]] = ..., steps: _Optional[_Iterable[_Union[StepTime, _Mapping]]] = ..., unreachable_node_ids: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class StepTimesAck(_message.Message):
     __slots__ = ("accepted",)
