@@ -163,6 +163,12 @@ def _add_serve_parser(subparsers: Any) -> None:
         help="silence after which a node is offline (default: 3 heartbeat intervals)",
     )
     serve_parser.add_argument(
+        "--relay-host", metavar="HOST",
+        help="relay nodes that cannot be dialed (behind NAT) through this host: each gets "
+        "a port here that clients dial (give the host or IP clients reach this machine at; "
+        "default: no relay, and such nodes get no shards)",
+    )  # fmt: skip
+    serve_parser.add_argument(
         "--reachability-recheck", type=_positive_seconds, default=30.0, metavar="S",
         help="a node whose data address this coordinator cannot dial back gets no shards "
         "(clients could not reach it either); it is dialed again this often "
@@ -253,6 +259,7 @@ def _run_serve(args: argparse.Namespace) -> int:
         heartbeat_interval_s=args.heartbeat_interval,
         offline_after_s=args.offline_after,
         reachability_recheck_s=args.reachability_recheck,
+        relay_host=args.relay_host,
         heartbeat_ack_every=args.heartbeat_ack_every,
         replicas=args.replicas,
         min_stages=args.min_stages,

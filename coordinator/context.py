@@ -35,6 +35,7 @@ class CoordinatorContext:
     ledger: Any = None
     jobs: Any = None
     verifier: Any = None
+    relay: Any = None
 
     @property
     def public_key(self) -> bytes:

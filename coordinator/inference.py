@@ -50,6 +50,8 @@ class SessionRpc:
         self._unreachable: set[str] = set()
         # When a driver's report last made this coordinator dial a node (monotonic s).
         self._redialed: dict[str, float] = {}
+        # Nodes the relay carries, and the address it gave each.
+        self._relayed: dict[str, str] = {}
         store = ctx.model_store
         self.sessions = Sessions(
             ctx.signing_key,
@@ -108,18 +110,36 @@ class SessionRpc:
         NAT, a closed port, a wrong --advertise), so it gets no shards until a later dial
         (``_recheck_unreachable``) reaches it."""
         if view.data_address and not view.reachable:
-            if view.node_id not in self._unreachable:
+            relayed = self._relayed.get(view.node_id)
+            if view.node_id not in self._unreachable and relayed is None:
+                settings = self._ctx.settings
                 log.warning(
                     "node %s advertises %s, which this coordinator could not dial back: "
-                    "clients could not reach it either, so it gets no shards (dialed again "
-                    "every %.0f s; its operator should open that port, or pass --advertise "
-                    "with an address others can reach)",
-                    view.node_id, view.data_address, self._ctx.settings.reachability_recheck_s,
+                    "clients could not reach it either, so it gets no shards%s (dialed again "
+                    "every %.0f s; its operator can open that port, or pass --advertise with "
+                    "an address others can reach)",
+                    view.node_id, view.data_address,
+                    " until it opens a tunnel to the relay" if settings.relay_host else "",
+                    settings.reachability_recheck_s,
                 )  # fmt: skip
             self._unreachable.add(view.node_id)
+            if relayed is not None:
+                self._placement.node_up(PlacementNode(view.node_id, relayed, view.capabilities))
             return
         self._unreachable.discard(view.node_id)
         self._placement.node_up(PlacementNode(view.node_id, view.data_address, view.capabilities))
+
+    def relayed(self, node_id: str, address: str) -> None:
+        """The relay carries this node's data plane at ``address`` (coordinator/nat_relay.py):
+        placement gets it with that address while it cannot be dialed directly."""
+        self._relayed[node_id] = address
+        view = self._ctx.registry.node(node_id)
+        if view is not None and view.state is NodeState.ONLINE:
+            self._node_up(view)
+
+    def unrelayed(self, node_id: str) -> None:
+        if self._relayed.pop(node_id, None) is not None and node_id in self._unreachable:
+            self._placement.node_down(node_id)
 
     def _doubt_reachability(self, node_ids: list[str]) -> None:
         """Drivers could not connect to these nodes: dial each back (at most every

@@ -100,6 +100,7 @@ COMPONENTS: tuple[tuple[str, str], ...] = (
     ("model_store", "coordinator.model_store:ModelStore.from_context"),
     ("ledger", "coordinator.ledger.service:build"),
     ("sessions", "coordinator.inference:build"),
+    ("relay", "coordinator.nat_relay:build"),
     ("jobs", "coordinator.jobs.service:build"),
     ("verifier", "coordinator.verifier:build"),
 )

@@ -34,6 +34,9 @@ class Settings:
     # A node the coordinator could not dial back gets no shards (clients could not reach
     # it either); it is dialed again this often while it stays attached.
     reachability_recheck_s: float = 30.0
+    # Where the relay listens for nodes that cannot be dialed, and the host clients reach
+    # it at (coordinator/nat_relay.py); None: no relay, such nodes do not serve.
+    relay_host: str | None = None
     # How long a stopping server lets running calls finish.
     shutdown_grace_s: float = 5.0
     # Placement: every layer keeps at least this many ready replicas when capacity allows.

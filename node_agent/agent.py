@@ -27,6 +27,7 @@ from node_agent.backoff import Backoff
 from node_agent.context import AgentContext
 from node_agent.data_plane import advertised_address, split_host_port, start_server
 from node_agent.mqtt_presence import MqttPresence
+from node_agent.nat_tunnel import NatTunnel
 from node_agent.rtt_probe import RttProber
 from protos import identity
 from protos.dialing import DIAL_OPTIONS
@@ -143,6 +144,10 @@ class NodeAgent:
         # Round trips to the peers the coordinator names (ProbePeers), in every telemetry.
         self.rtt_probe = RttProber(CHANNEL_OPTIONS)
         ctx.telemetry_sources.append(self.rtt_probe)
+        # Open while the coordinator cannot dial the data plane: its relay carries it.
+        self.tunnel: NatTunnel | None = None
+        self._tunnel_task: asyncio.Task[None] | None = None
+        self._data_plane = ("127.0.0.1", 0)  # where the tunnel reaches the data plane
 
     # ----- public -------------------------------------------------------------------
 
@@ -158,6 +163,8 @@ class NodeAgent:
     async def run(self) -> int:
         server, port = await start_server(self.ctx, self.config.listen, self._stage_servicer)
         listen_host, _ = split_host_port(self.config.listen)
+        local = "127.0.0.1" if listen_host in ("", "0.0.0.0", "::", "[::]") else listen_host
+        self._data_plane = (local, port)
         self.data_address = self.config.advertise or advertised_address(
             listen_host, port, self.config.coordinator
         )
@@ -175,6 +182,7 @@ class NodeAgent:
         finally:
             probing.cancel()
             await asyncio.gather(probing, return_exceptions=True)
+            self._keep_tunnel(reachable=True)  # stops it
             await self._cancel_commands()
             await _close_quietly(self.ctx.shard_handler)
             if self.mqtt is not None:
@@ -273,9 +281,11 @@ class NodeAgent:
         if not response.reachable:
             log.warning(
                 "the coordinator could not dial back %s, so clients cannot reach this node "
-                "directly; open that port or pass --advertise with an address it can reach",
+                "directly; open that port or pass --advertise with an address it can reach "
+                "(meanwhile it asks the coordinator's relay to carry its data plane)",
                 self.data_address,
             )
+        self._keep_tunnel(response.reachable)
         if response.mqtt_url and self.mqtt is None:
             log.info(
                 "the coordinator publishes events on %s; add --mqtt %s to announce this "
@@ -284,6 +294,18 @@ class NodeAgent:
                 response.mqtt_url,
             )
         return response
+
+    def _keep_tunnel(self, reachable: bool) -> None:
+        """A relay tunnel while the coordinator cannot dial this node; none once it can."""
+        running = self._tunnel_task is not None and not self._tunnel_task.done()
+        if reachable:
+            if running:
+                self._tunnel_task.cancel()  # type: ignore[union-attr]
+            self._tunnel_task = None
+            return
+        if not running:
+            self.tunnel = NatTunnel(self.ctx, *self._data_plane)
+            self._tunnel_task = asyncio.create_task(self.tunnel.run(), name="relay tunnel")
 
     def capabilities(self) -> node_pb2.Capabilities:
         hw = self.ctx.hardware

@@ -5,7 +5,9 @@ A fourth node agent advertises an address that nobody answers on yet: a link emu
 down, stands for a closed port or a NAT. Clients could not reach that node, so placing
 shards on it would only make every session through it fail over. The coordinator dials
 it again every second here (`--reachability-recheck 1`); once the link is up it answers,
-and placement gives it shards like any other node.
+and placement gives it shards like any other node. A placed node whose line goes down later
+leaves placement once a driver reports it and the coordinator's own dial fails. With the
+relay (`--relay-host`), a node nobody can dial serves through a tunnel it dials out.
 """
 
 from __future__ import annotations
@@ -150,3 +152,38 @@ def test_a_node_clients_cannot_reach_any_more_leaves_placement_until_it_answers(
             wait_for(lambda: echo.node_id in grants(granted(channel)), "routes with it again", 90)
     finally:
         link.stop_thread()
+
+
+def test_a_node_nobody_can_dial_serves_through_the_relay(tmp_path: Path) -> None:
+    # The only node advertises an address nobody answers on (a NAT). The coordinator runs
+    # the relay (--relay-host): the node dials out a tunnel, the relay gives it a port of
+    # its own, and every session reaches the node through it.
+    checkpoint = make_checkpoint(tmp_path / "tiny", "llama", num_layers=6, **TINY_SHAPE, seed=7)
+    (reference,) = transformers_greedy(checkpoint, [PROMPT], NEW_TOKENS)
+    port = free_port()
+    nat = LinkEmulator("127.0.0.1", port, down=True, name="behind NAT")
+    advertised = nat.start_in_thread()
+    args = ["--replicas", "1", "--heartbeat-interval", "1", "--relay-host", "127.0.0.1"]
+    try:
+        with LocalSwarm(tmp_path / "swarm", coordinator_args=args) as s:
+            s.start_coordinator()
+            echo = s.start_node(
+                "echo", ["--listen", f"127.0.0.1:{port}", "--advertise", advertised]
+            )
+            s.wait_registered([echo])
+            s.add_model(checkpoint, MODEL)
+            with Client(s.address) as client:
+                wait_for(lambda: serves(client, echo.node_id), "the node to be placed", 90)
+                assert not reachable(client, echo.node_id)
+                result = client.generate_all(
+                    MODEL, token_ids=PROMPT, max_new_tokens=NEW_TOKENS, stop_at_eos=False
+                )
+            assert result.token_ids == reference and not result.failovers
+            # Every hop went to the relay's port for the node, never to its own address.
+            relayed = {h.address for h in result.route}
+            assert len(relayed) == 1 and advertised not in relayed
+            assert "reachable at" in s.coordinator.log_text()
+            assert "through the relay at" in echo.log_text()
+            assert nat.stats.connections_accepted == 0
+    finally:
+        nat.stop_thread()

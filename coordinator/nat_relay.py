@@ -1,0 +1,229 @@
+"""The relay for nodes that clients cannot dial: TCP carried through a gRPC stream.
+
+A node that the coordinator could not dial back at registration (behind NAT, a closed
+port) opens `Relay.Tunnel` to the coordinator: it dials out, so NAT is no obstacle. The
+relay then listens on `--relay-host` at a port of its own for that node, and every TCP
+connection made there is carried, byte for byte, through the tunnel to the node's data
+plane. So clients, other nodes (push hand-offs) and the verifier dial that address as if it
+were the node's: gRPC, its TLS-free HTTP/2 and everything above run over it unchanged, and
+the relay reads nothing of them. Placement gets the node with that address
+(`SessionRpc.relayed`), so routes use it; a direct address is preferred once the node
+answers there (coordinator/inference.py).
+
+The node proves who it is with the attach ticket of its current registration. One tunnel
+per node: a newer one replaces the older. Limits: MAX_CONNECTIONS client connections per
+tunnel, MAX_DATA_BYTES a message, and a bounded queue towards the node, so a client that
+sends faster than the tunnel carries waits (TCP back-pressure) instead of filling memory.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import grpc
+
+from coordinator.context import CoordinatorContext
+from protos.quoting import shown
+from protos.tessera.v1 import relay_pb2, relay_pb2_grpc
+
+log = logging.getLogger("tessera.relay")
+
+MAX_CONNECTIONS = 256
+MAX_DATA_BYTES = 1 << 20
+READ_CHUNK = 64 * 1024
+QUEUE_MESSAGES = 256  # towards the node, all connections together
+
+
+class _Tunnel:
+    """One node's tunnel: its public listener and the client connections on it."""
+
+    def __init__(self, node_id: str) -> None:
+        self.node_id = node_id
+        self.down: asyncio.Queue[relay_pb2.TunnelDown | None] = asyncio.Queue(QUEUE_MESSAGES)
+        self.conns: dict[int, asyncio.StreamWriter] = {}
+        self.server: asyncio.base_events.Server | None = None
+        self._ids = itertools.count(1)
+        self._pumps: set[asyncio.Task[None]] = set()
+
+    async def accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        if len(self.conns) >= MAX_CONNECTIONS:
+            log.warning("relay for %s: %d connections open; refusing another", self.node_id,
+                        MAX_CONNECTIONS)  # fmt: skip
+            writer.close()
+            return
+        conn = next(self._ids)
+        self.conns[conn] = writer
+        await self.down.put(relay_pb2.TunnelDown(open=relay_pb2.TunnelOpen(conn=conn)))
+        try:
+            while chunk := await reader.read(READ_CHUNK):
+                await self.down.put(
+                    relay_pb2.TunnelDown(data=relay_pb2.TunnelData(conn=conn, data=chunk))
+                )
+        except (ConnectionError, asyncio.IncompleteReadError):
+            pass
+        finally:
+            if self.conns.pop(conn, None) is not None:
+                writer.close()
+                with contextlib.suppress(asyncio.QueueFull):
+                    self.down.put_nowait(
+                        relay_pb2.TunnelDown(close=relay_pb2.TunnelClose(conn=conn))
+                    )
+
+    async def deliver(self, data: relay_pb2.TunnelData) -> None:
+        writer = self.conns.get(data.conn)
+        if writer is None:
+            return  # the client left meanwhile: its close is on the way to the node
+        writer.write(data.data)
+        try:
+            await writer.drain()
+        except ConnectionError:
+            self.drop(data.conn)
+
+    def drop(self, conn: int) -> None:
+        writer = self.conns.pop(conn, None)
+        if writer is not None:
+            writer.close()
+
+    async def close(self) -> None:
+        if self.server is not None:
+            self.server.close()
+        for conn in list(self.conns):
+            self.drop(conn)
+        # What the node has not been sent yet goes nowhere now; None ends the stream.
+        while not self.down.empty():
+            self.down.get_nowait()
+        self.down.put_nowait(None)
+
+
+class NatRelay(relay_pb2_grpc.RelayServicer):
+    """`Relay.Tunnel`, listening for relayed nodes on `host` (None: no relay here)."""
+
+    def __init__(
+        self,
+        host: str | None,
+        check_ticket: Callable[[str, bytes], bool],
+        on_relayed: Callable[[str, str], None] = lambda node_id, address: None,
+        on_unrelayed: Callable[[str], None] = lambda node_id: None,
+    ) -> None:
+        self.host = host
+        self._check_ticket = check_ticket
+        self._on_relayed = on_relayed
+        self._on_unrelayed = on_unrelayed
+        self._tunnels: dict[str, _Tunnel] = {}
+
+    def add_to_server(self, server: grpc.aio.Server) -> None:
+        relay_pb2_grpc.add_RelayServicer_to_server(self, server)
+
+    async def stop(self) -> None:
+        for tunnel in list(self._tunnels.values()):
+            await tunnel.close()
+
+    async def Tunnel(  # noqa: N802 - gRPC method name
+        self, request_iterator: AsyncIterator[relay_pb2.TunnelUp], context: Any
+    ) -> AsyncIterator[relay_pb2.TunnelDown]:
+        if self.host is None:
+            await context.abort(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                "this coordinator runs no relay (start it with --relay-host HOST, the address "
+                "clients reach it at); open this node's data-plane port instead",
+            )
+        hello = await _first(request_iterator, context)
+        node_id = hello.node_id
+        if not self._check_ticket(node_id, hello.attach_ticket):
+            await context.abort(
+                grpc.StatusCode.UNAUTHENTICATED,
+                f"node {shown(node_id)} has no registration with that attach ticket; register "
+                "again, then open the tunnel",
+            )
+        tunnel = _Tunnel(node_id)
+        try:
+            tunnel.server = await asyncio.start_server(tunnel.accept, self.host, 0)
+        except OSError as err:
+            log.error("relay: cannot listen on %s: %s", self.host, err)
+            await context.abort(
+                grpc.StatusCode.UNAVAILABLE, "the relay cannot open a port right now; try again"
+            )
+        port = tunnel.server.sockets[0].getsockname()[1]
+        address = f"{self.host}:{port}"
+        older = self._tunnels.get(node_id)
+        self._tunnels[node_id] = tunnel
+        if older is not None:
+            await older.close()
+        reading = asyncio.ensure_future(self._read(request_iterator, tunnel))
+        log.info("relay: node %s is reachable at %s through its tunnel", node_id, address)
+        try:
+            yield relay_pb2.TunnelDown(welcome=relay_pb2.TunnelWelcome(address=address))
+            self._on_relayed(node_id, address)
+            while (message := await tunnel.down.get()) is not None:
+                yield message
+            problem = reading.exception() if reading.done() and not reading.cancelled() else None
+            if isinstance(problem, _BadMessage):
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(problem))
+        finally:
+            reading.cancel()
+            await tunnel.close()
+            if self._tunnels.get(node_id) is tunnel:
+                del self._tunnels[node_id]
+                self._on_unrelayed(node_id)
+                log.info("relay: the tunnel of node %s closed", node_id)
+
+    async def _read(
+        self, request_iterator: AsyncIterator[relay_pb2.TunnelUp], tunnel: _Tunnel
+    ) -> None:
+        try:
+            async for message in request_iterator:
+                kind = message.WhichOneof("kind")
+                if kind == "data":
+                    if len(message.data.data) > MAX_DATA_BYTES:
+                        raise _BadMessage(
+                            f"a tunnel message carries at most {MAX_DATA_BYTES} bytes, got "
+                            f"{len(message.data.data)}"
+                        )
+                    await tunnel.deliver(message.data)
+                elif kind == "close":
+                    tunnel.drop(message.close.conn)
+                else:
+                    raise _BadMessage(
+                        f"after the hello a tunnel carries data and close messages, got "
+                        f"{kind or 'an empty message'}"
+                    )
+        finally:
+            await tunnel.close()
+
+
+class _BadMessage(Exception):
+    pass
+
+
+async def _first(
+    request_iterator: AsyncIterator[relay_pb2.TunnelUp], context: Any
+) -> relay_pb2.TunnelHello:
+    try:
+        async with asyncio.timeout(HELLO_TIMEOUT_S):
+            first = await anext(aiter(request_iterator), None)
+    except TimeoutError:
+        first = None
+    if first is None or first.WhichOneof("kind") != "hello" or not first.hello.node_id:
+        await context.abort(
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "the first message on a tunnel must be hello{node_id, attach_ticket}",
+        )
+    return first.hello  # type: ignore[union-attr]
+
+
+HELLO_TIMEOUT_S = 10.0
+
+
+def build(ctx: CoordinatorContext) -> NatRelay:
+    sessions = ctx.sessions
+    return NatRelay(
+        ctx.settings.relay_host,
+        ctx.registry.check_ticket,
+        on_relayed=sessions.relayed if sessions is not None else (lambda n, a: None),
+        on_unrelayed=sessions.unrelayed if sessions is not None else (lambda n: None),
+    )
