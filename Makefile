@@ -47,6 +47,7 @@ bench: $(VENV)/.installed-dev
 	$(BIN)/python bench/training.py
 	$(BIN)/python bench/verification.py
 	$(BIN)/python bench/hedging.py
+	$(BIN)/python bench/relay.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache *.egg-info
