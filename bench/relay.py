@@ -24,6 +24,7 @@ noise.
 from __future__ import annotations
 
 import argparse
+import shutil
 import socket
 import statistics
 import sys
@@ -55,7 +56,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--rounds", type=int, default=6, help="generations per swarm")
     parser.add_argument("--hidden", type=int, default=512, help="hidden size (heads of 64)")
     parser.add_argument("--layers", type=int, default=8, help="decoder layers")
-    parser.add_argument("--workdir", type=Path, help="keep checkpoint and logs here")
+    parser.add_argument(
+        "--workdir", type=Path, help="keep checkpoint and logs here (an earlier run's are cleared)"
+    )
     args = parser.parse_args(argv)
     if args.tokens < 2 or args.rounds < 2 or args.hidden % 64 or args.layers < 1:
         parser.error("need --tokens >= 2, --rounds >= 2, --layers >= 1, --hidden a multiple of 64")
@@ -107,6 +110,8 @@ def main(argv: list[str] | None = None) -> int:
     began = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="tessera-bench-relay-") as scratch:
         work = args.workdir or Path(scratch)
+        for old in ("checkpoint", "direct", "relayed"):  # state of an earlier run
+            shutil.rmtree(work / old, ignore_errors=True)
         checkpoint = write_demo_checkpoint(work / "checkpoint", shape)
         print(
             f"model: {shape.layers} layers, hidden {shape.hidden}; prompt "
