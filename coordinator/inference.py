@@ -105,10 +105,10 @@ class SessionRpc:
         task.add_done_callback(self._tasks.discard)
 
     def _node_up(self, view: NodeView) -> None:
-        """Hand an online node to placement, unless it advertised a data address the
-        coordinator could not dial back: clients could not reach it either (a node behind
-        NAT, a closed port, a wrong --advertise), so it gets no shards until a later dial
-        (``_recheck_unreachable``) reaches it."""
+        """Place an online node by the address clients can use: its own, or the relay's
+        while the coordinator cannot dial it back (a node behind NAT, a closed port, a wrong
+        --advertise). With neither, it leaves placement until a later dial
+        (``_recheck_unreachable``) reaches it: the one place that decides this."""
         if view.data_address and not view.reachable:
             relayed = self._relayed.get(view.node_id)
             if view.node_id not in self._unreachable and relayed is None:
@@ -125,6 +125,8 @@ class SessionRpc:
             self._unreachable.add(view.node_id)
             if relayed is not None:
                 self._placement.node_up(PlacementNode(view.node_id, relayed, view.capabilities))
+            else:
+                self._placement.node_down(view.node_id)  # if it was placed by another address
             return
         self._unreachable.discard(view.node_id)
         self._placement.node_up(PlacementNode(view.node_id, view.data_address, view.capabilities))
@@ -138,8 +140,11 @@ class SessionRpc:
             self._node_up(view)
 
     def unrelayed(self, node_id: str) -> None:
-        if self._relayed.pop(node_id, None) is not None and node_id in self._unreachable:
-            self._placement.node_down(node_id)
+        if self._relayed.pop(node_id, None) is None:
+            return
+        view = self._ctx.registry.node(node_id)
+        if view is not None and view.state is NodeState.ONLINE:
+            self._node_up(view)
 
     def _doubt_reachability(self, node_ids: list[str]) -> None:
         """Drivers could not connect to these nodes: dial each back (at most every
@@ -155,34 +160,33 @@ class SessionRpc:
             self._spawn(self._redial(node_id))
 
     async def _redial(self, node_id: str) -> None:
-        view = self._ctx.registry.node(node_id)
-        if view is None or view.state is not NodeState.ONLINE or node_id in self._unreachable:
+        if node_id not in self._unreachable:
+            await self._dial_back(node_id, again=True)
+
+    async def _dial_back(self, node_id: str, *, again: bool = False) -> None:
+        """Dial an online node back (``again``: even one counted reachable) and, when the
+        answer changed, place it as ``_node_up`` says."""
+        registry = self._ctx.registry
+        view = registry.node(node_id)
+        if view is None or view.state is not NodeState.ONLINE:
+            self._unreachable.discard(node_id)
             return
-        if await self._ctx.registry.recheck_reachability(node_id, again=True):
+        if await registry.recheck_reachability(node_id, again=again) == view.reachable:
             return
-        fresh = self._ctx.registry.node(node_id)
-        if fresh is None or fresh.state is not NodeState.ONLINE:
-            return
-        self._node_up(fresh)  # now unreachable: it leaves placement, with the warning
-        self._placement.node_down(node_id)
+        fresh = registry.node(node_id)
+        if fresh is not None and fresh.state is NodeState.ONLINE:
+            if fresh.reachable:
+                log.info("node %s answers at %s now: it may get shards", node_id,
+                         fresh.data_address)  # fmt: skip
+            self._node_up(fresh)
 
     async def _recheck_unreachable(self) -> None:
-        registry = self._ctx.registry
         # Each dial may wait out its timeout: many unreachable nodes are dialed side by side.
         dialing = asyncio.Semaphore(RECHECK_DIALS)
 
         async def recheck(node_id: str) -> None:
-            view = registry.node(node_id)
-            if view is None or view.state is not NodeState.ONLINE:
-                self._unreachable.discard(node_id)
-                return
             async with dialing:
-                if not await registry.recheck_reachability(node_id):
-                    return
-            log.info("node %s answers at %s now: it may get shards", node_id, view.data_address)
-            fresh = registry.node(node_id)
-            if fresh is not None and fresh.state is NodeState.ONLINE:
-                self._node_up(fresh)
+                await self._dial_back(node_id)
 
         while True:
             await asyncio.sleep(self._ctx.settings.reachability_recheck_s)
