@@ -72,6 +72,7 @@ from client.route_history import RouteHistory, Span, covers
 from client.step_reports import SendReport, StepReporter
 from client.verification import NodeRejected, PendingCheck, StageVerifier
 from protos import codec
+from protos.quoting import shown
 from protos.sampling import SamplingParams
 from protos.tessera.v1 import client_api_pb2, common_pb2, stage_pb2, stage_pb2_grpc
 
@@ -91,6 +92,10 @@ REPLAY_SAME_NODE_CODES = frozenset({grpc.StatusCode.FAILED_PRECONDITION})
 # A merged hop refused as such (no one shard holds all its layers, or a node that checks
 # grants one by one): its stages still work there, one hop each.
 MERGE_REFUSED_CODES = frozenset({grpc.StatusCode.NOT_FOUND, grpc.StatusCode.PERMISSION_DENIED})
+# Steps in a row whose push a node could not hand on before the session stops pushing: one
+# failure is a link being reopened, several are two nodes that cannot reach each other.
+RELAY_BREAKS_TO_STOP = 3
+HANDED_BACK_KEPT = 256
 
 Rerouter = Callable[[client_api_pb2.RerouteRequest], Awaitable[client_api_pb2.RerouteResponse]]
 
@@ -321,6 +326,7 @@ class PipelineDriver:
         # Why this session stopped pushing steps (None: it pushes when it can).
         self.push_off: str | None = None if self.config.push else "turned off"
         self.pushed_steps = 0
+        self._relay_breaks = 0  # pushes in a row a node could not hand on (relay_failed)
         # Why this session's ring last ended early (None: it never did).
         self.ring_off: str | None = None if self.config.ring else "turned off"
         # No new ring starts before this step (after one ended early).
@@ -335,6 +341,11 @@ class PipelineDriver:
         # ran, and the node's receipt counts it (_unclaimed).
         self._ring_started: set[int] = set()
         self._ring_counted: set[tuple[str, int, int, int]] = set()
+        # Calls (node, step, layers) the client sent itself after a node said it could not
+        # hand them on, with their tokens: the hand-off may have gone through after all (or
+        # the node's word was false), and then the node ran the step twice and its receipt
+        # counts both (_unclaimed). The newest HANDED_BACK_KEPT only.
+        self._handed_back: dict[tuple[str, int, int, int], int] = {}
         # Nodes whose subscription could not be opened, and the step from which to try
         # again: until then no step is pushed through them.
         self._unpushable: dict[str, int] = {}
@@ -656,6 +667,10 @@ class PipelineDriver:
                 response, wall = await self._exchange(first, call, pushed)
             previous = failed_at + wall  # when the answer before the next one arrived
             x, dtype = await self._accept(first, call, response, wall)
+            if response.relay_failed and len(slots) > 1:
+                forget(0)
+                return await self._relay_broke(0, response.relay_failed, start_pos, x, dtype,
+                                               step, last_only)  # fmt: skip
         except (HopFailure, RequestRejected) as err:
             forget(0)
             self._end_ring(f"the first hop failed: {err}")
@@ -720,7 +735,16 @@ class PipelineDriver:
                 return await self._resume_hop_by_hop(
                     k, start_pos, x, dtype, step, last_only, failure=(failure, answered)
                 )
+            if response.relay_failed and k < len(slots) - 1:
+                forget(k)
+                return await self._relay_broke(k, response.relay_failed, start_pos, x, dtype,
+                                               step, last_only)  # fmt: skip
         self.pushed_steps += 1  # through the whole route
+        self._relay_breaks = 0
+        if response.relay_failed and (adopt or launch is not None):
+            # The last hop could not start the next step: waiting for it would be in vain.
+            self._end_ring(f"node {slots[-1].hop.node_id} could not start the next step: "
+                           f"{shown(response.relay_failed, 200)}")  # fmt: skip
         self._last_push_s = time.monotonic() - failed_at
         if adopt:
             assert ring_next is not None
@@ -736,6 +760,39 @@ class PipelineDriver:
                 step + 1, start_pos + int(ids.shape[1]), _route_of(slots), left - 1, stop_ids
             )
         return x, dtype
+
+    async def _relay_broke(
+        self,
+        index: int,
+        reason: str,
+        start_pos: int,
+        x: np.ndarray,
+        dtype: str,
+        step: int,
+        last_only: bool,
+    ) -> tuple[np.ndarray, str]:
+        """Slot ``index`` answered but could not hand its output on (its answer says why):
+        the client sends the rest of the step itself at once rather than wait out a
+        deadline. Nobody is failed over for it: the link between two nodes broke, or the
+        next node is gone, which that call then finds out."""
+        reason = shown(reason, 200)  # the node's words, of any length
+        slot, after = self._slots[index], self._slots[index + 1]
+        self._end_ring(f"node {slot.hop.node_id} could not relay")
+        log.info("step %d: node %s could not relay to node %s (%s); the client sends it",
+                 step, slot.hop.node_id, after.hop.node_id, reason)  # fmt: skip
+        self._relay_breaks += 1
+        if self._relay_breaks >= RELAY_BREAKS_TO_STOP:
+            self._stop_pushing(
+                f"{self._relay_breaks} pushes in a row could not be handed on (last: node "
+                f"{slot.hop.node_id} to node {after.hop.node_id}: {reason})"
+            )
+        for later in self._slots[index + 1 :]:
+            key = (later.hop.node_id, step, later.span.start, later.span.end)
+            self._handed_back[key] = int(x.shape[0] * x.shape[1])
+        while len(self._handed_back) > HANDED_BACK_KEPT:
+            del self._handed_back[next(iter(self._handed_back))]
+        self._history.record(after.span, start_pos, x, dtype)
+        return await self._resume_hop_by_hop(index + 1, start_pos, x, dtype, step, last_only)
 
     async def _adopted(
         self, first: _Slot, subscription: Subscription, call: _Request
@@ -870,7 +927,10 @@ class PipelineDriver:
         session, and its receipt may count it."""
         step, start, end = key
         counted = (node_id, step, start, end)
-        if step in self._ring_started and counted not in self._ring_counted:
+        tokens = self._handed_back.pop(counted, 0)
+        if tokens:
+            self.usage.sent(node_id, start, end, tokens)
+        elif step in self._ring_started and counted not in self._ring_counted:
             self._ring_counted.add(counted)
             self.usage.sent(node_id, start, end, 1)  # a ring's step is one token
 

@@ -274,16 +274,20 @@ class _Link:
 
     async def write_now(
         self, request: stage_pb2.ForwardRequest, signed: client_api_pb2.SignedCapability
-    ) -> None:
+    ) -> str | None:
         """Write at once, in the caller's task: the link is idle (nothing queued, no write
         under way). Waking the writer task instead costs the next hop a pass of this
-        node's event loop, behind whatever the caller does next (signing, answering)."""
+        node's event loop, behind whatever the caller does next (signing, answering).
+        Why it failed, or None."""
         try:
             await self._write(request, signed)
         except asyncio.CancelledError:
             raise
         except Exception as err:  # the stream broke: drop it, the next relay reopens one
-            self._links.drop(self, f"sending failed: {_describe(err)}")
+            reason = f"sending failed: {_describe(err)}"
+            self._links.drop(self, reason)
+            return reason
+        return None
 
     async def _write(
         self, request: stage_pb2.ForwardRequest, signed: client_api_pb2.SignedCapability
@@ -386,10 +390,11 @@ class RelayLinks:
         address: str,
         request: stage_pb2.ForwardRequest,
         signed: client_api_pb2.SignedCapability,
-    ) -> bool:
+    ) -> str | None:
         """Send ``request`` to ``address`` on the session's link (opened if needed): at
         once when the link is idle, else queued behind its backlog, never waiting for that.
-        False when it was dropped (the link's backlog is full)."""
+        Why it is known lost already (the write failed, or the link's backlog is full), or
+        None; a queued request that is lost later is noticed by the client's deadline."""
         key = (request.session_id, address)
         link = self._links.get(key)
         if link is None or link.closed:
@@ -402,8 +407,7 @@ class RelayLinks:
             link = self._links[key] = _Link(self, request.session_id, address, call)
             log.debug("relay link %s -> %s opened", request.session_id, address)
         if not link.queue and not link.writing:
-            await link.write_now(request, signed)
-            return True
+            return await link.write_now(request, signed)
         size = request.ByteSize()
         limits = self.limits
         if link.queue and (
@@ -411,17 +415,13 @@ class RelayLinks:
             or self.queued_bytes + size > limits.links_total_bytes
         ):
             # The next node does not keep up (or its connection hangs): this step is lost,
-            # the client notices the missing delivery and sends it itself.
-            log.warning(
-                "relay link %s -> %s has %d requests waiting; dropped step %d",
-                request.session_id,
-                address,
-                len(link.queue),
-                request.step,
-            )
-            return False
+            # which the relaying call's answer tells the client, who sends it itself.
+            reason = f"the link to {address} has {len(link.queue)} requests waiting"
+            log.warning("relay of %s: %s; dropped step %d", request.session_id, reason,
+                        request.step)  # fmt: skip
+            return reason
         link.push(request, signed, size)
-        return True
+        return None
 
     def drop(self, link: _Link, reason: str) -> None:
         if link.closed:

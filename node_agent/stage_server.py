@@ -17,7 +17,9 @@ Push pipeline: a call with ``relay_to`` is also sent on, by this node, to the ne
 the route (every hop checked against the capability first); a call that arrives so
 (``relayed``) is answered on the session's ``Deliveries`` stream here instead of on its
 own stream. The machinery (outgoing links, subscriptions) lives in ``node_agent.relay``. A
-hop to this very node (consecutive stages of the route here) is handed over in-process.
+hop to this very node (consecutive stages of the route here) is handed over in-process. A
+hand-off that fails at once (next node unreachable, link backed up) is named in this call's
+answer (``relay_failed``), so the client sends the rest of the step without waiting.
 
 Ring: a call with ``ring`` that ends the model also starts the next step. This node samples
 the next token from its logits (protos.sampling, the draw the client makes from the same
@@ -409,13 +411,14 @@ class StageServicer(stage_pb2_grpc.StageServicer):
             shard.leave()
         if self._failpoints is not None:
             output = await self._failpoints.apply(output, request.input)
+        relay_failed = None
         if request.relay_to:
-            # Queued before this node signs and answers, sent by the link's own writer task:
-            # the next hop starts as early as possible and this answer does not wait for it.
-            await self._relay_on(request, output, stream)
+            # Sent before this node signs and answers (at once on an idle link, else by the
+            # link's own writer task): the next hop starts as early as possible.
+            relay_failed = await self._relay_on(request, output, stream)
         elif request.HasField("ring") and request.ring.steps > 0 and end == shard.num_layers:
             # The hop that ends the model (last_position_only, checked): its logits.
-            await self._ring_on(request, output, stream, tokens)
+            relay_failed = await self._ring_on(request, output, stream, tokens)
         digest = hashlib.sha256(output.data).digest()
         signature = self._ctx.private_key.sign(
             identity.output_payload(
@@ -431,6 +434,7 @@ class StageServicer(stage_pb2_grpc.StageServicer):
             usage=self._usage.record(request.session_id, start, end, request.step, batch * tokens),
             input_digest=input_digest,
             probe_answers=probed,
+            relay_failed=relay_failed,
         )
 
     def _extend_chain(
@@ -612,8 +616,9 @@ class StageServicer(stage_pb2_grpc.StageServicer):
         request: stage_pb2.ForwardRequest,
         output: common_pb2.Tensor,
         stream: _StreamState,
-    ) -> None:
-        """Send this call's output (the very bytes it signs) on to relay_to[0]."""
+    ) -> str | None:
+        """Send this call's output (the very bytes it signs) on to relay_to[0]; why that
+        failed at once, or None."""
         hop, rest = request.relay_to[0], request.relay_to[1:]
         onward = stage_pb2.ForwardRequest(
             session_id=request.session_id,
@@ -628,7 +633,7 @@ class StageServicer(stage_pb2_grpc.StageServicer):
             relayed=True,
             ring=request.ring if request.HasField("ring") else None,
         )
-        await self._send_on(hop, onward, stream)
+        return await self._send_on(hop, onward, stream)
 
     async def _ring_on(
         self,
@@ -636,9 +641,10 @@ class StageServicer(stage_pb2_grpc.StageServicer):
         output: common_pb2.Tensor,
         stream: _StreamState,
         tokens: int,
-    ) -> None:
+    ) -> str | None:
         """Draw the next token from this call's logits and start its step at the ring's
-        first hop (checked in _check_ring), unless it ends the sequence."""
+        first hop (checked in _check_ring), unless it ends the sequence; why that failed
+        at once, or None."""
         ring = request.ring
         position = request.start_pos + tokens
         try:
@@ -646,9 +652,9 @@ class StageServicer(stage_pb2_grpc.StageServicer):
             token = draw_at(logits, _ring_params(ring), position)
         except ValueError as err:  # logits with nothing finite: the client sees them too
             log.warning("ring of %s stopped at step %d: %s", request.session_id, request.step, err)
-            return
+            return f"the ring stopped: {err}"
         if token in ring.stop_token_ids:
-            return
+            return None
         head = ring.route[0]
         onward = stage_pb2.ForwardRequest(
             session_id=request.session_id,
@@ -663,34 +669,33 @@ class StageServicer(stage_pb2_grpc.StageServicer):
             ring=ring,
         )
         onward.ring.steps = ring.steps - 1
-        await self._send_on(head, onward, stream)
+        return await self._send_on(head, onward, stream)
 
     async def _send_on(
         self, hop: stage_pb2.RelayHop, onward: stage_pb2.ForwardRequest, stream: _StreamState
-    ) -> None:
+    ) -> str | None:
         assert stream.signed is not None  # the stream's claims came from it
         if hop.node_id == self._ctx.node_id:
-            self._relay_here(onward, stream)
-        else:
-            await self._relay.send(hop.address, onward, stream.signed)
+            return self._relay_here(onward, stream)
+        return await self._relay.send(hop.address, onward, stream.signed)
 
-    def _relay_here(self, onward: stage_pb2.ForwardRequest, stream: _StreamState) -> None:
+    def _relay_here(self, onward: stage_pb2.ForwardRequest, stream: _StreamState) -> str | None:
         """The next hop is this very node (the route gave it consecutive stages): the call
         is handed over in-process, as if it had come on a link, but without a round trip
         through gRPC and the loopback, and still answered, signed and checked per stage."""
         if len(self._relays_here) >= self.limits.relay.link_queue:
-            # As a full link does: the step is lost here, the client notices the missing
-            # delivery and sends it itself.
-            log.warning(
-                "dropped relayed step %d of %s: %d in-process hand-offs already wait",
-                onward.step, onward.session_id, len(self._relays_here),
-            )  # fmt: skip
-            return
+            # As a full link does: the step is lost here, and this call's answer says so
+            # (the client sends it itself).
+            reason = f"{len(self._relays_here)} in-process hand-offs already wait"
+            log.warning("dropped relayed step %d of %s: %s", onward.step, onward.session_id,
+                        reason)  # fmt: skip
+            return reason
         # Its own stream state: the claims are the ones this call was checked with.
         here = _StreamState(claims=stream.claims, signed=stream.signed)
         task = asyncio.get_running_loop().create_task(self._relayed_here(onward, here))
         self._relays_here.add(task)
         task.add_done_callback(self._relays_here.discard)
+        return None
 
     async def _relayed_here(self, onward: stage_pb2.ForwardRequest, here: _StreamState) -> None:
         try:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import secrets
+import socket
 import threading
 import time
 from collections.abc import Coroutine, Sequence
@@ -29,7 +30,8 @@ from node_agent.hardware_probe import HardwareInfo
 from node_agent.runtime import load_stage_model
 from node_agent.shard_manager import DirectorySource, ShardManager
 from node_agent.stage_server import StageLimits, StageServicer
-from protos import codec, identity
+from protos import identity
+from protos.dialing import DIAL_OPTIONS
 from protos.tessera.v1 import (
     client_api_pb2,
     client_api_pb2_grpc,
@@ -43,10 +45,10 @@ NUM_LAYERS = 4
 HIDDEN = 32
 VOCAB = 64
 MAX_POSITIONS = 256  # the checkpoint's max_position_embeddings
-OPTIONS = [
-    ("grpc.max_receive_message_length", codec.MAX_MESSAGE_BYTES),
-    ("grpc.max_send_message_length", codec.MAX_MESSAGE_BYTES),
-]
+# What a node agent dials with (node_agent.agent.CHANNEL_OPTIONS). The nodes here share one
+# process; without a local subchannel pool a node's relay channel could share the backoff
+# of an earlier test's connection to a recycled port and fail with "Connection refused".
+OPTIONS = list(DIAL_OPTIONS)
 
 
 def make_tiny_checkpoint(directory: Path, *, seed: int = 7) -> Path:
@@ -384,3 +386,20 @@ class BackgroundLoop:
         self.loop.call_soon_threadsafe(self.loop.stop)
         self._thread.join(timeout=10)
         self.loop.close()
+
+
+def nowhere() -> str:
+    """A loopback address nobody listens at: connections to it are refused."""
+    closed = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    closed.bind(("127.0.0.1", 0))
+    address = f"127.0.0.1:{closed.getsockname()[1]}"
+    closed.close()
+    return address
+
+
+def cut_link(a: StageNode, b: StageNode) -> grpc.aio.Channel:
+    """From now on ``a``'s relays to ``b`` go to a port nobody listens at: ``a`` cannot
+    reach ``b``, though the client reaches both (a firewall between two homes)."""
+    channel = grpc.aio.insecure_channel(nowhere())
+    a.servicer._relay._channels[b.address] = channel
+    return channel

@@ -9,10 +9,12 @@ pushed input differs from what the node before it signed.
 from __future__ import annotations
 
 import grpc
-from data_plane.stage_harness import MODEL, reference_greedy, session_grant
+import pytest
+from data_plane.stage_harness import MODEL, cut_link, reference_greedy, session_grant
 from data_plane.test_driver import NEW_TOKENS, PROMPT, greedy
+from data_plane.test_ring import CountsCalls, paid_nodes
 
-from client.driver import DriverConfig, PipelineDriver
+from client.driver import RELAY_BREAKS_TO_STOP, DriverConfig, PipelineDriver
 from node_agent.stage_server import StageServicer
 from protos.tessera.v1 import stage_pb2
 
@@ -169,4 +171,88 @@ async def test_a_node_whose_subscription_failed_is_asked_again_later(
     assert b.servicer.refused == 1
     assert driver.push_off is None
     assert driver.pushed_steps == NEW_TOKENS - 3
+    await driver.close()
+
+
+class ClaimsEveryRelayFailed(StageServicer):
+    """Hands every step on, yet says in each answer that it could not, at great length."""
+
+    async def _forward_one(self, request, stream):
+        response = await super()._forward_one(request, stream)
+        if response is not None and request.relay_to:
+            response.relay_failed = "no! " * 250_000
+        return response
+
+
+async def test_a_node_that_claims_its_hand_offs_failed_only_costs_the_push(
+    start_node, keys, checkpoint
+) -> None:
+    a = await start_node([(0, 2)], servicer_class=ClaimsEveryRelayFailed)
+    b = await start_node([(2, 4)], servicer_class=CountsCalls)
+    grant = session_grant(keys, [(0, 2, a, []), (2, 4, b, [])])
+    driver = PipelineDriver(grant, MODEL, config=NO_WAITING)
+
+    expected = reference_greedy(checkpoint, PROMPT, NEW_TOKENS)
+    assert await greedy(driver, PROMPT, NEW_TOKENS) == expected
+    # Its claim is believed (a node that does not hand on costs what it would if it said
+    # nothing, a deadline), and quoted cut short. Nobody was failed over.
+    assert driver.failovers == [] and driver.pushed_steps == 0
+    assert driver.push_off is not None and len(driver.push_off) < 500
+    assert "'no! no! no!" in driver.push_off
+    assert len([t for t in driver.timings if t.node_id == b.node_id]) == NEW_TOKENS
+    await driver.close()
+    # b ran some steps twice: the one a handed on after all, and the client's. Its receipt
+    # counts both, and the client signs it: b is paid for all the work it did.
+    assert b.servicer.relayed >= 1
+    assert paid_nodes(driver) == {a.node_id, b.node_id}
+
+
+# A straggler deadline far below the default: were a broken hand-off waited out, the prompt
+# step would fail b over (and, with no alternate, the generation) within it.
+NO_WAITING = DriverConfig(cold_timeout_s=10.0)
+
+
+@pytest.mark.parametrize("cut", [0, 1], ids=["first-to-second", "second-to-last"])
+async def test_a_node_that_cannot_reach_the_next_hands_the_steps_back(
+    start_node, keys, checkpoint, cut
+) -> None:
+    nodes = [await start_node([(0, 2)]), await start_node([(2, 3)]), await start_node([(3, 4)])]
+    a, b, c = nodes
+    sender, unreached = nodes[cut], nodes[cut + 1]
+    cut_link(sender, unreached)
+    grant = session_grant(keys, [(0, 2, a, []), (2, 3, b, []), (3, 4, c, [])])
+    driver = PipelineDriver(grant, MODEL, config=NO_WAITING)
+
+    expected = reference_greedy(checkpoint, PROMPT, NEW_TOKENS)
+    assert await greedy(driver, PROMPT, NEW_TOKENS) == expected
+    # Each failed hand-off was named in the sender's answer and the client sent the step
+    # on itself at once; after a few in a row the session stopped pushing. Nobody was
+    # failed over, and every node answered every step.
+    assert driver.failovers == []
+    assert driver.pushed_steps == 0
+    assert driver.push_off is not None
+    assert f"{RELAY_BREAKS_TO_STOP} pushes in a row could not be handed on" in driver.push_off
+    assert (
+        f"node {sender.node_id} to node {unreached.node_id}: 'sending failed: UNAVAILABLE"
+        in driver.push_off
+    )
+    for node in nodes:
+        assert len([t for t in driver.timings if t.node_id == node.node_id]) == NEW_TOKENS
+    await driver.close()
+
+
+async def test_one_broken_hand_off_costs_one_step_of_pushing(start_node, keys, checkpoint) -> None:
+    a = await start_node([(0, 2)])
+    b = await start_node([(2, 4)])
+    cut_link(a, b)
+    driver = PipelineDriver(session_grant(keys, [(0, 2, a, []), (2, 4, b, [])]), MODEL,
+                            config=NO_WAITING)  # fmt: skip
+
+    async def mend() -> None:  # the next relay opens a link on a channel of its own
+        await a.servicer._relay._channels.pop(b.address).close()
+
+    expected = reference_greedy(checkpoint, PROMPT, NEW_TOKENS)
+    assert await greedy(driver, PROMPT, NEW_TOKENS, after_step={0: mend}) == expected
+    assert driver.failovers == [] and driver.push_off is None
+    assert driver.pushed_steps == NEW_TOKENS - 1  # all but the prompt's step
     await driver.close()

@@ -25,6 +25,7 @@ from data_plane.stage_harness import (
     VOCAB,
     CoordinatorKeys,
     StageNode,
+    nowhere,
     reference_greedy,
     reference_logits,
 )
@@ -355,6 +356,7 @@ async def test_in_process_hand_offs_are_bounded(start_node, keys) -> None:
         )  # fmt: skip
     )
     assert own.cache_length == len(PROMPT)
+    assert "in-process hand-offs already wait" in own.relay_failed  # the client knows at once
     with pytest.raises(TimeoutError):
         await asyncio.wait_for(sub.call.read(), 0.5)
     # The client sends the dropped step itself, and the node serves it.
@@ -387,6 +389,18 @@ async def test_the_own_answer_does_not_wait_for_the_next_hop(start_node, keys) -
         await sub1.close()
 
 
+def next_hop_at(
+    keys: CoordinatorKeys, n0: StageNode, session_id: str, address: str
+) -> tuple[client_api_pb2.SignedCapability, list[stage_pb2.RelayHop]]:
+    """A session whose second hop, granted like any, is whatever listens at ``address``:
+    the capability and the relay route to it."""
+    signed = keys.capability(
+        session_id, [(n0.node_id, 0, 2, n0.address), ("n-next", 2, NUM_LAYERS, address)]
+    )
+    layers = common_pb2.LayerRange(start=2, end=NUM_LAYERS)
+    return signed, [stage_pb2.RelayHop(node_id="n-next", address=address, layers=layers)]
+
+
 async def test_a_next_node_that_takes_nothing_does_not_hold_up_the_answer(start_node, keys) -> None:
     # A peer that accepts the TCP connection and then neither reads nor answers: the HTTP/2
     # handshake never completes, so a write to it never does either.
@@ -396,11 +410,7 @@ async def test_a_next_node_that_takes_nothing_does_not_hold_up_the_answer(start_
     address = f"127.0.0.1:{silent.getsockname()[1]}"
     limits = StageLimits(relay=RelayLimits(write_timeout_s=0.5))
     n0 = await start_node([(0, 2)], limits=limits)
-    signed = keys.capability(
-        "s-silent", [(n0.node_id, 0, 2, n0.address), ("n-silent", 2, NUM_LAYERS, address)]
-    )
-    route = [stage_pb2.RelayHop(node_id="n-silent", address=address,
-                                layers=common_pb2.LayerRange(start=2, end=NUM_LAYERS))]  # fmt: skip
+    signed, route = next_hop_at(keys, n0, "s-silent", address)
     head = Stream(n0)
     try:
         began = time.monotonic()
@@ -408,6 +418,10 @@ async def test_a_next_node_that_takes_nothing_does_not_hold_up_the_answer(start_
                                       signed=signed))  # fmt: skip
         assert own.cache_length == len(PROMPT)
         assert time.monotonic() - began < 0.5 + 2.0  # the write timeout, not the peer
+        assert (
+            own.relay_failed == "sending failed: the next node took nothing within the "
+            "write timeout"
+        )
         # The link is gone; the next step is answered as promptly (a new link, same fate).
         assert n0.servicer._relay.links() == []
         nxt = await head.send(request("s-silent", 2, 0, 2, ids([3]), start_pos=len(PROMPT),
@@ -416,6 +430,26 @@ async def test_a_next_node_that_takes_nothing_does_not_hold_up_the_answer(start_
     finally:
         await head.close()
         silent.close()
+
+
+async def test_a_next_node_nobody_listens_at_is_named_in_the_answer(start_node, keys) -> None:
+    # The next node's port refuses connections (it is gone, or this node cannot reach it):
+    # the answer says the hand-off failed, so the client need not wait for a delivery.
+    n0 = await start_node([(0, 2)])
+    signed, route = next_hop_at(keys, n0, "s-gone", nowhere())
+    head = Stream(n0)
+    try:
+        own = await head.send(request("s-gone", 1, 0, 2, ids(PROMPT), relay_to=route,
+                                      signed=signed))  # fmt: skip
+        assert own.cache_length == len(PROMPT) and own.signature  # its own answer stands
+        assert own.relay_failed.startswith("sending failed: UNAVAILABLE")
+        assert n0.servicer._relay.links() == []
+        # Every later relay tries again, and says so again when it fails.
+        nxt = await head.send(request("s-gone", 2, 0, 2, ids([3]), start_pos=len(PROMPT),
+                                      relay_to=route))  # fmt: skip
+        assert nxt.relay_failed.startswith("sending failed: UNAVAILABLE")
+    finally:
+        await head.close()
 
 
 # ---- hostile and malformed relay routes -----------------------------------------------------
@@ -750,6 +784,7 @@ async def test_a_broken_link_is_dropped_and_the_next_relay_reopens_it(start_node
     own = await head.send(
         request(p.session_id, 2, 0, 2, ids([3]), start_pos=len(PROMPT), relay_to=p.route[:1])
     )
+    assert own.relay_failed == ""  # handed on, on a new link
     delivery = await sub1.next()
     assert (delivery.step, delivery.error_code) == (2, 0)
     # A new stream: it carried the capability again, and node1's cache went on.

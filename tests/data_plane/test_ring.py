@@ -23,6 +23,7 @@ from data_plane.stage_harness import (
     MODEL,
     NUM_LAYERS,
     StageNode,
+    cut_link,
     reference_greedy,
     reference_logits,
     session_grant,
@@ -483,6 +484,27 @@ async def test_a_ring_whose_step_never_comes_costs_one_short_wait(
     assert driver.ring_off is not None and "not back within" in driver.ring_off
     assert driver.ring_steps == 0
     assert driver.failovers == []
+    first = nodes[0].servicer
+    assert (first.direct, first.relayed) == (NEW_TOKENS, 0)
+    await driver.close()
+    assert paid_nodes(driver) == {n.node_id for n in nodes}
+
+
+async def test_a_ring_the_last_node_cannot_start_costs_no_wait(
+    start_node, keys, checkpoint
+) -> None:
+    # The last node cannot reach the first (a firewall between the two): its answer says
+    # so, and the client sends the next step itself at once instead of waiting for it.
+    nodes = await ring_nodes(start_node)
+    cut_link(nodes[2], nodes[0])
+    driver = ring_driver(keys, nodes, ring_wait_floor_s=30.0)
+
+    assert await generate(driver, NEW_TOKENS) == reference_greedy(checkpoint, PROMPT, NEW_TOKENS)
+    assert driver.ring_off is not None
+    assert "could not start the next step: 'sending failed: UNAVAILABLE" in driver.ring_off
+    assert driver.ring_steps == 0
+    assert driver.failovers == [] and driver.push_off is None
+    assert driver.pushed_steps == NEW_TOKENS  # pushing itself was never in the way
     first = nodes[0].servicer
     assert (first.direct, first.relayed) == (NEW_TOKENS, 0)
     await driver.close()

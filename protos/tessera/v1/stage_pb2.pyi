@@ -112,7 +112,7 @@ class Delivery(_message.Message):
     def __init__(self, step: _Optional[int] = ..., layers: _Optional[_Union[_common_pb2.LayerRange, _Mapping]] = ..., response: _Optional[_Union[ForwardResponse, _Mapping]] = ..., error_code: _Optional[int] = ..., error_message: _Optional[str] = ...) -> None: ...
 
 class ForwardResponse(_message.Message):
-    __slots__ = ("step", "output", "compute_ms", "cache_length", "signature", "usage", "input_digest", "probe_answers")
+    __slots__ = ("step", "output", "compute_ms", "cache_length", "signature", "usage", "input_digest", "probe_answers", "relay_failed")
     STEP_FIELD_NUMBER: _ClassVar[int]
     OUTPUT_FIELD_NUMBER: _ClassVar[int]
     COMPUTE_MS_FIELD_NUMBER: _ClassVar[int]
@@ -121,6 +121,7 @@ class ForwardResponse(_message.Message):
     USAGE_FIELD_NUMBER: _ClassVar[int]
     INPUT_DIGEST_FIELD_NUMBER: _ClassVar[int]
     PROBE_ANSWERS_FIELD_NUMBER: _ClassVar[int]
+    RELAY_FAILED_FIELD_NUMBER: _ClassVar[int]
     step: int
     output: _common_pb2.Tensor
     compute_ms: float
@@ -129,7 +130,8 @@ class ForwardResponse(_message.Message):
     usage: _ledger_pb2.SignedUsage
     input_digest: bytes
     probe_answers: _containers.RepeatedCompositeFieldContainer[ProbeAnswer]
-    def __init__(self, step: _Optional[int] = ..., output: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., compute_ms: _Optional[float] = ..., cache_length: _Optional[int] = ..., signature: _Optional[bytes] = ..., usage: _Optional[_Union[_ledger_pb2.SignedUsage, _Mapping]] = ..., input_digest: _Optional[bytes] = ..., probe_answers: _Optional[_Iterable[_Union[ProbeAnswer, _Mapping]]] = ...) -> None: ...
+    relay_failed: str
+    def __init__(self, step: _Optional[int] = ..., output: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., compute_ms: _Optional[float] = ..., cache_length: _Optional[int] = ..., signature: _Optional[bytes] = ..., usage: _Optional[_Union[_ledger_pb2.SignedUsage, _Mapping]] = ..., input_digest: _Optional[bytes] = ..., probe_answers: _Optional[_Iterable[_Union[ProbeAnswer, _Mapping]]] = ..., relay_failed: _Optional[str] = ...) -> None: ...
 
 class EndSessionRequest(_message.Message):
     __slots__ = ("session_id", "capability")
