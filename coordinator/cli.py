@@ -63,6 +63,18 @@ def _positive_seconds(text: str) -> float:
     return value
 
 
+def _port_range(text: str) -> tuple[int, int]:
+    low, sep, high = text.partition("-")
+    if not (sep and low.strip().isdigit() and high.strip().isdigit()):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a port range LOW-HIGH, e.g. 41000-41999")
+    first, last = int(low), int(high)
+    if not 1 <= first <= last <= 65535:
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: a range needs 1 <= LOW <= HIGH <= 65535 (e.g. 41000-41999)"
+        )
+    return first, last
+
+
 def _positive_int(text: str) -> int:
     try:
         value = int(text)
@@ -169,6 +181,17 @@ def _add_serve_parser(subparsers: Any) -> None:
         "default: no relay, and such nodes get no shards)",
     )  # fmt: skip
     serve_parser.add_argument(
+        "--relay-ports", type=_port_range, metavar="LOW-HIGH",
+        help="take relayed nodes' ports from this range only, e.g. 41000-41999: the range "
+        "to open in a firewall, one port per relayed node (default: any free port)",
+    )  # fmt: skip
+    serve_parser.add_argument(
+        "--relay-bind", metavar="HOST",
+        help="listen for relayed nodes' clients on this address (default: the --relay-host): "
+        "0.0.0.0 on a machine whose public address is not on any of its interfaces, such "
+        "as a cloud VM behind 1:1 NAT",
+    )  # fmt: skip
+    serve_parser.add_argument(
         "--reachability-recheck", type=_positive_seconds, default=30.0, metavar="S",
         help="a node whose data address this coordinator cannot dial back gets no shards "
         "(clients could not reach it either); it is dialed again this often "
@@ -249,6 +272,11 @@ def _run_serve(args: argparse.Namespace) -> int:
             f"serve needs --data-dir DIR (its state goes there, the database in DIR/{DB_FILE}) "
             "or --db PATH"
         )
+    if args.relay_host is None and (args.relay_ports or args.relay_bind):
+        args.command_parser.error(
+            "--relay-ports and --relay-bind shape the relay, which runs only with "
+            "--relay-host HOST (the address clients reach this machine at)"
+        )
     db_path = (args.db or args.data_dir / DB_FILE).expanduser().resolve()
     data_dir = (args.data_dir or db_path.parent).expanduser().resolve()
     settings = Settings(
@@ -260,6 +288,8 @@ def _run_serve(args: argparse.Namespace) -> int:
         offline_after_s=args.offline_after,
         reachability_recheck_s=args.reachability_recheck,
         relay_host=args.relay_host,
+        relay_bind=args.relay_bind,
+        relay_ports=args.relay_ports,
         heartbeat_ack_every=args.heartbeat_ack_every,
         replicas=args.replicas,
         min_stages=args.min_stages,

@@ -11,15 +11,22 @@ the relay reads nothing of them. Placement gets the node with that address
 answers there (coordinator/inference.py).
 
 The node proves who it is with the attach ticket of its current registration. One tunnel
-per node: a newer one replaces the older. Limits: MAX_CONNECTIONS client connections per
-tunnel, MAX_DATA_BYTES a message, and a bounded queue towards the node, so a client that
-sends faster than the tunnel carries waits (TCP back-pressure) instead of filling memory.
+per node: a newer one replaces the older, and gets the older's port when it can (so a tunnel
+that broke and came back keeps the node's address). With `--relay-ports LOW-HIGH` every
+port comes from that range (the one range an operator opens in a firewall); without, the
+system picks. It listens on `--relay-bind` (default: the relay host), for a host whose
+public address is not on any of its interfaces (a cloud VM behind 1:1 NAT).
+
+Limits: MAX_CONNECTIONS client connections per tunnel, MAX_DATA_BYTES a message, and a
+bounded queue towards the node, so a client that sends faster than the tunnel carries waits
+(TCP back-pressure) instead of filling memory.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import itertools
 import logging
 from collections.abc import AsyncIterator, Callable
@@ -37,6 +44,7 @@ MAX_CONNECTIONS = 256
 MAX_DATA_BYTES = 1 << 20
 READ_CHUNK = 64 * 1024
 QUEUE_MESSAGES = 256  # towards the node, all connections together
+MAX_REMEMBERED = 10_000  # nodes whose last relay port is kept
 
 
 class _Tunnel:
@@ -49,6 +57,11 @@ class _Tunnel:
         self.server: asyncio.base_events.Server | None = None
         self._ids = itertools.count(1)
         self._pumps: set[asyncio.Task[None]] = set()
+
+    @property
+    def port(self) -> int:
+        assert self.server is not None
+        return int(self.server.sockets[0].getsockname()[1])
 
     async def accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         if len(self.conns) >= MAX_CONNECTIONS:
@@ -101,7 +114,8 @@ class _Tunnel:
 
 
 class NatRelay(relay_pb2_grpc.RelayServicer):
-    """`Relay.Tunnel`, listening for relayed nodes on `host` (None: no relay here)."""
+    """`Relay.Tunnel`: relayed nodes' addresses are on `host` (None: no relay here), their
+    ports listen on `bind` (default `host`), within `ports` (LOW, HIGH) when given."""
 
     def __init__(
         self,
@@ -109,12 +123,21 @@ class NatRelay(relay_pb2_grpc.RelayServicer):
         check_ticket: Callable[[str, bytes], bool],
         on_relayed: Callable[[str, str], None] = lambda node_id, address: None,
         on_unrelayed: Callable[[str], None] = lambda node_id: None,
+        *,
+        bind: str | None = None,
+        ports: tuple[int, int] | None = None,
     ) -> None:
         self.host = host
+        self._bind = bind or host
+        self._ports = ports
         self._check_ticket = check_ticket
         self._on_relayed = on_relayed
         self._on_unrelayed = on_unrelayed
         self._tunnels: dict[str, _Tunnel] = {}
+        # The port each node's tunnel last had, tried first when it opens one again. The
+        # newest MAX_REMEMBERED nodes only.
+        self._last_port: dict[str, int] = {}
+        self._next_in_range = 0  # where the next scan of the range starts
 
     def add_to_server(self, server: grpc.aio.Server) -> None:
         relay_pb2_grpc.add_RelayServicer_to_server(self, server)
@@ -141,19 +164,28 @@ class NatRelay(relay_pb2_grpc.RelayServicer):
                 "again, then open the tunnel",
             )
         tunnel = _Tunnel(node_id)
+        older = self._tunnels.pop(node_id, None)
+        if older is not None:  # replaced: its port is free for this one
+            await older.close()
         try:
-            tunnel.server = await asyncio.start_server(tunnel.accept, self.host, 0)
-        except OSError as err:
-            log.error("relay: cannot listen on %s: %s", self.host, err)
+            tunnel.server = await self._listen(tunnel, node_id)
+        except (_NoPort, OSError) as err:
+            if older is not None:  # the node had a tunnel, and now has none
+                self._on_unrelayed(node_id)
+            if isinstance(err, _NoPort):
+                log.warning("relay: no port for node %s: %s", node_id, err)
+                await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(err))
+            log.error("relay: cannot listen on %s: %s", self._bind, err)
             await context.abort(
                 grpc.StatusCode.UNAVAILABLE, "the relay cannot open a port right now; try again"
             )
         port = tunnel.server.sockets[0].getsockname()[1]
         address = f"{self.host}:{port}"
-        older = self._tunnels.get(node_id)
         self._tunnels[node_id] = tunnel
-        if older is not None:
-            await older.close()
+        self._last_port.pop(node_id, None)
+        self._last_port[node_id] = port
+        while len(self._last_port) > MAX_REMEMBERED:
+            del self._last_port[next(iter(self._last_port))]
         reading = asyncio.ensure_future(self._read(request_iterator, tunnel))
         log.info("relay: node %s is reachable at %s through its tunnel", node_id, address)
         try:
@@ -171,6 +203,41 @@ class NatRelay(relay_pb2_grpc.RelayServicer):
                 del self._tunnels[node_id]
                 self._on_unrelayed(node_id)
                 log.info("relay: the tunnel of node %s closed", node_id)
+
+    async def _listen(self, tunnel: _Tunnel, node_id: str) -> asyncio.base_events.Server:
+        """A listener for this node's tunnel: at the port its last tunnel had if that is
+        free, else the next free one of the range (or one the system picks)."""
+        taken = {t.port for t in self._tunnels.values()}
+        candidates: list[int] = []
+        last = self._last_port.get(node_id)
+        if last is not None and last not in taken:
+            candidates.append(last)
+        if self._ports is None:
+            candidates.append(0)
+        else:
+            low, high = self._ports
+            size = high - low + 1
+            start = self._next_in_range % size
+            candidates.extend(low + (start + i) % size for i in range(size))
+        for port in candidates:
+            if port in taken:
+                continue
+            try:
+                server = await asyncio.start_server(tunnel.accept, self._bind, port)
+            except OSError as err:
+                if port != last and (port == 0 or err.errno != errno.EADDRINUSE):
+                    raise
+                continue  # another program has it
+            if self._ports is not None and port != last:
+                self._next_in_range = port - self._ports[0] + 1
+            return server
+        assert self._ports is not None  # port 0 never runs out
+        low, high = self._ports
+        raise _NoPort(
+            f"all {high - low + 1} relay ports ({low}-{high}) are in use: this coordinator "
+            "relays no more nodes until one leaves (its operator can widen --relay-ports); "
+            "or open this node's data-plane port to clients"
+        )
 
     async def _read(
         self, request_iterator: AsyncIterator[relay_pb2.TunnelUp], tunnel: _Tunnel
@@ -200,6 +267,10 @@ class _BadMessage(Exception):
     pass
 
 
+class _NoPort(Exception):
+    pass
+
+
 async def _first(
     request_iterator: AsyncIterator[relay_pb2.TunnelUp], context: Any
 ) -> relay_pb2.TunnelHello:
@@ -226,4 +297,6 @@ def build(ctx: CoordinatorContext) -> NatRelay:
         ctx.registry.check_ticket,
         on_relayed=sessions.relayed if sessions is not None else (lambda n, a: None),
         on_unrelayed=sessions.unrelayed if sessions is not None else (lambda n: None),
+        bind=ctx.settings.relay_bind,
+        ports=ctx.settings.relay_ports,
     )

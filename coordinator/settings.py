@@ -37,6 +37,10 @@ class Settings:
     # Where the relay listens for nodes that cannot be dialed, and the host clients reach
     # it at (coordinator/nat_relay.py); None: no relay, such nodes do not serve.
     relay_host: str | None = None
+    # Where the relay's ports listen (None: relay_host), and the range they come from
+    # (None: any free port the system gives).
+    relay_bind: str | None = None
+    relay_ports: tuple[int, int] | None = None
     # How long a stopping server lets running calls finish.
     shutdown_grace_s: float = 5.0
     # Placement: every layer keeps at least this many ready replicas when capacity allows.

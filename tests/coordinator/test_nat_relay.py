@@ -8,11 +8,14 @@ or a raw tunnel the test drives itself, to send what a real node never would.
 from __future__ import annotations
 
 import asyncio
+import socket
 from collections.abc import AsyncIterator
+from typing import Any
 
 import grpc
 import pytest
 from data_plane.stage_harness import node_context
+from support.ports import free_port_range
 
 from coordinator import nat_relay
 from coordinator.nat_relay import NatRelay
@@ -23,15 +26,17 @@ TICKET = b"the-ticket"
 
 
 class Relay:
-    def __init__(self, host: str | None = "127.0.0.1") -> None:
+    def __init__(self, host: str | None = "127.0.0.1", **options: Any) -> None:
         self.relayed: list[tuple[str, str]] = []
         self.unrelayed: list[str] = []
         self.node_id = ""
+        self.others: set[str] = set()  # more registered nodes
         self.service = NatRelay(
             host,
-            lambda node_id, ticket: node_id == self.node_id and ticket == TICKET,
+            lambda node_id, ticket: node_id in {self.node_id, *self.others} and ticket == TICKET,
             on_relayed=lambda n, a: self.relayed.append((n, a)),
             on_unrelayed=self.unrelayed.append,
+            **options,
         )
         self.server = grpc.aio.server()
         self.service.add_to_server(self.server)
@@ -179,4 +184,109 @@ async def test_a_coordinator_without_a_relay_says_so(tmp_path) -> None:
         err = await refused(relay, [hello("n1")])
         assert err.code() == grpc.StatusCode.FAILED_PRECONDITION and "--relay-host" in err.details()
     finally:
+        await relay.server.stop(0)
+
+
+async def started(relay: Relay) -> Relay:
+    await relay.server.start()
+    return relay
+
+
+async def welcomed(relay: Relay, node_id: str) -> tuple[grpc.aio.Channel, Any, str]:
+    """A raw tunnel of ``node_id``: its channel, its call, and the address it was given."""
+    channel, call = await tunnel_call(relay, [hello(node_id)])
+    message = await asyncio.wait_for(call.read(), 10)
+    assert message.WhichOneof("kind") == "welcome", message
+    return channel, call, message.welcome.address
+
+
+async def test_ports_come_from_the_range_and_a_full_range_is_refused() -> None:
+    low, high = free_port_range(3)
+    relay = await started(Relay(ports=(low, high)))
+    relay.others = {"n1", "n2", "n3"}
+    other_program = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    other_program.bind(("127.0.0.1", low + 1))
+    other_program.listen(1)
+    opened = []
+    try:
+        for node_id in ("n1", "n2"):
+            opened.append(await welcomed(relay, node_id))
+        # The port another program holds is passed over.
+        assert [address for _, _, address in opened] == [f"127.0.0.1:{low}",
+                                                         f"127.0.0.1:{high}"]  # fmt: skip
+        err = await refused(relay, [hello("n3")])
+        assert err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert f"all 3 relay ports ({low}-{high}) are in use" in err.details()
+        assert "--relay-ports" in err.details()
+        # n1 leaves: its port serves the next node.
+        channel, call, _ = opened.pop(0)
+        call.cancel()
+        await channel.close()
+        for _ in range(100):
+            if "n1" in relay.unrelayed:
+                break
+            await asyncio.sleep(0.05)
+        assert relay.unrelayed == ["n1"]
+        opened.append(await welcomed(relay, "n3"))
+        assert opened[-1][2] == f"127.0.0.1:{low}"
+    finally:
+        other_program.close()
+        for channel, call, _ in opened:
+            call.cancel()
+            await channel.close()
+        await relay.service.stop()
+        await relay.server.stop(0)
+
+
+@pytest.mark.parametrize("ranged", [False, True], ids=["any-port", "ranged"])
+async def test_a_tunnel_that_comes_back_keeps_its_port(ranged: bool) -> None:
+    relay = await started(Relay(ports=free_port_range(4) if ranged else None))
+    relay.node_id = "n1"
+    relay.others = {"n2"}
+    try:
+        channel, call, address = await welcomed(relay, "n1")
+        # Replaced while still open (a node that opened a new tunnel before the old one's
+        # end reached the relay): the new one gets the port, the old one ends.
+        channel2, call2, again = await welcomed(relay, "n1")
+        assert again == address
+        assert await asyncio.wait_for(call.read(), 10) is grpc.aio.EOF
+        await channel.close()
+        # Broken, then opened again after another node took a port meanwhile.
+        call2.cancel()
+        await channel2.close()
+        for _ in range(100):
+            if relay.unrelayed:
+                break
+            await asyncio.sleep(0.05)
+        channel3, call3, other = await welcomed(relay, "n2")
+        assert other != address
+        channel4, call4, back = await welcomed(relay, "n1")
+        assert back == address
+        # Placement heard: relayed at that address, gone, relayed there again.
+        assert [a for n, a in relay.relayed if n == "n1"] == [address] * 3
+        assert relay.unrelayed == ["n1"]
+        for c, k in ((channel3, call3), (channel4, call4)):
+            k.cancel()
+            await c.close()
+    finally:
+        await relay.service.stop()
+        await relay.server.stop(0)
+
+
+async def test_the_relay_listens_on_its_bind_address_and_names_its_public_host() -> None:
+    # A cloud VM: clients reach it at a public name that none of its interfaces has.
+    relay = await started(Relay(host="relay.example.org", bind="127.0.0.1"))
+    relay.node_id = "n1"
+    try:
+        channel, call, address = await welcomed(relay, "n1")
+        host, port = address.rsplit(":", 1)
+        assert host == "relay.example.org"
+        _, writer = await asyncio.open_connection("127.0.0.1", int(port))
+        opened = await asyncio.wait_for(call.read(), 10)
+        assert opened.WhichOneof("kind") == "open"
+        writer.close()
+        call.cancel()
+        await channel.close()
+    finally:
+        await relay.service.stop()
         await relay.server.stop(0)

@@ -323,7 +323,8 @@ def test_help_teaches(args: list[str], capsys) -> None:
     assert "usage: tessera-coordinator" in out
     if args[0] == "serve":
         for flag in ("--listen", "--db", "--data-dir", "--mqtt", "--heartbeat-interval",
-                     "--offline-after", "--log-level", "example"):  # fmt: skip
+                     "--offline-after", "--log-level", "--relay-ports", "--relay-bind",
+                     "example"):  # fmt: skip
             assert flag in out
 
 
@@ -368,6 +369,13 @@ def test_help_works_as_a_program() -> None:
         (["serve", "--db", "x.db", "--verify-min-probability", "nan"], "probability in [0, 1]"),
         (["serve", "--db", "x.db", "--verify-min-probability", "often"], "probability in [0, 1]"),
         (["serve", "--db", "x.db", "--canary-interval", "-5"], "expected a number >= 0"),
+        (["serve", "--db", "x.db", "--relay-host", "h", "--relay-ports", "41000"], "LOW-HIGH"),
+        (["serve", "--db", "x.db", "--relay-host", "h", "--relay-ports", "a-b"], "LOW-HIGH"),
+        (["serve", "--db", "x.db", "--relay-host", "h", "--relay-ports", "5-3"], "LOW <= HIGH"),
+        (["serve", "--db", "x.db", "--relay-host", "h", "--relay-ports", "0-9"], "1 <= LOW"),
+        (["serve", "--db", "x.db", "--relay-host", "h", "--relay-ports", "1-70000"], "65535"),
+        (["serve", "--db", "x.db", "--relay-ports", "41000-41999"], "only with --relay-host"),
+        (["serve", "--db", "x.db", "--relay-bind", "0.0.0.0"], "only with --relay-host"),
     ],
 )  # fmt: skip
 def test_serve_rejects_bad_flags(args: list[str], fragment: str, capsys) -> None:

@@ -19,7 +19,7 @@ import grpc
 import pytest
 from support.checkpoints import TINY_SHAPE, make_checkpoint, transformers_greedy
 from support.link_emulator import LinkEmulator
-from support.ports import free_port
+from support.ports import free_port, free_port_range
 from support.waiting import wait_for
 
 from client.api import Client
@@ -175,7 +175,9 @@ def test_a_node_nobody_can_dial_serves_through_the_relay(tmp_path: Path) -> None
     port = free_port()
     nat = LinkEmulator("127.0.0.1", port, down=True, name="behind NAT")
     advertised = nat.start_in_thread()
-    args = ["--replicas", "1", "--heartbeat-interval", "1", "--relay-host", "127.0.0.1"]
+    low, high = free_port_range(8)
+    args = ["--replicas", "1", "--heartbeat-interval", "1", "--relay-host", "127.0.0.1",
+            "--relay-bind", "127.0.0.1", "--relay-ports", f"{low}-{high}"]  # fmt: skip
     try:
         with LocalSwarm(tmp_path / "swarm", coordinator_args=args) as s:
             s.start_coordinator()
@@ -194,6 +196,7 @@ def test_a_node_nobody_can_dial_serves_through_the_relay(tmp_path: Path) -> None
             # Every hop went to the relay's port for the node, never to its own address.
             relayed = {h.address for h in result.route}
             assert len(relayed) == 1 and advertised not in relayed
+            assert low <= int(relayed.pop().rsplit(":", 1)[1]) <= high  # --relay-ports
             assert "reachable at" in s.coordinator.log_text()
             assert "through the relay at" in echo.log_text()
             assert nat.stats.connections_accepted == 0

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import random
 import socket
 import time
 from collections.abc import Iterator
@@ -27,6 +28,26 @@ def reserved_ports(count: int, host: str = "127.0.0.1") -> Iterator[list[int]]:
             sock.bind((host, 0))
             ports.append(sock.getsockname()[1])
         yield ports
+
+
+def free_port_range(count: int) -> tuple[int, int]:
+    """A range of ``count`` ports nobody listens at, below the range the system hands out
+    for port 0 (so no other socket of this run takes one meanwhile)."""
+    for _ in range(200):
+        low = random.randrange(20_000, 30_000)
+        probes = []
+        try:
+            for port in range(low, low + count):
+                probe = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+                probes.append(probe)
+                probe.bind(("127.0.0.1", port))
+        except OSError:
+            continue
+        finally:
+            for probe in probes:
+                probe.close()
+        return low, low + count - 1
+    raise RuntimeError(f"no {count} free ports in a row")
 
 
 def port_accepts(host: str, port: int, timeout: float = 0.2) -> bool:
