@@ -1083,6 +1083,12 @@ class PipelineDriver:
         output of the chunk at ``start_pos`` that the failed call should have given."""
         span, failed = self._slots[index].span, self._slots[index].hop
         via, replacements = await self._recover(index, failure)
+        if self.verifier is not None:
+            # A replacement may be a checker of the span with check work under way: that
+            # must not land on its cache after the replay below.
+            for slot in self._slots:
+                if span.start <= slot.span.start and slot.span.end <= span.end:
+                    await self.verifier.serving(slot.hop.node_id, slot.span)
         # The boundary history ends with the chunk that failed, so replaying it from 0
         # rebuilds the replacement's cache and yields this chunk's output as its tail.
         _, full, full_dtype = self._history.replay_input(self._slots[index].span)
@@ -1381,6 +1387,8 @@ class PipelineDriver:
             slot.alternates = [h for h in slot.alternates if h != alternate] + [slow]
             slot.decode_seconds.clear()
             self._demoted.add(slow.node_id)
+            if self.verifier is not None:  # its cache is the pipeline's (see _fail_over)
+                await self.verifier.serving(alternate.node_id, slot.span, wait=False)
             if self._reporter is not None:
                 # A lower bound of the slow call's time: the coordinator's router learns it.
                 self._reporter.add(

@@ -121,6 +121,10 @@ class NodeRejected(Exception):
     """The node's reply cannot be used: bad signature, or it lost an arbitration."""
 
 
+class CheckerServes(Exception):
+    """Check work not run: its checker serves that span in the pipeline now."""
+
+
 @dataclass(frozen=True)
 class _SignedStep:
     """A primary's signed answer for one step of a hop: what an audit compares a checker's
@@ -250,6 +254,11 @@ class StageVerifier:
         # all of it is kept, so that the session's end can cancel what is left.
         self._turns: dict[str, asyncio.Lock] = {}
         self._tasks: set[asyncio.Task[object]] = set()
+        # Per checker node: the span of the work on its stream now, and that work.
+        self._running: dict[str, tuple[Span, asyncio.Task[object]]] = {}
+        # Per span: the node a fail-over or a hedge moved it to (``serving``), whose cache
+        # for the span is the pipeline's now: no check work of the span goes to it.
+        self._serving: dict[Span, str] = {}
         # Per span: (primary, checker or None) drawn for the span's next call.
         self._drawn: dict[Span, tuple[str, HopRecord | None]] = {}
         self.stats = VerificationStats()
@@ -326,7 +335,9 @@ class StageVerifier:
         pending = None
         if checker is not None:
             check = checker
-            task = self._queue(check, lambda: self._run_checker(check, span, request, history))
+            task = self._queue(
+                check, span, lambda: self._run_checker(check, span, request, history)
+            )
             pending = PendingCheck(self, check, task)
             self.stats.check_steps.append(request.step)
             self._checked_steps.add((span, request.step))
@@ -334,7 +345,7 @@ class StageVerifier:
         self._drawn[span] = (hop.node_id, upcoming)
         if upcoming is not None and upcoming != checker:
             warm = upcoming
-            self._queue(warm, lambda: self._warm_up(warm, span, request, history))
+            self._queue(warm, span, lambda: self._warm_up(warm, span, request, history))
         return pending
 
     def _draw(self, hop: HopRecord, alternates: list[HopRecord]) -> HopRecord | None:
@@ -344,21 +355,37 @@ class StageVerifier:
             return None
         return self._pick_checker(hop, alternates)
 
-    def _queue(self, checker: HopRecord, work: Callable[[], Awaitable[T]]) -> asyncio.Task[T]:
-        """Run ``work`` on the checker's stream once the work queued before it is done:
-        one call at a time on a stream, in the order queued (the lock is fair). A task
-        cancelled while it waits leaves the queue without breaking it; one cancelled in
-        the middle of its calls closes the stream, whose next answer would be its own."""
+    def _queue(
+        self,
+        checker: HopRecord,
+        span: Span,
+        work: Callable[[], Awaitable[T]],
+        *,
+        while_serving: bool = False,
+    ) -> asyncio.Task[T]:
+        """Run ``work`` (of ``span``) on the checker's stream once the work queued before
+        it is done: one call at a time on a stream, in the order queued (the lock is fair).
+        A task cancelled while it waits leaves the queue without breaking it; one cancelled
+        in the middle of its calls closes the stream, whose next answer would be its own.
+        Work whose turn comes once the checker serves the span raises CheckerServes,
+        unless ``while_serving`` (it then sees to that itself)."""
         node_id = checker.node_id
         turn = self._turns.setdefault(node_id, asyncio.Lock())
 
         async def run() -> T:
             async with turn:
+                if not while_serving and self._serving.get(span) == node_id:
+                    raise CheckerServes(f"node {node_id} serves layers {span} in the pipeline")
+                current = asyncio.current_task()
+                assert current is not None
+                self._running[node_id] = (span, current)
                 try:
                     return await work()
                 except asyncio.CancelledError:
                     self._close_stream(node_id)
                     raise
+                finally:
+                    self._running.pop(node_id, None)
 
         task = asyncio.ensure_future(run())
         self._tasks.add(task)  # type: ignore[arg-type]
@@ -471,6 +498,9 @@ class StageVerifier:
                     f"checker answered shape {list(checked.output.shape)}, the primary "
                     f"{list(response.output.shape)}"
                 )
+        except CheckerServes as err:  # the call goes unchecked; the checker did no wrong
+            log.info("check of %s not run: %s", hop.node_id, err)
+            return
         except Exception as err:  # a broken stream surfaces in several shapes
             # An unusable checker says nothing about the primary; don't ask it again.
             log.warning("checker %s could not check %s: %s", checker.node_id, hop.node_id, err)
@@ -484,9 +514,25 @@ class StageVerifier:
             return
         await self._compare(hop, checker, request, response, checked, history)
 
+    async def serving(self, node_id: str, span: Span, *, wait: bool = True) -> None:
+        """``node_id`` serves ``span`` in the pipeline from now on (a fail-over's or a
+        hedge's replacement), so its cache for the span is the pipeline's. Check work of
+        the span queued for it is dropped (a doubted step's re-run waits for the session's
+        end), and with ``wait`` the work it runs now is waited for (cancelled past the
+        check timeout): a catch-up that lands on that cache after the pipeline's replay
+        would roll it back, and the next step would find positions missing."""
+        self._serving[span] = node_id
+        self._synced.pop((node_id, span), None)
+        running = self._running.get(node_id)
+        if wait and running is not None and running[0] == span:
+            done, _ = await asyncio.wait({running[1]}, timeout=self._timeout_s)
+            if not done:
+                running[1].cancel()
+
     async def finish(self) -> verification_pb2.SessionRisk | None:
         """Settle what replays doubted, end the checkers' caches, send what is left to
         report; returns the coordinator's risk figures."""
+        self._serving.clear()  # the pipeline is done with every cache
         for checker, span, step, history in self._rechecks_at_end:
             self._recheck_later(checker, span, step, history)
         self._rechecks_at_end.clear()
@@ -964,7 +1010,9 @@ class StageVerifier:
         self, checker: HopRecord, span: Span, step: _SignedStep, history: RouteHistory
     ) -> None:
         """Queue ``_recheck`` on the checker's stream; the session's end waits for it."""
-        task = self._queue(checker, lambda: self._recheck(checker, span, step, history))
+        task = self._queue(
+            checker, span, lambda: self._recheck(checker, span, step, history), while_serving=True
+        )
         self._rechecks.add(task)  # type: ignore[arg-type]
         task.add_done_callback(self._rechecks.discard)  # type: ignore[arg-type]
 
@@ -999,7 +1047,11 @@ class StageVerifier:
         self, checker: HopRecord, span: Span, step: _SignedStep, history: RouteHistory
     ) -> None:
         """Run a step an audit doubted again on the checker, exactly as the primary ran it,
-        and settle the two signed answers like a check's."""
+        and settle the two signed answers like a check's. A checker that serves the span
+        in the pipeline now runs it when the session ends (it would roll its cache back)."""
+        if self._serving.get(span) == checker.node_id:
+            self._rechecks_at_end.append((checker, span, step, history))
+            return
         if span not in history.spans:
             return  # a fail-over split the hop since: its history is kept per new hop
         primary = self._primary_output(span, step, history)

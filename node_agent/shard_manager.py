@@ -26,10 +26,10 @@ import sys
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Protocol
+from typing import Protocol, TypeVar
 
 import torch
 
@@ -408,16 +408,15 @@ class ShardManager:
         nothing waits for or runs on the compute thread: pipeline work stays serialised (the
         loop cannot queue more while it computes) and two thread hand-offs are saved.
         """
-        loop = asyncio.get_running_loop()
         self.queue_length += 1
         try:
             if background:
-                return await loop.run_in_executor(self.background, fn)
+                return await _to_the_end(self.background.submit(fn))
             self._foreground += 1
             try:
                 if inline_if_idle and self._foreground == 1:
                     return fn()
-                return await loop.run_in_executor(self.compute, fn)
+                return await _to_the_end(self.compute.submit(fn))
             finally:
                 self._foreground -= 1
         finally:
@@ -681,6 +680,25 @@ def _lower_priority() -> None:
     if sys.platform == "linux":
         with contextlib.suppress(OSError):
             os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), BACKGROUND_NICE)
+
+
+T = TypeVar("T")
+
+
+async def _to_the_end(job: Future[T]) -> T:
+    """The result of ``job``, submitted to a compute thread. Cancelled meanwhile (its
+    client went away), a job that has not started is dropped; one that has runs on in its
+    thread whatever happens here, so the cancellation waits for its end. The caller holds
+    the session cache's lock all that time: the next call on that cache (a replay after a
+    fail-over, on the other compute thread perhaps) must not run on it at the same time."""
+    try:
+        return await asyncio.shield(asyncio.wrap_future(job))
+    except asyncio.CancelledError:
+        if not job.cancel():
+            while not job.done():
+                with contextlib.suppress(asyncio.CancelledError):
+                    await asyncio.wait({asyncio.wrap_future(job)})
+        raise
 
 
 def cache_key(session_id: str, start: int, end: int) -> str:

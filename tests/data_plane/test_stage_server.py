@@ -279,6 +279,58 @@ async def test_a_check_runs_behind_the_pipeline_at_a_lower_priority(start_node, 
         await pipeline.close()
 
 
+async def test_a_call_cancelled_mid_compute_keeps_its_cache_until_the_compute_ends(
+    start_node, keys, checkpoint
+) -> None:
+    """A checker's catch-up is cancelled by its client while the node computes it (on the
+    background thread), and the client's next call on that cache comes at once on another
+    stream: a fail-over's replay there. The model work cannot be stopped halfway, so the
+    replay must wait for it, not run on the same cache at the same time."""
+    node = await start_node([(0, 2)])
+    stage = node.manager.find(MODEL, 0, 2).stage_for(0, 2)
+    entered, release = threading.Event(), threading.Event()
+    order: list[str] = []
+    original = stage.forward
+
+    def forward(*args, **kwargs):  # type: ignore[no-untyped-def]
+        name = threading.current_thread().name
+        if name.startswith("tessera-check"):
+            entered.set()
+            release.wait(30)
+        result = original(*args, **kwargs)
+        order.append(name)
+        return result
+
+    stage.forward = forward
+    grants = [(node.node_id, 0, 2)]
+    checker = Session.open(node, keys, "s-cancelled")
+    check = checker.request(ids([PROMPT]), end=2, capability=checker.capability(grants=grants))
+    check.background = True
+    pending = asyncio.create_task(checker.send(check))
+    pipeline = Session.open(node, keys, "s-cancelled")
+    try:
+        assert await asyncio.to_thread(entered.wait, 30)
+        pending.cancel()
+        await asyncio.gather(pending, return_exceptions=True)
+        await checker.close()
+        replay = pipeline.request(ids([[*PROMPT, 3]]), end=2,
+                                  capability=pipeline.capability(grants=grants))  # fmt: skip
+        answer = asyncio.create_task(pipeline.send(replay))
+        await asyncio.sleep(0.5)
+        assert not answer.done(), "the replay ran while the cancelled call still computed"
+        release.set()
+        done = await asyncio.wait_for(answer, 10)
+        assert done.cache_length == len(PROMPT) + 1
+        assert len(order) == 2 and order[0].startswith("tessera-check")
+        assert order[1].startswith("tessera-compute")
+        # The cache holds the replay's positions: its next step goes on from there.
+        pipeline_next = pipeline.request(ids([[4]]), end=2, start_pos=len(PROMPT) + 1)
+        assert (await pipeline.send(pipeline_next)).cache_length == len(PROMPT) + 2
+    finally:
+        release.set()
+        await pipeline.close()
+
+
 # ---- bad input, one case at a time -----------------------------------------------------------
 
 

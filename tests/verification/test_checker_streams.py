@@ -1,4 +1,4 @@
-"""One call at a time on a checker's stream, whatever gets cancelled.
+"""One call at a time on a checker's stream, whatever gets cancelled or handed over.
 
 Checks and catch-ups for one checker share its Forward stream and take turns on it. A
 check cancelled while queued (a rollback or a failed primary makes later checks moot)
@@ -14,9 +14,11 @@ import asyncio
 
 from client.channels import ChannelPool
 from client.records import HopRecord
-from client.verification import StageVerifier, _CheckerStream
+from client.route_history import Span
+from client.verification import CheckerServes, StageVerifier, _CheckerStream
 
 CHECKER = HopRecord("checker-1", "127.0.0.1:1", 0, 2)
+SPAN = Span(0, 2)
 
 
 class FakeCall:
@@ -46,10 +48,10 @@ async def test_work_behind_a_cancelled_queued_check_waits_for_the_work_before_it
     async def third() -> None:
         order.append("third")
 
-    a = verifier._queue(CHECKER, first)
+    a = verifier._queue(CHECKER, SPAN, first)
     await started.wait()
-    b = verifier._queue(CHECKER, moot)
-    c = verifier._queue(CHECKER, third)
+    b = verifier._queue(CHECKER, SPAN, moot)
+    c = verifier._queue(CHECKER, SPAN, third)
     b.cancel()
     await asyncio.sleep(0.05)
     assert order == ["first starts"]  # third waits for first, not for the cancelled one
@@ -69,8 +71,8 @@ async def test_a_check_cancelled_mid_call_closes_its_stream_and_a_queued_one_doe
         started.set()
         await asyncio.sleep(60)
 
-    running = verifier._queue(CHECKER, waits_for_an_answer)
-    queued = verifier._queue(CHECKER, waits_for_an_answer)
+    running = verifier._queue(CHECKER, SPAN, waits_for_an_answer)
+    queued = verifier._queue(CHECKER, SPAN, waits_for_an_answer)
     await started.wait()
     queued.cancel()
     await asyncio.sleep(0.05)
@@ -80,3 +82,35 @@ async def test_a_check_cancelled_mid_call_closes_its_stream_and_a_queued_one_doe
     await asyncio.sleep(0.05)
     assert call.cancelled  # its answer may still come: nobody may read it as theirs
     assert CHECKER.node_id not in verifier._streams
+
+
+async def test_work_for_a_span_its_checker_now_serves_is_dropped_once_the_running_ends() -> None:
+    # A fail-over made the checker the span's node in the pipeline: the check work of that
+    # span queued for it would roll back the pipeline's cache there, so it is dropped; the
+    # work it runs now is waited for before the pipeline replays on that cache.
+    verifier = StageVerifier("s-3", ChannelPool())
+    order: list[str] = []
+    started, release = asyncio.Event(), asyncio.Event()
+
+    async def running() -> None:
+        order.append("running starts")
+        started.set()
+        await release.wait()
+        order.append("running ends")
+
+    async def queued(name: str) -> None:
+        order.append(name)
+
+    a = verifier._queue(CHECKER, SPAN, running)
+    await started.wait()
+    same = verifier._queue(CHECKER, SPAN, lambda: queued("same span"))
+    other = verifier._queue(CHECKER, Span(2, 4), lambda: queued("other span"))
+    handing_over = asyncio.ensure_future(verifier.serving(CHECKER.node_id, SPAN))
+    await asyncio.sleep(0.05)
+    assert not handing_over.done()  # the running work's call must land first
+    release.set()
+    await handing_over
+    assert order[:2] == ["running starts", "running ends"]
+    outcomes = await asyncio.gather(a, same, other, return_exceptions=True)
+    assert isinstance(outcomes[1], CheckerServes)
+    assert order == ["running starts", "running ends", "other span"]
