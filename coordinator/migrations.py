@@ -16,7 +16,8 @@ import sqlite_utils
 
 from coordinator.jobs.schema import MIGRATION_NAME as JOBS_MIGRATION
 from coordinator.jobs.schema import OWNER_MIGRATION_NAME as JOBS_OWNER_MIGRATION
-from coordinator.jobs.schema import add_job_owner, create_jobs_tables
+from coordinator.jobs.schema import REPLAN_MIGRATION_NAME as JOBS_REPLAN_MIGRATION
+from coordinator.jobs.schema import add_job_owner, add_replan_key, create_jobs_tables
 from coordinator.ledger.schema import MIGRATION_NAME as LEDGER_MIGRATION
 from coordinator.ledger.schema import NONCES_MIGRATION_NAME as LEDGER_NONCES_MIGRATION
 from coordinator.ledger.schema import PERIODIC_MIGRATION_NAME as LEDGER_PERIODIC_MIGRATION
@@ -91,6 +92,7 @@ MIGRATIONS: list[Migration] = [
     Migration(6, LEDGER_PERIODIC_MIGRATION, create_periodic_settlement_tables),
     Migration(7, LEDGER_NONCES_MIGRATION, create_nonce_table),
     Migration(8, JOBS_OWNER_MIGRATION, add_job_owner),
+    Migration(9, JOBS_REPLAN_MIGRATION, add_replan_key),
 ]
 
 

@@ -245,6 +245,7 @@ class JobManager:
             state="running",
             step=job.checkpoint_step,
             error="",
+            replan_key="",  # a new session: the last re-plan's report is history
             session_issued_ms=issued_ms,
             updated_ms=_now_ms(),
         )
@@ -315,6 +316,9 @@ class JobManager:
         return job
 
     def stage_failed(self, request: jobs_pb2.StageFailureRequest) -> jobs_pb2.TrainingSession:
+        repeated = self._repeated_replan(request)
+        if repeated is not None:
+            return repeated
         job = self._driven_job(request.job_id, request.capability)
         if request.stage >= len(job.stages):
             raise invalid(
@@ -357,6 +361,7 @@ class JobManager:
             checkpoint_step=restore_step,
             step=restore_step,
             replans=job.replans + 1,
+            replan_key=_replan_key(job.session_issued_ms, request.stage, stage.node_id),
             session_issued_ms=self._next_issue_ms(),
             updated_ms=_now_ms(),
         )
@@ -378,6 +383,25 @@ class JobManager:
             restore_step=job.checkpoint_step,
             cause=request.cause,
         )
+        session = self._session(job)
+        session.replaced_stage = request.stage
+        return session
+
+    def _repeated_replan(
+        self, request: jobs_pb2.StageFailureRequest
+    ) -> jobs_pb2.TrainingSession | None:
+        """The re-plan's answer again, when ``request`` repeats the failure report the job's
+        last re-plan answered (the driver's retry after losing the answer, perhaps to a
+        coordinator restart): the capability of the session it replaced, the same stage
+        and node. None for any other request."""
+        job = self.require_job(request.job_id)
+        if job.state != "running" or not job.replan_key:
+            return None
+        claims = identity.open_capability(self._public, request.capability)
+        if claims is None or claims.session_id != job.id:
+            return None
+        if _replan_key(claims.issued_unix_ms, request.stage, request.node_id) != job.replan_key:
+            return None
         session = self._session(job)
         session.replaced_stage = request.stage
         return session
@@ -977,3 +1001,8 @@ def _range(start: int, end: int) -> common_pb2.LayerRange:
 
 def _now_ms() -> int:
     return int(time.time() * 1000)
+
+
+def _replan_key(issued_ms: int, stage: int, node_id: str) -> str:
+    """What identifies one stage failure report: the session it came in, the stage, the node."""
+    return f"{issued_ms}/{stage}/{node_id}"

@@ -69,6 +69,9 @@ class JobRecord:
     created_ms: int = 0
     updated_ms: int = 0
     owner_key: bytes = b""  # the client key that may open the job's sessions (b"": anyone)
+    # The stage failure the last re-plan answered (``replan_key``), so that the driver's
+    # retry of a report whose answer it lost gets that answer again ("": none).
+    replan_key: str = ""
 
     def with_(self, **changes: Any) -> JobRecord:
         return replace(self, **changes)
@@ -97,7 +100,7 @@ _JOB_COLUMNS = (
     "id", "model", "dataset_id", "hyper", "steps", "batch_size", "seq_len",
     "checkpoint_every", "output_model", "account", "state", "step", "last_loss",
     "tokens_per_s", "checkpoint_step", "stages_json", "error", "session_issued_ms",
-    "replans", "created_ms", "updated_ms", "owner_key",
+    "replans", "created_ms", "updated_ms", "owner_key", "replan_key",
 )  # fmt: skip
 
 

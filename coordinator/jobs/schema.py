@@ -14,6 +14,7 @@ from coordinator.model_store.schema import connection_of
 
 MIGRATION_NAME = "jobs: datasets, jobs, losses and checkpoints"
 OWNER_MIGRATION_NAME = "jobs: the client key that owns a job"
+REPLAN_MIGRATION_NAME = "jobs: the failure the last re-plan answered"
 
 _STATEMENTS = (
     """
@@ -101,3 +102,9 @@ def create_jobs_tables(db: Any) -> None:
 def add_job_owner(db: Any) -> None:
     # Empty for the jobs submitted before: nobody owns them, as before.
     connection_of(db).execute("ALTER TABLE jobs ADD COLUMN owner_key BLOB NOT NULL DEFAULT x''")
+
+
+def add_replan_key(db: Any) -> None:
+    # Empty for the jobs re-planned before: a repeated report of that re-plan is refused,
+    # as before.
+    connection_of(db).execute("ALTER TABLE jobs ADD COLUMN replan_key TEXT NOT NULL DEFAULT ''")

@@ -8,6 +8,8 @@ import pytest
 import sqlite_utils
 
 from coordinator.db import open_database
+from coordinator.jobs.repository import JobRepository
+from coordinator.jobs.schema import REPLAN_MIGRATION_NAME as JOBS_REPLAN_MIGRATION
 from coordinator.migrations import MIGRATIONS, Migration, SchemaTooNew, apply_migrations
 
 
@@ -87,3 +89,22 @@ def test_migration_versions_must_increase(tmp_path: Path, numbers: list[int]) ->
 def test_the_shipped_migrations_are_ordered() -> None:
     numbers = [m.version for m in MIGRATIONS]
     assert numbers == list(range(1, len(numbers) + 1))
+
+
+def test_jobs_of_an_older_database_get_an_empty_replan_key(tmp_path: Path) -> None:
+    # A coordinator upgraded in place: the jobs table gains the column, empty for its rows.
+    db = sqlite_utils.Database(tmp_path / "c.db")
+    older = [m for m in MIGRATIONS if m.name != JOBS_REPLAN_MIGRATION]
+    apply_migrations(db, older)
+    assert "replan_key" not in db["jobs"].columns_dict
+    db.execute("INSERT INTO datasets VALUES ('d', 'd', 1, 1, 0, 0)")
+    db.execute(
+        "INSERT INTO jobs (id, model, dataset_id, hyper, steps, batch_size, seq_len, "
+        "checkpoint_every, output_model, account, state, step, last_loss, tokens_per_s, "
+        "checkpoint_step, stages_json, error, session_issued_ms, replans, created_ms, "
+        "updated_ms) VALUES ('j', 'm', 'd', x'', 1, 1, 1, 1, '', 'a', 'running', 0, 0, 0, 0, "
+        "'[]', '', 5, 1, 0, 0)"
+    )
+    assert apply_migrations(db) == [MIGRATIONS[-1].version]
+    job = JobRepository(db).job("j")
+    assert job is not None and job.replan_key == "" and job.replans == 1

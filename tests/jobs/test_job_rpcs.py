@@ -182,6 +182,21 @@ async def test_stage_failure_replans_onto_another_ready_holder(jc: JobsCoordinat
     assert await _code(jc.stub.ReportStep(stale)) == grpc.StatusCode.FAILED_PRECONDITION
     info = await jc.stub.GetJob(jobs_pb2.JobRef(job_id=job.job_id))
     assert info.replans == 1 and info.stages[1].node_id == new.node_id
+    # The very report again: the driver's retry after losing the answer (a coordinator
+    # restart). It gets the same re-plan, and nothing moves. Another report under the old
+    # session is refused as before.
+    repeated = await jc.stub.ReportStageFailure(request)
+    assert repeated.replaced_stage == 1 and repeated.capability == replanned.capability
+    assert [h.node_id for h in repeated.hops] == [h.node_id for h in replanned.hops]
+    info = await jc.stub.GetJob(jobs_pb2.JobRef(job_id=job.job_id))
+    assert info.replans == 1 and info.stages[1].node_id == new.node_id
+    other_stage = jobs_pb2.StageFailureRequest(
+        job_id=job.job_id, capability=session.capability, stage=0,
+        node_id=session.hops[0].node_id,
+    )  # fmt: skip
+    assert await _code(jc.stub.ReportStageFailure(other_stage)) == (
+        grpc.StatusCode.FAILED_PRECONDITION
+    )
 
     # Nobody else holds layer 1 once the replacement fails too: UNAVAILABLE (job intact)
     # while placement has a spare node load the layers; a retry then gets that node.
@@ -204,6 +219,8 @@ async def test_stage_failure_replans_onto_another_ready_holder(jc: JobsCoordinat
             await asyncio.sleep(0.05)
     spare = third.hops[1].node_id
     assert spare not in busy
+    # The first report, repeated now, is history: the job moved on since.
+    assert await _code(jc.stub.ReportStageFailure(request)) == grpc.StatusCode.FAILED_PRECONDITION
     start, end = jc.node(spare).shards[MODEL]
     assert start <= 1 and end >= 2  # it loaded a shard covering the stage's layers
 
