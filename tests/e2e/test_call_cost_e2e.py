@@ -3,7 +3,7 @@ processes.
 
 Three node agents serve two models of one tiny shape, one of 6 layers and one of 12, in
 three stages each (--min-stages 3): every node runs calls of 2 layers for one model and of
-3 to 5 for the other. After two generations of each, taking turns, the coordinator has timed
+3 to 5 for the other. After two generations of each, side by side, the coordinator has timed
 every node at two works and tells the fixed part of its calls (`NodeSpeed.call_ms`) from its
 time per parameter. On this tiny shape a call is mostly fixed cost (framework, gRPC, signatures), so
 per parameter alone a node looked nearly twice as slow on its 2-layer calls as on its
@@ -13,21 +13,23 @@ per parameter alone a node looked nearly twice as slow on its 2-layer calls as o
 from __future__ import annotations
 
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 from support.checkpoints import TINY_SHAPE, make_checkpoint
 from support.waiting import wait_for
 
-from client.api import Client
+from client.api import Client, GenerationResult
 from client.local_swarm import LocalSwarm
 
 pytestmark = pytest.mark.slow
 
 PROMPT = [1, 5, 9, 23, 42, 7, 11]
 NEW_TOKENS = 16  # 15 single-token calls per node and model, past the 8 the fit needs
-# The models take turns, twice: each work is timed in both halves of the run, so a change in
-# the machine's load between two generations moves both alike. (One generation of each, the
-# 4-layer calls all timed after the 2-layer ones, once put the line's foot below 0 in CI.)
+# The two models generate at the same time, twice: each node's calls of both works are
+# timed interleaved, so a change in the machine's load moves both alike. (One model after
+# the other put the line's foot below 0 twice in CI, under load that changed between them:
+# the fit weighs the newest calls most.)
 ROUNDS = 2
 MODELS = {"tiny-6": 6, "tiny-12": 12}
 
@@ -49,6 +51,13 @@ def swarm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalSwarm]:
         yield s
 
 
+def generate(address: str, model: str) -> GenerationResult:
+    with Client(address) as client:
+        return client.generate_all(
+            model, token_ids=PROMPT, max_new_tokens=NEW_TOKENS, stop_at_eos=False
+        )
+
+
 def test_a_calls_fixed_part_is_told_apart_on_real_traffic(swarm: LocalSwarm) -> None:
     with Client(swarm.address) as client:
         for name in MODELS:
@@ -59,10 +68,9 @@ def test_a_calls_fixed_part_is_told_apart_on_real_traffic(swarm: LocalSwarm) -> 
             )
         spans: dict[str, set[int]] = {}
         for _ in range(ROUNDS):
-            for name in MODELS:
-                result = client.generate_all(
-                    name, token_ids=PROMPT, max_new_tokens=NEW_TOKENS, stop_at_eos=False
-                )
+            with ThreadPoolExecutor(len(MODELS)) as pool:
+                results = list(pool.map(generate, [swarm.address] * len(MODELS), MODELS))
+            for result in results:
                 for hop in result.route:
                     spans.setdefault(hop.node_id, set()).add(hop.end - hop.start)
         # 2 layers each of the 6-layer model; the 12-layer one is sized by speed (4/4/4,
