@@ -53,6 +53,11 @@ class RelayLimits:
     # neither reads nor answers) ends the link: the relaying handler, which writes at once
     # when the link is idle, must never hang on it.
     write_timeout_s: float = 5.0
+    # The first write of a link also waits for the connection to the next node, which a
+    # firewall that drops packets never lets happen. Its relaying call answers only after
+    # it, so it gets less time: a handshake takes a few round trips, and a hand-off that
+    # fails costs only the client sending the step on itself (relay_failed).
+    first_write_timeout_s: float = 1.0
 
 
 class SubscriptionEnded(Exception):
@@ -295,12 +300,15 @@ class _Link:
         # The capability goes on this stream's first message, and again whenever the
         # session's changed (a reroute): the next node checks every stream.
         key = _capability_key(signed)
+        limits = self._links.limits
+        first = self._sent_capability is None
+        timeout_s = limits.first_write_timeout_s if first else limits.write_timeout_s
         if key != self._sent_capability:
             request.capability.CopyFrom(signed)
             self._sent_capability = key
         self.writing = True
         try:
-            async with asyncio.timeout(self._links.limits.write_timeout_s):
+            async with asyncio.timeout(timeout_s):
                 await self.call.write(request)
         finally:
             self.writing = False

@@ -408,7 +408,7 @@ async def test_a_next_node_that_takes_nothing_does_not_hold_up_the_answer(start_
     silent.bind(("127.0.0.1", 0))
     silent.listen(8)
     address = f"127.0.0.1:{silent.getsockname()[1]}"
-    limits = StageLimits(relay=RelayLimits(write_timeout_s=0.5))
+    limits = StageLimits(relay=RelayLimits(write_timeout_s=0.5, first_write_timeout_s=0.5))
     n0 = await start_node([(0, 2)], limits=limits)
     signed, route = next_hop_at(keys, n0, "s-silent", address)
     head = Stream(n0)
@@ -427,6 +427,34 @@ async def test_a_next_node_that_takes_nothing_does_not_hold_up_the_answer(start_
         nxt = await head.send(request("s-silent", 2, 0, 2, ids([3]), start_pos=len(PROMPT),
                                       relay_to=route))  # fmt: skip
         assert nxt.cache_length == len(PROMPT) + 1
+    finally:
+        await head.close()
+        silent.close()
+
+
+async def test_a_next_node_behind_a_dropping_firewall_costs_the_answer_a_second(
+    start_node, keys
+) -> None:
+    # Nothing answers the connection at all (a firewall that drops packets; here a peer
+    # that never completes the HTTP/2 handshake): a new link's first write, which waits
+    # for the connection, gives up after first_write_timeout_s, not the later writes' 5 s.
+    silent = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    silent.bind(("127.0.0.1", 0))
+    silent.listen(8)
+    n0 = await start_node([(0, 2)])
+    limits = n0.servicer.limits.relay
+    assert limits.first_write_timeout_s < limits.write_timeout_s
+    signed, route = next_hop_at(keys, n0, "s-dropped", f"127.0.0.1:{silent.getsockname()[1]}")
+    head = Stream(n0)
+    try:
+        for step, start_pos, tokens in ((1, 0, PROMPT), (2, len(PROMPT), [3])):
+            began = time.monotonic()
+            own = await head.send(request("s-dropped", step, 0, 2, ids(tokens),
+                                          start_pos=start_pos, relay_to=route,
+                                          signed=signed if step == 1 else None))  # fmt: skip
+            took = time.monotonic() - began
+            assert limits.first_write_timeout_s <= took < limits.write_timeout_s
+            assert own.relay_failed.endswith("took nothing within the write timeout")
     finally:
         await head.close()
         silent.close()
