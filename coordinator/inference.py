@@ -27,7 +27,7 @@ from coordinator.registry import (
 )
 from coordinator.reliability import HISTORY_EVENTS
 from coordinator.sessions import SessionError, Sessions
-from protos.tessera.v1 import client_api_pb2
+from protos.tessera.v1 import client_api_pb2, coordinator_pb2
 
 log = logging.getLogger("tessera.inference")
 
@@ -127,9 +127,24 @@ class SessionRpc:
                 self._placement.node_up(PlacementNode(view.node_id, relayed, view.capabilities))
             else:
                 self._placement.node_down(view.node_id)  # if it was placed by another address
+                if self._ctx.settings.relay_host:  # it may have been reachable at registration
+                    self._tell_reachability(view.node_id, reachable=False)
             return
         self._unreachable.discard(view.node_id)
         self._placement.node_up(PlacementNode(view.node_id, view.data_address, view.capabilities))
+        if view.node_id in self._relayed:  # reachable again: its tunnel is of no more use
+            self._tell_reachability(view.node_id, reachable=True)
+
+    def _tell_reachability(self, node_id: str, *, reachable: bool) -> None:
+        """Tell the node what dialing it back found (its agent opens or closes its relay
+        tunnel); a node that is not attached learns it when it registers again."""
+        command = coordinator_pb2.Command(
+            reachability=coordinator_pb2.Reachability(reachable=reachable)
+        )
+        self._spawn(self._send_quietly(node_id, command))
+
+    async def _send_quietly(self, node_id: str, command: coordinator_pb2.Command) -> None:
+        await self._ctx.registry.send_command(node_id, command)
 
     def relayed(self, node_id: str, address: str) -> None:
         """The relay carries this node's data plane at ``address`` (coordinator/nat_relay.py):

@@ -532,6 +532,17 @@ class NodeAgent:
             self._spawn(self._run_drop(cmd), f"drop {cmd.model}")
         elif kind == "probe":
             self.rtt_probe.set_peers(command.probe.peers)
+        elif kind == "reachability":
+            if command.reachability.reachable:
+                log.info("the coordinator reaches this node's data plane again")
+            else:
+                log.warning(
+                    "the coordinator can no longer dial this node's data plane at %s; clients "
+                    "reach it through the coordinator's relay from now on (check the port "
+                    "forwarding or firewall to be dialed directly again)",
+                    self.data_address,
+                )
+            self._keep_tunnel(command.reachability.reachable)
         else:
             log.warning("ignoring a command this agent does not know (%s); upgrade it", kind)
 

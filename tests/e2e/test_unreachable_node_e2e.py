@@ -12,6 +12,7 @@ relay (`--relay-host`), a node nobody can dial serves through a tunnel it dials 
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -23,7 +24,7 @@ from support.ports import free_port, free_port_range
 from support.waiting import wait_for
 
 from client.api import Client
-from client.local_swarm import LocalSwarm
+from client.local_swarm import LocalProcess, LocalSwarm
 from protos.tessera.v1 import client_api_pb2, client_api_pb2_grpc, node_pb2
 
 pytestmark = pytest.mark.slow
@@ -115,8 +116,8 @@ def grants(grant: client_api_pb2.SessionGrant) -> set[str]:
     return {g.node_id for g in claims.grants}
 
 
-def routed_now(client_channel: grpc.Channel) -> set[str]:
-    """The nodes a new session is granted (the session is closed again at once)."""
+def granted_once(client_channel: grpc.Channel) -> client_api_pb2.SessionGrant:
+    """What a new session is granted (the session is closed again at once)."""
     grant = granted(client_channel)
     client_api_pb2_grpc.ClientApiStub(client_channel).CloseSession(
         client_api_pb2.CloseSessionRequest(
@@ -124,7 +125,38 @@ def routed_now(client_channel: grpc.Channel) -> set[str]:
         ),
         timeout=30,
     )
-    return grants(grant)
+    return grant
+
+
+def routed_now(client_channel: grpc.Channel) -> set[str]:
+    """The nodes a new session is granted."""
+    return grants(granted_once(client_channel))
+
+
+def routed_addresses(client_channel: grpc.Channel) -> set[str]:
+    """The addresses a new session is granted; none while no node serves the model."""
+    try:
+        grant = granted_once(client_channel)
+    except grpc.RpcError as err:
+        if err.code() == grpc.StatusCode.UNAVAILABLE:  # type: ignore[attr-defined]
+            return set()
+        raise
+    claims = client_api_pb2.CapabilityClaims.FromString(grant.capability.claims)
+    return {g.address for g in claims.grants}
+
+
+def report_unreachable(
+    client_channel: grpc.Channel, grant: client_api_pb2.SessionGrant, node_id: str
+) -> None:
+    """What a driver that could not connect to ``node_id`` says with its step times."""
+    client_api_pb2_grpc.ClientApiStub(client_channel).ReportStepTimes(
+        client_api_pb2.StepTimesReport(
+            session_id=grant.session_id,
+            capability=grant.capability,
+            unreachable_node_ids=[node_id],
+        ),
+        timeout=30,
+    )
 
 
 def test_a_node_clients_cannot_reach_any_more_leaves_placement_until_it_answers(swarm) -> None:
@@ -142,16 +174,7 @@ def test_a_node_clients_cannot_reach_any_more_leaves_placement_until_it_answers(
             grant = granted(channel)
             assert echo.node_id in grants(grant)
             link.set(down=True)
-            # A driver that could not connect says so with its step times.
-            stub = client_api_pb2_grpc.ClientApiStub(channel)
-            stub.ReportStepTimes(
-                client_api_pb2.StepTimesReport(
-                    session_id=grant.session_id,
-                    capability=grant.capability,
-                    unreachable_node_ids=[echo.node_id],
-                ),
-                timeout=30,
-            )
+            report_unreachable(channel, grant, echo.node_id)
             # The coordinator dials it back itself, and takes it out of placement.
             wait_for(lambda: not reachable(client, echo.node_id), "the dial back to fail", 30)
             wait_for(lambda: echo.node_id not in routed_now(channel), "new routes without it")
@@ -164,6 +187,20 @@ def test_a_node_clients_cannot_reach_any_more_leaves_placement_until_it_answers(
             wait_for(lambda: echo.node_id in routed_now(channel), "routes with it again", 90)
     finally:
         link.stop_thread()
+
+
+@contextlib.contextmanager
+def one_node_swarm(
+    tmp_path: Path, checkpoint: Path, port: int, advertised: str, args: list[str]
+) -> Iterator[tuple[LocalSwarm, LocalProcess]]:
+    """A coordinator run with ``args`` and one node, echo, that listens on ``port`` and
+    advertises ``advertised`` (a link emulator in front of that port), with the model."""
+    with LocalSwarm(tmp_path / "swarm", coordinator_args=args) as s:
+        s.start_coordinator()
+        echo = s.start_node("echo", ["--listen", f"127.0.0.1:{port}", "--advertise", advertised])
+        s.wait_registered([echo])
+        s.add_model(checkpoint, MODEL)
+        yield s, echo
 
 
 def test_a_node_nobody_can_dial_serves_through_the_relay(tmp_path: Path) -> None:
@@ -179,13 +216,7 @@ def test_a_node_nobody_can_dial_serves_through_the_relay(tmp_path: Path) -> None
     args = ["--replicas", "1", "--heartbeat-interval", "1", "--relay-host", "127.0.0.1",
             "--relay-bind", "127.0.0.1", "--relay-ports", f"{low}-{high}"]  # fmt: skip
     try:
-        with LocalSwarm(tmp_path / "swarm", coordinator_args=args) as s:
-            s.start_coordinator()
-            echo = s.start_node(
-                "echo", ["--listen", f"127.0.0.1:{port}", "--advertise", advertised]
-            )
-            s.wait_registered([echo])
-            s.add_model(checkpoint, MODEL)
+        with one_node_swarm(tmp_path, checkpoint, port, advertised, args) as (s, echo):
             with Client(s.address) as client:
                 wait_for(lambda: serves(client, echo.node_id), "the node to be placed", 90)
                 assert not reachable(client, echo.node_id)
@@ -202,3 +233,51 @@ def test_a_node_nobody_can_dial_serves_through_the_relay(tmp_path: Path) -> None
             assert nat.stats.connections_accepted == 0
     finally:
         nat.stop_thread()
+
+
+def test_a_node_clients_cannot_reach_any_more_serves_through_the_relay(tmp_path: Path) -> None:
+    # The only node loses its port forwarding after it was placed. The coordinator runs the
+    # relay: once its dial-back fails, it tells the node, which opens a tunnel, and sessions
+    # reach the node through the relay. The port comes back: the node is dialed directly
+    # again and closes its tunnel.
+    checkpoint = make_checkpoint(tmp_path / "tiny", "llama", num_layers=6, **TINY_SHAPE, seed=7)
+    (reference,) = transformers_greedy(checkpoint, [PROMPT], NEW_TOKENS)
+    port = free_port()
+    link = LinkEmulator("127.0.0.1", port, name="echo's line")
+    advertised = link.start_in_thread()
+    args = ["--replicas", "1", "--heartbeat-interval", "1", "--reachability-recheck", "1",
+            "--relay-host", "127.0.0.1"]  # fmt: skip
+
+    def served_at(client: Client) -> set[str]:
+        result = client.generate_all(
+            MODEL, token_ids=PROMPT, max_new_tokens=NEW_TOKENS, stop_at_eos=False
+        )
+        assert result.token_ids == reference
+        return {h.address for h in result.route}
+
+    try:
+        with one_node_swarm(tmp_path, checkpoint, port, advertised, args) as (s, echo):
+            with Client(s.address) as client, grpc.insecure_channel(s.address) as channel:
+                wait_for(lambda: serves(client, echo.node_id), "echo to be placed", 90)
+                assert reachable(client, echo.node_id)
+                assert served_at(client) == {advertised}
+                link.set(down=True)
+                report_unreachable(channel, granted(channel), echo.node_id)
+                wait_for(lambda: not reachable(client, echo.node_id), "the dial back to fail", 30)
+                wait_for(
+                    lambda: routed_addresses(channel) - {advertised}, "routes through the relay", 60
+                )
+                relayed = served_at(client)
+                assert advertised not in relayed and len(relayed) == 1
+                assert "through the coordinator's relay from now on" in echo.log_text()
+                accepted = link.stats.connections_accepted
+
+                link.set(down=False)  # the port forwarding is back
+                wait_for(lambda: reachable(client, echo.node_id), "the node to answer again", 30)
+                wait_for(lambda: routed_addresses(channel) == {advertised}, "direct routes", 60)
+                assert served_at(client) == {advertised}
+                assert link.stats.connections_accepted > accepted
+                wait_for(lambda: "relay: the tunnel of node" in s.coordinator.log_text(),
+                         "the node to close its tunnel", 30)  # fmt: skip
+    finally:
+        link.stop_thread()

@@ -129,16 +129,24 @@ class HeartbeatAck(_message.Message):
     def __init__(self, seq: _Optional[int] = ..., state: _Optional[_Union[_node_pb2.NodeState, str]] = ...) -> None: ...
 
 class Command(_message.Message):
-    __slots__ = ("drain", "assign", "drop", "probe")
+    __slots__ = ("drain", "assign", "drop", "probe", "reachability")
     DRAIN_FIELD_NUMBER: _ClassVar[int]
     ASSIGN_FIELD_NUMBER: _ClassVar[int]
     DROP_FIELD_NUMBER: _ClassVar[int]
     PROBE_FIELD_NUMBER: _ClassVar[int]
+    REACHABILITY_FIELD_NUMBER: _ClassVar[int]
     drain: Drain
     assign: AssignShard
     drop: DropShard
     probe: ProbePeers
-    def __init__(self, drain: _Optional[_Union[Drain, _Mapping]] = ..., assign: _Optional[_Union[AssignShard, _Mapping]] = ..., drop: _Optional[_Union[DropShard, _Mapping]] = ..., probe: _Optional[_Union[ProbePeers, _Mapping]] = ...) -> None: ...
+    reachability: Reachability
+    def __init__(self, drain: _Optional[_Union[Drain, _Mapping]] = ..., assign: _Optional[_Union[AssignShard, _Mapping]] = ..., drop: _Optional[_Union[DropShard, _Mapping]] = ..., probe: _Optional[_Union[ProbePeers, _Mapping]] = ..., reachability: _Optional[_Union[Reachability, _Mapping]] = ...) -> None: ...
+
+class Reachability(_message.Message):
+    __slots__ = ("reachable",)
+    REACHABLE_FIELD_NUMBER: _ClassVar[int]
+    reachable: bool
+    def __init__(self, reachable: _Optional[bool] = ...) -> None: ...
 
 class Drain(_message.Message):
     __slots__ = ("reason", "deadline_ms")
