@@ -110,6 +110,11 @@ class DriverConfig:
     min_samples: int = 3
     window: int = 32
     max_failovers_per_step: int = 6
+    # A decode step whose stream to a node broke (UNAVAILABLE) after the node had answered
+    # goes to that very node again first, on a new connection, when one opens within this
+    # budget: a connection reset (a NAT rebinding, a Wi-Fi hiccup) then costs one round
+    # trip, not a replay of the whole history on an alternate (0: fail over at once).
+    resume_connect_s: float = 1.0
     max_chunk_tokens: int = 512
     # Headroom below the 64 MiB message limit for the protobuf envelope.
     message_budget_bytes: int = codec.MAX_MESSAGE_BYTES * 3 // 4
@@ -312,6 +317,7 @@ class PipelineDriver:
         self._step = 0
         self._failovers_this_step = 0
         self._replayed_this_step: set[tuple[str, Span]] = set()
+        self._resumed_this_step: set[tuple[str, Span]] = set()
         self.timings: list[StageTiming] = []
         self.failovers: list[FailoverEvent] = []
         self.receipts: list[Receipt] = []
@@ -424,6 +430,7 @@ class PipelineDriver:
         self._history_clean = False
         self._failovers_this_step = 0
         self._replayed_this_step.clear()
+        self._resumed_this_step.clear()
         outputs: list[np.ndarray] = []
         chunk = self._chunk_tokens(ids.shape[0], last_only)
         defer = defer_checks and ids.shape[1] <= chunk
@@ -500,6 +507,7 @@ class PipelineDriver:
         self._history_clean = False
         self._failovers_this_step = 0
         self._replayed_this_step.clear()
+        self._resumed_this_step.clear()
         slot = self._slots[self._index_at(rejected[0].span.start)]
         try:
             if slot.span == rejected[0].span and slot.hop.node_id == rejected[0].hop.node_id:
@@ -1082,6 +1090,9 @@ class PipelineDriver:
         """Replace slot ``index``'s node and replay its boundary's history there: the
         output of the chunk at ``start_pos`` that the failed call should have given."""
         span, failed = self._slots[index].span, self._slots[index].hop
+        resumed = await self._resume(index, failure, failed_at, start_pos, dtype, step, last_only)
+        if resumed is not None:
+            return resumed
         via, replacements = await self._recover(index, failure)
         if self.verifier is not None:
             # A replacement may be a checker of the span with check work under way: that
@@ -1137,6 +1148,79 @@ class PipelineDriver:
             event.stalled_ms,
         )
         return np.concatenate(parts, axis=1) if len(parts) > 1 else parts[0], out_dtype
+
+    async def _resume(
+        self,
+        index: int,
+        failure: HopFailure,
+        failed_at: float,
+        start_pos: int,
+        dtype: str,
+        step: int,
+        last_only: bool,
+    ) -> tuple[np.ndarray, str] | None:
+        """The failed decode step again on the same node, when only the connection to it
+        broke (``resume_connect_s``); None when that is not worth a try, or the node cannot
+        be reached again at once: the caller fails over. The node's cache still holds the
+        session, so the step alone goes again (a node that lost it answers
+        FAILED_PRECONDITION, and a replay there follows)."""
+        slot = self._slots[index]
+        key = (slot.hop.node_id, slot.span)
+        if (
+            failure.code != grpc.StatusCode.UNAVAILABLE
+            or self.config.resume_connect_s <= 0
+            or key in self._resumed_this_step
+            or not slot.decode_seconds  # it never answered a decode step: nothing to resume
+            or self._history.length(slot.span) - start_pos != 1
+        ):
+            return None
+        self._resumed_this_step.add(key)
+        slot.close_stream()
+        if not await self._reconnects(slot.hop.address, self.config.resume_connect_s):
+            return None
+        log.info("node %s: the connection broke (%s); sending step %d to it again",
+                 slot.hop.node_id, failure, step)  # fmt: skip
+        failovers = len(self.failovers)
+        _, full, full_dtype = self._history.replay_input(slot.span)
+        trim = last_only and slot.span.end == self.shape.num_layers
+        out, out_dtype = await self._run_through(
+            slot.span.start, slot.span.end, start_pos, full[:, start_pos:], full_dtype,
+            self._next_step(), last_only=trim,
+        )  # fmt: skip
+        if len(self.failovers) == failovers:  # not failed over after all
+            self.failovers.append(
+                FailoverEvent(
+                    step=step,
+                    start=slot.span.start,
+                    end=slot.span.end,
+                    failed_node_id=key[0],
+                    replacement_node_ids=(key[0],),
+                    via="resume",
+                    reason=str(failure),
+                    stalled_ms=(time.monotonic() - failed_at) * 1000.0,
+                    replayed_tokens=1,
+                    position=start_pos,
+                )  # fmt: skip
+            )
+        return out, out_dtype
+
+    async def _reconnects(self, address: str, budget_s: float) -> bool:
+        """Whether a connection to ``address`` opens within ``budget_s`` (a refused one
+        fails at once)."""
+        channel = self._channels.get(address)
+        state = channel.get_state(try_to_connect=True)
+        deadline = time.monotonic() + budget_s
+        while state is not grpc.ChannelConnectivity.READY:
+            left = deadline - time.monotonic()
+            if state is grpc.ChannelConnectivity.TRANSIENT_FAILURE or left <= 0:
+                return False
+            try:
+                async with asyncio.timeout(left):
+                    await channel.wait_for_state_change(state)
+            except TimeoutError:
+                return False
+            state = channel.get_state(try_to_connect=True)
+        return True
 
     async def _call(
         self,

@@ -50,7 +50,8 @@ class FailoverEvent:
     end: int
     failed_node_id: str
     replacement_node_ids: tuple[str, ...]
-    via: str  # "alternate" | "reroute" | "replay" (same node lost its cache)
+    via: str  # "alternate" | "reroute" | "replay" (same node lost its cache) | "resume" (same
+    # node, reached again after its connection broke: the step alone went again)
     reason: str
     stalled_ms: float  # from the failed request to the replacement's first answer
     replayed_tokens: int

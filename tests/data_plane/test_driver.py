@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from types import SimpleNamespace
 
 import grpc
 import numpy as np
@@ -15,6 +16,7 @@ from data_plane.stage_harness import (
     reference_logits,
     session_grant,
 )
+from support.link_emulator import LinkEmulator
 
 from client.driver import DriverConfig, PipelineDriver
 from client.errors import PipelineError, RequestRejected
@@ -133,6 +135,34 @@ async def test_a_stopped_node_fails_over_to_its_alternate(start_node, keys, chec
     assert event.stalled_ms > 0
     assert [h.node_id for h in driver.route] == [a.node_id, b_alt.node_id, c.node_id]
     await driver.close()
+
+
+async def test_a_connection_reset_resumes_on_the_same_node(start_node, keys, checkpoint) -> None:
+    # The first hop's line resets every connection once (a NAT rebinding), and the node is
+    # reached again at once: the step goes to it again, alone, with no replay elsewhere.
+    a = await start_node([(0, 2)])
+    a_alt = await start_node([(0, 2)])
+    b = await start_node([(2, 4)])
+    async with LinkEmulator("127.0.0.1", a.port, name="a's line") as line:
+        behind = SimpleNamespace(node_id=a.node_id, address=line.address)
+        grant = session_grant(keys, [(0, 2, behind, [a_alt]), (2, 4, b, [])])  # type: ignore[list-item]
+        driver = PipelineDriver(grant, MODEL)
+
+        async def blip() -> None:
+            line.reset()
+
+        tokens = await greedy(driver, PROMPT, NEW_TOKENS, after_step={3: blip})
+        assert tokens == reference_greedy(checkpoint, PROMPT, NEW_TOKENS)
+        assert line.stats.connections_reset >= 1
+        [event] = driver.failovers
+        assert (event.via, event.failed_node_id, event.replacement_node_ids) == (
+            "resume", a.node_id, (a.node_id,)
+        )  # fmt: skip
+        assert event.replayed_tokens == 1 and event.position == len(PROMPT) + 3
+        assert "UNAVAILABLE" in event.reason
+        assert [h.node_id for h in driver.route] == [a.node_id, b.node_id]
+        assert not [t for t in driver.timings if t.node_id == a_alt.node_id]  # never called
+        await driver.close()
 
 
 async def test_a_node_the_driver_cannot_connect_to_is_reported_at_once(

@@ -281,6 +281,12 @@ class LinkEmulator:
             self._run_on_loop(self._listen_again)
         return new
 
+    def reset(self) -> None:
+        """Reset every open connection now and keep listening: a blip (a NAT rebinding, a
+        Wi-Fi hiccup) that a reconnect gets over at once."""
+        log.info("%s: resetting %d connection(s)", self.name, len(self._connections))
+        self._run_on_loop(self._abort_all)
+
     def _stop_listening(self) -> None:
         if self._server is not None:
             self._server.close()
