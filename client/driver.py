@@ -1090,7 +1090,7 @@ class PipelineDriver:
         """Replace slot ``index``'s node and replay its boundary's history there: the
         output of the chunk at ``start_pos`` that the failed call should have given."""
         span, failed = self._slots[index].span, self._slots[index].hop
-        resumed = await self._resume(index, failure, failed_at, start_pos, dtype, step, last_only)
+        resumed = await self._resume(index, failure, failed_at, start_pos, step, last_only)
         if resumed is not None:
             return resumed
         via, replacements = await self._recover(index, failure)
@@ -1155,7 +1155,6 @@ class PipelineDriver:
         failure: HopFailure,
         failed_at: float,
         start_pos: int,
-        dtype: str,
         step: int,
         last_only: bool,
     ) -> tuple[np.ndarray, str] | None:
