@@ -1090,7 +1090,7 @@ class PipelineDriver:
         """Replace slot ``index``'s node and replay its boundary's history there: the
         output of the chunk at ``start_pos`` that the failed call should have given."""
         span, failed = self._slots[index].span, self._slots[index].hop
-        resumed = await self._resume(index, failure, failed_at, start_pos, step, last_only)
+        resumed = await self._retry_same_node(index, failure, failed_at, start_pos, step, last_only)
         if resumed is not None:
             return resumed
         via, replacements = await self._recover(index, failure)
@@ -1149,7 +1149,7 @@ class PipelineDriver:
         )
         return np.concatenate(parts, axis=1) if len(parts) > 1 else parts[0], out_dtype
 
-    async def _resume(
+    async def _retry_same_node(
         self,
         index: int,
         failure: HopFailure,
