@@ -12,7 +12,8 @@ answers there (coordinator/inference.py).
 
 The node proves who it is with the attach ticket of its current registration. One tunnel
 per node: a newer one replaces the older, and gets the older's port when it can (so a tunnel
-that broke and came back keeps the node's address). With `--relay-ports LOW-HIGH` every
+that broke and came back keeps the node's address; with a range, also after a restart of
+this relay, since the tunnel names its former port). With `--relay-ports LOW-HIGH` every
 port comes from that range (the one range an operator opens in a firewall); without, the
 system picks. It listens on `--relay-bind` (default: the relay host), for a host whose
 public address is not on any of its interfaces (a cloud VM behind 1:1 NAT).
@@ -168,7 +169,7 @@ class NatRelay(relay_pb2_grpc.RelayServicer):
         if older is not None:  # replaced: its port is free for this one
             await older.close()
         try:
-            tunnel.server = await self._listen(tunnel, node_id)
+            tunnel.server = await self._listen(tunnel, node_id, hello.previous_port)
         except (_NoPort, OSError) as err:
             if older is not None:  # the node had a tunnel, and now has none
                 self._on_unrelayed(node_id)
@@ -204,12 +205,18 @@ class NatRelay(relay_pb2_grpc.RelayServicer):
                 self._on_unrelayed(node_id)
                 log.info("relay: the tunnel of node %s closed", node_id)
 
-    async def _listen(self, tunnel: _Tunnel, node_id: str) -> asyncio.base_events.Server:
+    async def _listen(
+        self, tunnel: _Tunnel, node_id: str, previous_port: int
+    ) -> asyncio.base_events.Server:
         """A listener for this node's tunnel: at the port its last tunnel had if that is
-        free, else the next free one of the range (or one the system picks)."""
+        free (as this relay remembers it, or within the range as the node says it), else
+        the next free one of the range (or one the system picks)."""
         taken = {t.port for t in self._tunnels.values()}
         candidates: list[int] = []
         last = self._last_port.get(node_id)
+        if last is None and self._ports is not None:
+            low, high = self._ports
+            last = previous_port if low <= previous_port <= high else None
         if last is not None and last not in taken:
             candidates.append(last)
         if self._ports is None:

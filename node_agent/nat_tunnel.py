@@ -61,7 +61,9 @@ class NatTunnel:
         conns: dict[int, asyncio.StreamWriter] = {}
         pumps: set[asyncio.Task[None]] = set()
         hello = relay_pb2.TunnelHello(
-            node_id=self._ctx.node_id, attach_ticket=self._ctx.attach_ticket
+            node_id=self._ctx.node_id,
+            attach_ticket=self._ctx.attach_ticket,
+            previous_port=_port_of(self.address),
         )
 
         async def pump(conn: int, reader: asyncio.StreamReader) -> None:
@@ -132,3 +134,9 @@ class NatTunnel:
             for task in list(pumps):
                 task.cancel()
             await channel.close()
+
+
+def _port_of(address: str) -> int:
+    """The port of HOST:PORT, 0 for anything else (no address yet)."""
+    port = address.rpartition(":")[2]
+    return int(port) if port.isdigit() and 0 < int(port) < 65536 else 0

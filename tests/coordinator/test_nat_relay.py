@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import socket
 from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import Any
 
 import grpc
@@ -26,7 +27,9 @@ TICKET = b"the-ticket"
 
 
 class Relay:
-    def __init__(self, host: str | None = "127.0.0.1", **options: Any) -> None:
+    def __init__(
+        self, host: str | None = "127.0.0.1", listen: str = "127.0.0.1:0", **options: Any
+    ) -> None:
         self.relayed: list[tuple[str, str]] = []
         self.unrelayed: list[str] = []
         self.node_id = ""
@@ -40,7 +43,7 @@ class Relay:
         )
         self.server = grpc.aio.server()
         self.service.add_to_server(self.server)
-        self.address = f"127.0.0.1:{self.server.add_insecure_port('127.0.0.1:0')}"
+        self.address = f"127.0.0.1:{self.server.add_insecure_port(listen)}"
 
 
 @pytest.fixture
@@ -76,16 +79,24 @@ async def round_trip(address: str, payload: bytes) -> bytes:
     return got
 
 
-async def test_connections_to_the_relay_reach_the_node_s_data_plane(relay, tmp_path) -> None:
+async def node_tunnel(
+    relay: Relay, tmp_path: Path
+) -> tuple[NatTunnel, asyncio.Future[None], asyncio.base_events.Server]:
+    """A real node end registered with ``relay``, joined to an echo data plane: the
+    tunnel, its running task, and the data plane."""
     ctx = node_context(tmp_path, b"")
     ctx.coordinator_address, ctx.attach_ticket = relay.address, TICKET
     relay.node_id = ctx.node_id
     data_plane, port = await echo_server()
     tunnel = NatTunnel(ctx, "127.0.0.1", port)
-    running = asyncio.ensure_future(tunnel.run())
+    return tunnel, asyncio.ensure_future(tunnel.run()), data_plane
+
+
+async def test_connections_to_the_relay_reach_the_node_s_data_plane(relay, tmp_path) -> None:
+    tunnel, running, data_plane = await node_tunnel(relay, tmp_path)
     try:
         await asyncio.wait_for(tunnel.welcomed.wait(), 10)
-        assert relay.relayed == [(ctx.node_id, tunnel.address)]
+        assert relay.relayed == [(relay.node_id, tunnel.address)]
         # Several clients at once, one of them with more than a tunnel message holds.
         payloads = [b"hello", b"x" * 300_000, bytes(range(256)) * 8]
         answers = await asyncio.gather(*(round_trip(tunnel.address, p) for p in payloads))
@@ -99,7 +110,7 @@ async def test_connections_to_the_relay_reach_the_node_s_data_plane(relay, tmp_p
         if relay.unrelayed:
             break
         await asyncio.sleep(0.1)
-    assert relay.unrelayed == [ctx.node_id]
+    assert relay.unrelayed == [relay.node_id]
     with pytest.raises(OSError):
         await round_trip(tunnel.address, b"anyone?")
 
@@ -288,5 +299,67 @@ async def test_the_relay_listens_on_its_bind_address_and_names_its_public_host()
         call.cancel()
         await channel.close()
     finally:
+        await relay.service.stop()
+        await relay.server.stop(0)
+
+
+async def test_a_ranged_relay_gives_a_node_its_port_again_after_a_restart(tmp_path) -> None:
+    # With --relay-ports a node's relay address outlives a coordinator restart: the
+    # restarted relay remembers nothing, but the node's tunnel asks for its former port.
+    low, high = free_port_range(3)
+    other_program = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    other_program.bind(("127.0.0.1", low))  # held at first: the node gets low + 1
+    other_program.listen(1)
+    relay = await started(Relay(ports=(low, high)))
+    tunnel, running, data_plane = await node_tunnel(relay, tmp_path)
+    restarted: Relay | None = None
+    try:
+        await asyncio.wait_for(tunnel.welcomed.wait(), 10)
+        assert tunnel.address == f"127.0.0.1:{low + 1}"
+        other_program.close()  # low is free now: a relay that forgot would hand it out first
+        await relay.service.stop()
+        await relay.server.stop(0)
+        for _ in range(100):
+            if not tunnel.welcomed.is_set():
+                break
+            await asyncio.sleep(0.05)
+        restarted = Relay(ports=(low, high), listen=relay.address)
+        restarted.node_id = relay.node_id
+        await restarted.server.start()
+        await asyncio.wait_for(tunnel.welcomed.wait(), 30)
+        assert tunnel.address == f"127.0.0.1:{low + 1}"
+        assert await round_trip(tunnel.address, b"still you?") == b"STILL YOU?"
+    finally:
+        other_program.close()
+        running.cancel()
+        await asyncio.gather(running, return_exceptions=True)
+        data_plane.close()
+        for r in (relay, restarted):
+            if r is not None:
+                await r.service.stop()
+                await r.server.stop(0)
+
+
+async def test_a_former_port_outside_the_range_is_not_given() -> None:
+    # A node can name any number there: only a free port of the range is ever given.
+    low, high = free_port_range(2)
+    relay = await started(Relay(ports=(low, high)))
+    relay.others = {"n1", "n2"}
+    opened = []
+    try:
+        for node_id, asked in (("n1", 22), ("n2", 70_000)):
+            message = relay_pb2.TunnelUp(
+                hello=relay_pb2.TunnelHello(
+                    node_id=node_id, attach_ticket=TICKET, previous_port=asked
+                )  # fmt: skip
+            )
+            channel, call = await tunnel_call(relay, [message])
+            opened.append((channel, call))
+            welcome = await asyncio.wait_for(call.read(), 10)
+            assert low <= int(welcome.welcome.address.rsplit(":", 1)[1]) <= high
+    finally:
+        for channel, call in opened:
+            call.cancel()
+            await channel.close()
         await relay.service.stop()
         await relay.server.stop(0)

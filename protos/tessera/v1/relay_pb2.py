@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16tessera/v1/relay.proto\x12\ntessera.v1\"\x8e\x01\n\x08TunnelUp\x12(\n\x05hello\x18\x01 \x01(\x0b\x32\x17.tessera.v1.TunnelHelloH\x00\x12&\n\x04\x64\x61ta\x18\x02 \x01(\x0b\x32\x16.tessera.v1.TunnelDataH\x00\x12(\n\x05\x63lose\x18\x03 \x01(\x0b\x32\x17.tessera.v1.TunnelCloseH\x00\x42\x06\n\x04kind\"\xbc\x01\n\nTunnelDown\x12,\n\x07welcome\x18\x01 \x01(\x0b\x32\x19.tessera.v1.TunnelWelcomeH\x00\x12&\n\x04open\x18\x02 \x01(\x0b\x32\x16.tessera.v1.TunnelOpenH\x00\x12&\n\x04\x64\x61ta\x18\x03 \x01(\x0b\x32\x16.tessera.v1.TunnelDataH\x00\x12(\n\x05\x63lose\x18\x04 \x01(\x0b\x32\x17.tessera.v1.TunnelCloseH\x00\x42\x06\n\x04kind\"5\n\x0bTunnelHello\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x15\n\rattach_ticket\x18\x02 \x01(\x0c\" \n\rTunnelWelcome\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\"\x1a\n\nTunnelOpen\x12\x0c\n\x04\x63onn\x18\x01 \x01(\x04\"(\n\nTunnelData\x12\x0c\n\x04\x63onn\x18\x01 \x01(\x04\x12\x0c\n\x04\x64\x61ta\x18\x02 \x01(\x0c\"\x1b\n\x0bTunnelClose\x12\x0c\n\x04\x63onn\x18\x01 \x01(\x04\x32\x43\n\x05Relay\x12:\n\x06Tunnel\x12\x14.tessera.v1.TunnelUp\x1a\x16.tessera.v1.TunnelDown(\x01\x30\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16tessera/v1/relay.proto\x12\ntessera.v1\"\x8e\x01\n\x08TunnelUp\x12(\n\x05hello\x18\x01 \x01(\x0b\x32\x17.tessera.v1.TunnelHelloH\x00\x12&\n\x04\x64\x61ta\x18\x02 \x01(\x0b\x32\x16.tessera.v1.TunnelDataH\x00\x12(\n\x05\x63lose\x18\x03 \x01(\x0b\x32\x17.tessera.v1.TunnelCloseH\x00\x42\x06\n\x04kind\"\xbc\x01\n\nTunnelDown\x12,\n\x07welcome\x18\x01 \x01(\x0b\x32\x19.tessera.v1.TunnelWelcomeH\x00\x12&\n\x04open\x18\x02 \x01(\x0b\x32\x16.tessera.v1.TunnelOpenH\x00\x12&\n\x04\x64\x61ta\x18\x03 \x01(\x0b\x32\x16.tessera.v1.TunnelDataH\x00\x12(\n\x05\x63lose\x18\x04 \x01(\x0b\x32\x17.tessera.v1.TunnelCloseH\x00\x42\x06\n\x04kind\"L\n\x0bTunnelHello\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x15\n\rattach_ticket\x18\x02 \x01(\x0c\x12\x15\n\rprevious_port\x18\x03 \x01(\r\" \n\rTunnelWelcome\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\"\x1a\n\nTunnelOpen\x12\x0c\n\x04\x63onn\x18\x01 \x01(\x04\"(\n\nTunnelData\x12\x0c\n\x04\x63onn\x18\x01 \x01(\x04\x12\x0c\n\x04\x64\x61ta\x18\x02 \x01(\x0c\"\x1b\n\x0bTunnelClose\x12\x0c\n\x04\x63onn\x18\x01 \x01(\x04\x32\x43\n\x05Relay\x12:\n\x06Tunnel\x12\x14.tessera.v1.TunnelUp\x1a\x16.tessera.v1.TunnelDown(\x01\x30\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -36,15 +36,15 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_TUNNELDOWN']._serialized_start=184
   _globals['_TUNNELDOWN']._serialized_end=372
   _globals['_TUNNELHELLO']._serialized_start=374
-  _globals['_TUNNELHELLO']._serialized_end=427
-  _globals['_TUNNELWELCOME']._serialized_start=429
-  _globals['_TUNNELWELCOME']._serialized_end=461
-  _globals['_TUNNELOPEN']._serialized_start=463
-  _globals['_TUNNELOPEN']._serialized_end=489
-  _globals['_TUNNELDATA']._serialized_start=491
-  _globals['_TUNNELDATA']._serialized_end=531
-  _globals['_TUNNELCLOSE']._serialized_start=533
-  _globals['_TUNNELCLOSE']._serialized_end=560
-  _globals['_RELAY']._serialized_start=562
-  _globals['_RELAY']._serialized_end=629
+  _globals['_TUNNELHELLO']._serialized_end=450
+  _globals['_TUNNELWELCOME']._serialized_start=452
+  _globals['_TUNNELWELCOME']._serialized_end=484
+  _globals['_TUNNELOPEN']._serialized_start=486
+  _globals['_TUNNELOPEN']._serialized_end=512
+  _globals['_TUNNELDATA']._serialized_start=514
+  _globals['_TUNNELDATA']._serialized_end=554
+  _globals['_TUNNELCLOSE']._serialized_start=556
+  _globals['_TUNNELCLOSE']._serialized_end=583
+  _globals['_RELAY']._serialized_start=585
+  _globals['_RELAY']._serialized_end=652
 # @@protoc_insertion_point(module_scope)

@@ -28,12 +28,14 @@ class TunnelDown(_message.Message):
     def __init__(self, welcome: _Optional[_Union[TunnelWelcome, _Mapping]] = ..., open: _Optional[_Union[TunnelOpen, _Mapping]] = ..., data: _Optional[_Union[TunnelData, _Mapping]] = ..., close: _Optional[_Union[TunnelClose, _Mapping]] = ...) -> None: ...
 
 class TunnelHello(_message.Message):
-    __slots__ = ("node_id", "attach_ticket")
+    __slots__ = ("node_id", "attach_ticket", "previous_port")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     ATTACH_TICKET_FIELD_NUMBER: _ClassVar[int]
+    PREVIOUS_PORT_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     attach_ticket: bytes
-    def __init__(self, node_id: _Optional[str] = ..., attach_ticket: _Optional[bytes] = ...) -> None: ...
+    previous_port: int
+    def __init__(self, node_id: _Optional[str] = ..., attach_ticket: _Optional[bytes] = ..., previous_port: _Optional[int] = ...) -> None: ...
 
 class TunnelWelcome(_message.Message):
     __slots__ = ("address",)
