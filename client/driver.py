@@ -1199,7 +1199,7 @@ class PipelineDriver:
                     stalled_ms=(time.monotonic() - failed_at) * 1000.0,
                     replayed_tokens=1,
                     position=start_pos,
-                )  # fmt: skip
+                )
             )
         return out, out_dtype
 
