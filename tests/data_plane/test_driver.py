@@ -137,16 +137,20 @@ async def test_a_stopped_node_fails_over_to_its_alternate(start_node, keys, chec
     await driver.close()
 
 
-async def test_a_connection_reset_resumes_on_the_same_node(start_node, keys, checkpoint) -> None:
-    # The first hop's line resets every connection once (a NAT rebinding), and the node is
-    # reached again at once: the step goes to it again, alone, with no replay elsewhere.
-    a = await start_node([(0, 2)])
-    a_alt = await start_node([(0, 2)])
-    b = await start_node([(2, 4)])
-    async with LinkEmulator("127.0.0.1", a.port, name="a's line") as line:
-        behind = SimpleNamespace(node_id=a.node_id, address=line.address)
-        grant = session_grant(keys, [(0, 2, behind, [a_alt]), (2, 4, b, [])])  # type: ignore[list-item]
-        driver = PipelineDriver(grant, MODEL)
+@pytest.mark.parametrize("hop", [0, 1], ids=["first-hop", "pushed-hop"])
+async def test_a_connection_reset_costs_no_replay(start_node, keys, checkpoint, hop) -> None:
+    # One hop's line resets every connection once (a NAT rebinding), and its node is
+    # reached again at once. The first hop's stream broke under the client: the step goes
+    # to that node again, alone. A pushed hop's Deliveries stream and the first node's
+    # hand-off link broke: the step goes to it directly (the first node names its failed
+    # hand-off). Either way no node is replaced and nothing is replayed.
+    nodes = [await start_node([(0, 2)]), await start_node([(2, 4)])]
+    alternate = await start_node([(0, 2) if hop == 0 else (2, 4)])
+    async with LinkEmulator("127.0.0.1", nodes[hop].port, name="the line") as line:
+        behind = SimpleNamespace(node_id=nodes[hop].node_id, address=line.address)
+        stages = [(0, 2, nodes[0], []), (2, 4, nodes[1], [])]
+        stages[hop] = (*stages[hop][:2], behind, [alternate])  # type: ignore[assignment]
+        driver = PipelineDriver(session_grant(keys, stages), MODEL)
 
         async def blip() -> None:
             line.reset()
@@ -154,14 +158,18 @@ async def test_a_connection_reset_resumes_on_the_same_node(start_node, keys, che
         tokens = await greedy(driver, PROMPT, NEW_TOKENS, after_step={3: blip})
         assert tokens == reference_greedy(checkpoint, PROMPT, NEW_TOKENS)
         assert line.stats.connections_reset >= 1
-        [event] = driver.failovers
-        assert (event.via, event.failed_node_id, event.replacement_node_ids) == (
-            "resume", a.node_id, (a.node_id,)
-        )  # fmt: skip
-        assert event.replayed_tokens == 1 and event.position == len(PROMPT) + 3
-        assert "UNAVAILABLE" in event.reason
-        assert [h.node_id for h in driver.route] == [a.node_id, b.node_id]
-        assert not [t for t in driver.timings if t.node_id == a_alt.node_id]  # never called
+        assert [h.node_id for h in driver.route] == [n.node_id for n in nodes]
+        assert not [t for t in driver.timings if t.node_id == alternate.node_id]  # never called
+        assert all(f.via == "resume" for f in driver.failovers), driver.failovers
+        if hop == 0:
+            [event] = driver.failovers
+            assert (event.failed_node_id, event.replacement_node_ids) == (
+                nodes[0].node_id, (nodes[0].node_id,)
+            )  # fmt: skip
+            assert event.replayed_tokens == 1 and event.position == len(PROMPT) + 3
+            assert "UNAVAILABLE" in event.reason
+        else:
+            assert driver.push_off is None and driver.pushed_steps >= NEW_TOKENS - 2
         await driver.close()
 
 
