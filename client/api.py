@@ -622,14 +622,24 @@ class AsyncClient:
             return await method(request, timeout=self.timeout_s)
         except grpc.aio.AioRpcError as err:
             code = err.code()
-            # UNAVAILABLE over a working connection is the coordinator's own answer (e.g. a
-            # model not served yet); over a broken one it means we never reached it.
-            connected = self._channel.get_state() == grpc.ChannelConnectivity.READY
-            if code == grpc.StatusCode.DEADLINE_EXCEEDED or (
-                code == grpc.StatusCode.UNAVAILABLE and not connected
-            ):
+            if never_reached(err, self._channel.get_state()):
                 raise CoordinatorUnavailable(self.coordinator, err.details() or code.name) from err
             raise CoordinatorError(what, code, err.details() or "") from err
+
+
+def never_reached(err: grpc.aio.AioRpcError, state: grpc.ChannelConnectivity) -> bool:
+    """Whether the call failed for want of the coordinator (down, restarting, too slow)
+    rather than by its answer. UNAVAILABLE over a working connection is its own answer
+    (e.g. a model not served yet); over a broken one it means it was never reached. A
+    refused connection says so itself: the channel may be READY again by the time it is
+    asked, when the coordinator came back just then."""
+    code = err.code()
+    if code == grpc.StatusCode.DEADLINE_EXCEEDED:
+        return True
+    if code != grpc.StatusCode.UNAVAILABLE:
+        return False
+    refused = (err.details() or "").startswith("failed to connect to all addresses")
+    return refused or state != grpc.ChannelConnectivity.READY
 
 
 def _eos_ids(config: dict[str, Any]) -> frozenset[int]:

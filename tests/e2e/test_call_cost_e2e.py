@@ -3,11 +3,11 @@ processes.
 
 Three node agents serve two models of one tiny shape, one of 6 layers and one of 12, in
 three stages each (--min-stages 3): every node runs calls of 2 layers for one model and of
-3 to 5 for the other. After two generations of each, side by side, the coordinator has timed
-every node at two works and tells the fixed part of its calls (`NodeSpeed.call_ms`) from its
-time per parameter. On this tiny shape a call is mostly fixed cost (framework, gRPC, signatures), so
-per parameter alone a node looked nearly twice as slow on its 2-layer calls as on its
-4-layer ones.
+3 to 5 for the other. After two generations of each, side by side and hop by hop, the
+coordinator has timed every node at two works and tells the fixed part of its calls
+(`NodeSpeed.call_ms`) from its time per parameter. On this tiny shape a call is mostly
+fixed cost (framework, gRPC, signatures), so per parameter alone a node looked nearly twice
+as slow on its 2-layer calls as on its 4-layer ones.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from support.checkpoints import TINY_SHAPE, make_checkpoint
 from support.waiting import wait_for
 
 from client.api import Client, GenerationResult
+from client.driver import DriverConfig
 from client.local_swarm import LocalSwarm
 
 pytestmark = pytest.mark.slow
@@ -31,6 +32,9 @@ NEW_TOKENS = 16  # 15 single-token calls per node and model, past the 8 the fit 
 # the other put the line's foot below 0 twice in CI, under load that changed between them:
 # the fit weighs the newest calls most.)
 ROUNDS = 2
+# Each call's time is then its own round trip. (Pushed, a hop's time is the gap between two
+# answers reaching the client, which the hops before it move about as much as its own work.)
+HOP_BY_HOP = DriverConfig(push=False, ring=False)
 MODELS = {"tiny-6": 6, "tiny-12": 12}
 
 
@@ -52,7 +56,7 @@ def swarm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalSwarm]:
 
 
 def generate(address: str, model: str) -> GenerationResult:
-    with Client(address) as client:
+    with Client(address, driver_config=HOP_BY_HOP) as client:
         return client.generate_all(
             model, token_ids=PROMPT, max_new_tokens=NEW_TOKENS, stop_at_eos=False
         )
