@@ -99,7 +99,7 @@ class SessionRpc:
         for task in self._tasks:
             task.cancel()
 
-    def _spawn(self, work: Coroutine[Any, Any, None]) -> None:
+    def _spawn(self, work: Coroutine[Any, Any, object]) -> None:
         task = asyncio.get_running_loop().create_task(work)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
@@ -141,10 +141,7 @@ class SessionRpc:
         command = coordinator_pb2.Command(
             reachability=coordinator_pb2.Reachability(reachable=reachable)
         )
-        self._spawn(self._send_quietly(node_id, command))
-
-    async def _send_quietly(self, node_id: str, command: coordinator_pb2.Command) -> None:
-        await self._ctx.registry.send_command(node_id, command)
+        self._spawn(self._ctx.registry.send_command(node_id, command))
 
     def relayed(self, node_id: str, address: str) -> None:
         """The relay carries this node's data plane at ``address`` (coordinator/nat_relay.py):

@@ -18,6 +18,7 @@ import grpc
 
 from node_agent.backoff import Backoff
 from node_agent.context import AgentContext
+from node_agent.data_plane import split_host_port
 from protos.tessera.v1 import relay_pb2, relay_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -138,5 +139,7 @@ class NatTunnel:
 
 def _port_of(address: str) -> int:
     """The port of HOST:PORT, 0 for anything else (no address yet)."""
-    port = address.rpartition(":")[2]
-    return int(port) if port.isdigit() and 0 < int(port) < 65536 else 0
+    try:
+        return split_host_port(address)[1]
+    except ValueError:
+        return 0

@@ -692,7 +692,7 @@ async def _to_the_end(job: Future[T]) -> T:
     the session cache's lock all that time: the next call on that cache (a replay after a
     fail-over, on the other compute thread perhaps) must not run on it at the same time."""
     try:
-        return await asyncio.shield(asyncio.wrap_future(job))
+        return await asyncio.wrap_future(job)
     except asyncio.CancelledError:
         if not job.cancel():
             while not job.done():
