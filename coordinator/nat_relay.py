@@ -20,13 +20,16 @@ public address is not on any of its interfaces (a cloud VM behind 1:1 NAT).
 
 Limits: MAX_CONNECTIONS client connections per tunnel, MAX_DATA_BYTES a message, and a
 bounded queue towards the node, so a client that sends faster than the tunnel carries waits
-(TCP back-pressure) instead of filling memory.
+(TCP back-pressure) instead of filling memory. Towards the clients nothing waits: one
+client that does not read must not hold up the node's other connections, so its bytes are
+queued, and a client that leaves more than UNREAD_LIMIT bytes unread (or the one with the
+most, when a tunnel's clients leave more than TUNNEL_UNREAD_LIMIT together) is cut off
+(protos/tunnel_writes.py).
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import errno
 import itertools
 import logging
@@ -36,6 +39,7 @@ from typing import Any
 import grpc
 
 from coordinator.context import CoordinatorContext
+from protos import tunnel_writes
 from protos.quoting import shown
 from protos.tessera.v1 import relay_pb2, relay_pb2_grpc
 
@@ -46,6 +50,8 @@ MAX_DATA_BYTES = 1 << 20
 READ_CHUNK = 64 * 1024
 QUEUE_MESSAGES = 256  # towards the node, all connections together
 MAX_REMEMBERED = 10_000  # nodes whose last relay port is kept
+UNREAD_LIMIT = tunnel_writes.MAX_UNREAD_BYTES  # a client connection's unread bytes
+TUNNEL_UNREAD_LIMIT = 4 * UNREAD_LIMIT  # all of a tunnel's client connections together
 
 
 class _Tunnel:
@@ -57,7 +63,8 @@ class _Tunnel:
         self.conns: dict[int, asyncio.StreamWriter] = {}
         self.server: asyncio.base_events.Server | None = None
         self._ids = itertools.count(1)
-        self._pumps: set[asyncio.Task[None]] = set()
+        self._closes: set[asyncio.Task[None]] = set()  # closes waiting for room in ``down``
+        self.closed = False
 
     @property
     def port(self) -> int:
@@ -81,33 +88,59 @@ class _Tunnel:
         except (ConnectionError, asyncio.IncompleteReadError):
             pass
         finally:
-            if self.conns.pop(conn, None) is not None:
+            if self.conns.pop(conn, None) is not None:  # the client ended it: tell the node
                 writer.close()
-                with contextlib.suppress(asyncio.QueueFull):
-                    self.down.put_nowait(
-                        relay_pb2.TunnelDown(close=relay_pb2.TunnelClose(conn=conn))
-                    )
+                self._tell_closed(conn)
 
-    async def deliver(self, data: relay_pb2.TunnelData) -> None:
+    def deliver(self, data: relay_pb2.TunnelData) -> None:
+        """The node's bytes to their client, queued without waiting for it to read."""
         writer = self.conns.get(data.conn)
         if writer is None:
             return  # the client left meanwhile: its close is on the way to the node
-        writer.write(data.data)
+        if not tunnel_writes.write_or_cut(writer, data.data, UNREAD_LIMIT):
+            self._cut(data.conn, f"its client left more than {UNREAD_LIMIT} bytes unread")
+            return
+        unread = {c: tunnel_writes.unread_bytes(w) for c, w in self.conns.items()}
+        if sum(unread.values()) > TUNNEL_UNREAD_LIMIT:
+            hog = max(unread, key=unread.__getitem__)
+            tunnel_writes.cut(self.conns[hog])
+            self._cut(hog, f"the tunnel's clients left more than {TUNNEL_UNREAD_LIMIT} bytes "
+                           f"unread, this one {unread[hog]}")  # fmt: skip
+
+    def _cut(self, conn: int, why: str) -> None:
+        log.warning("relay for %s: connection %d cut off (%s); the node's other connections "
+                    "go on", self.node_id, conn, why)  # fmt: skip
+        del self.conns[conn]
+        self._tell_closed(conn)
+
+    def _tell_closed(self, conn: int) -> None:
+        """The node closes its end too; the message waits for room rather than be lost
+        (the node would keep a connection to its data plane open for nothing)."""
+        if self.closed:
+            return  # the stream to the node has ended
+        close = relay_pb2.TunnelDown(close=relay_pb2.TunnelClose(conn=conn))
         try:
-            await writer.drain()
-        except ConnectionError:
-            self.drop(data.conn)
+            self.down.put_nowait(close)
+        except asyncio.QueueFull:
+            task = asyncio.ensure_future(self.down.put(close))
+            self._closes.add(task)
+            task.add_done_callback(self._closes.discard)
 
     def drop(self, conn: int) -> None:
+        """The node ended the connection: the client gets what is queued, then the close."""
         writer = self.conns.pop(conn, None)
         if writer is not None:
             writer.close()
 
     async def close(self) -> None:
+        self.closed = True
         if self.server is not None:
             self.server.close()
-        for conn in list(self.conns):
-            self.drop(conn)
+        for writer in self.conns.values():
+            tunnel_writes.cut(writer)  # the node is gone: nothing queued can be answered
+        self.conns.clear()
+        for task in list(self._closes):
+            task.cancel()
         # What the node has not been sent yet goes nowhere now; None ends the stream.
         while not self.down.empty():
             self.down.get_nowait()
@@ -258,7 +291,7 @@ class NatRelay(relay_pb2_grpc.RelayServicer):
                             f"a tunnel message carries at most {MAX_DATA_BYTES} bytes, got "
                             f"{len(message.data.data)}"
                         )
-                    await tunnel.deliver(message.data)
+                    tunnel.deliver(message.data)
                 elif kind == "close":
                     tunnel.drop(message.close.conn)
                 else:

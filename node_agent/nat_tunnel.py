@@ -5,13 +5,14 @@ opens `Relay.Tunnel` to it (an outbound call, which NAT lets through) and keeps 
 each client connection the relay accepts at the node's public relay address arrives here
 as `open`, and is joined, byte for byte, to a new TCP connection to this node's own data
 plane on loopback. The tunnel is opened again with back-off when it breaks, with the
-ticket of the agent's latest registration, until the agent stops it.
+ticket of the agent's latest registration, until the agent stops it. One loop writes every
+connection's bytes, so it never waits for one to be read: a connection that leaves more
+than UNREAD_LIMIT bytes unread is cut off instead (protos/tunnel_writes.py).
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 
 import grpc
@@ -19,12 +20,14 @@ import grpc
 from node_agent.backoff import Backoff
 from node_agent.context import AgentContext
 from node_agent.data_plane import split_host_port
+from protos import tunnel_writes
 from protos.tessera.v1 import relay_pb2, relay_pb2_grpc
 
 log = logging.getLogger(__name__)
 
 READ_CHUNK = 64 * 1024
 QUEUE_MESSAGES = 256  # towards the relay, all connections together
+UNREAD_LIMIT = tunnel_writes.MAX_UNREAD_BYTES  # a connection to the data plane
 # The coordinator has no relay (or refuses this node): trying again will not help.
 NO_RELAY = frozenset({grpc.StatusCode.UNIMPLEMENTED, grpc.StatusCode.FAILED_PRECONDITION})
 
@@ -115,11 +118,18 @@ class NatTunnel:
                 elif kind == "open":
                     await open_local(message.open.conn)
                 elif kind == "data":
-                    writer = conns.get(message.data.conn)
-                    if writer is not None:
-                        writer.write(message.data.data)
-                        with contextlib.suppress(ConnectionError):
-                            await writer.drain()
+                    conn = message.data.conn
+                    writer = conns.get(conn)
+                    if writer is not None and not tunnel_writes.write_or_cut(
+                        writer, message.data.data, UNREAD_LIMIT
+                    ):
+                        # Its pump sees the end and tells the relay, which cuts the client.
+                        log.warning(
+                            "relay: this node's data plane left more than %d bytes of "
+                            "connection %d unread; cut it off",
+                            UNREAD_LIMIT,
+                            conn,
+                        )
                 elif kind == "close":
                     writer = conns.pop(message.close.conn, None)
                     if writer is not None:

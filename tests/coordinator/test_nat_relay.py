@@ -20,6 +20,7 @@ from support.ports import free_port_range
 
 from coordinator import nat_relay
 from coordinator.nat_relay import NatRelay
+from node_agent import nat_tunnel
 from node_agent.nat_tunnel import NatTunnel
 from protos.tessera.v1 import relay_pb2, relay_pb2_grpc
 
@@ -56,14 +57,26 @@ async def relay() -> AsyncIterator[Relay]:
     await r.server.stop(0)
 
 
-async def echo_server() -> tuple[asyncio.base_events.Server, int]:
-    """The node's data plane, reduced to upper-casing what it gets."""
+async def echo_server(
+    ends: list[int] | None = None, stall_on: bytes = b""
+) -> tuple[asyncio.base_events.Server, int]:
+    """The node's data plane, reduced to upper-casing what it gets; each connection that
+    ends is counted in ``ends``, and one that begins with ``stall_on`` is never read again
+    (a stuck handler)."""
 
     async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        while data := await reader.read(65536):
-            writer.write(data.upper())
-            await writer.drain()
-        writer.close()
+        try:
+            while data := await reader.read(65536):
+                if stall_on and data.startswith(stall_on):
+                    await asyncio.Event().wait()  # nothing more is read from this one
+                writer.write(data.upper())
+                await writer.drain()
+        except ConnectionError:
+            pass
+        finally:
+            writer.close()
+            if ends is not None:
+                ends.append(1)
 
     server = await asyncio.start_server(serve, "127.0.0.1", 0)
     return server, server.sockets[0].getsockname()[1]
@@ -80,14 +93,14 @@ async def round_trip(address: str, payload: bytes) -> bytes:
 
 
 async def node_tunnel(
-    relay: Relay, tmp_path: Path
+    relay: Relay, tmp_path: Path, ends: list[int] | None = None, stall_on: bytes = b""
 ) -> tuple[NatTunnel, asyncio.Future[None], asyncio.base_events.Server]:
-    """A real node end registered with ``relay``, joined to an echo data plane: the
-    tunnel, its running task, and the data plane."""
+    """A real node end registered with ``relay``, joined to an echo data plane
+    (``echo_server``): the tunnel, its running task, and the data plane."""
     ctx = node_context(tmp_path, b"")
     ctx.coordinator_address, ctx.attach_ticket = relay.address, TICKET
     relay.node_id = ctx.node_id
-    data_plane, port = await echo_server()
+    data_plane, port = await echo_server(ends, stall_on)
     tunnel = NatTunnel(ctx, "127.0.0.1", port)
     return tunnel, asyncio.ensure_future(tunnel.run()), data_plane
 
@@ -113,6 +126,80 @@ async def test_connections_to_the_relay_reach_the_node_s_data_plane(relay, tmp_p
     assert relay.unrelayed == [relay.node_id]
     with pytest.raises(OSError):
         await round_trip(tunnel.address, b"anyone?")
+
+
+async def ended(reader: asyncio.StreamReader) -> None:
+    """Read whatever is still on the way until the connection ends (closed or reset)."""
+    try:
+        while await reader.read(1 << 20):
+            pass
+    except ConnectionError:
+        pass
+
+
+async def flood(address: str, nbytes: int, head: bytes = b"") -> asyncio.StreamReader:
+    """A client that sends ``head`` and ``nbytes`` more, and reads nothing back."""
+    host, port = address.rsplit(":", 1)
+    reader, writer = await asyncio.open_connection(host, int(port))
+    writer.write(head + b"x" * nbytes)  # the transport sends it on as the relay takes it
+    return reader
+
+
+@pytest.mark.parametrize("limit", ["per-connection", "per-tunnel"])
+async def test_a_client_that_does_not_read_is_cut_off_and_the_others_go_on(
+    relay, tmp_path, monkeypatch, limit: str
+) -> None:
+    # Before: the relay waited for each client to take its bytes, so one that stopped
+    # reading held up every connection of the node, and anyone could freeze a relayed
+    # node by calling it and not reading the answers.
+    if limit == "per-connection":
+        monkeypatch.setattr(nat_relay, "UNREAD_LIMIT", 256 << 10)
+    else:
+        monkeypatch.setattr(nat_relay, "TUNNEL_UNREAD_LIMIT", 256 << 10)
+    data_plane_ends: list[int] = []
+    tunnel, running, data_plane = await node_tunnel(relay, tmp_path, data_plane_ends)
+    try:
+        await asyncio.wait_for(tunnel.welcomed.wait(), 10)
+        hog = await flood(tunnel.address, 24 << 20)  # its echo comes back, unread
+        for i in range(20):
+            payload = f"still served {i}".encode() * 1000
+            assert await asyncio.wait_for(round_trip(tunnel.address, payload), 10) == (
+                payload.upper()
+            )
+        await asyncio.wait_for(ended(hog), 20)  # cut off
+        # The node was told: its connection to the data plane closed too (one for the hog,
+        # one per round trip).
+        for _ in range(100):
+            if len(data_plane_ends) == 21:
+                break
+            await asyncio.sleep(0.05)
+        assert len(data_plane_ends) == 21
+    finally:
+        running.cancel()
+        await asyncio.gather(running, return_exceptions=True)
+        data_plane.close()
+
+
+async def test_a_data_plane_connection_that_is_not_read_is_cut_off(
+    relay, tmp_path, monkeypatch
+) -> None:
+    # The node's end writes to its own data plane the same way: one connection it does
+    # not read (a stuck handler) must not hold up the others.
+    monkeypatch.setattr(nat_tunnel, "UNREAD_LIMIT", 256 << 10)
+    tunnel, running, data_plane = await node_tunnel(relay, tmp_path, stall_on=b"HOG!")
+    try:
+        await asyncio.wait_for(tunnel.welcomed.wait(), 10)
+        hog = await flood(tunnel.address, 24 << 20, head=b"HOG!")
+        for i in range(20):
+            payload = f"still served {i}".encode() * 1000
+            assert await asyncio.wait_for(round_trip(tunnel.address, payload), 10) == (
+                payload.upper()
+            )
+        await asyncio.wait_for(ended(hog), 20)  # the node cut it, and the relay its client
+    finally:
+        running.cancel()
+        await asyncio.gather(running, return_exceptions=True)
+        data_plane.close()
 
 
 async def tunnel_call(relay: Relay, messages: list[relay_pb2.TunnelUp]):  # noqa: ANN201
