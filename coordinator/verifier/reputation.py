@@ -14,7 +14,7 @@ in memory; every change is written through, so a restarted coordinator remembers
 from __future__ import annotations
 
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import astuple, dataclass, fields
 
 import sqlite_utils
 
@@ -100,6 +100,14 @@ def create_tables(db: sqlite_utils.Database) -> None:
     )
 
 
+_COLUMNS = [f.name for f in fields(Record)]
+_UPSERT = (
+    f"INSERT INTO {TABLE} ({', '.join(_COLUMNS)}) VALUES ({', '.join('?' * len(_COLUMNS))}) "
+    "ON CONFLICT(node_id) DO UPDATE SET "
+    + ", ".join(f"{column} = excluded.{column}" for column in _COLUMNS[1:])
+)
+
+
 class Reputation:
     def __init__(self, db: sqlite_utils.Database, schedule: Schedule | None = None) -> None:
         self._db = db
@@ -159,4 +167,7 @@ class Reputation:
 
     def _save(self, record: Record) -> None:
         record.updated_ms = int(time.time() * 1000)
-        self._db[TABLE].upsert(asdict(record), pk="node_id")
+        # Plain SQL: every verified result writes a row, and sqlite-utils' upsert first
+        # reads the schema back (a third of the coordinator's CPU per generated token).
+        with self._db.atomic():
+            self._db.execute(_UPSERT, astuple(record))
