@@ -40,6 +40,27 @@ def test_capability_opens_only_with_the_signers_key() -> None:
     assert identity.open_capability(identity.public_key_bytes(coord), forged) is None
 
 
+def test_an_opened_capability_changed_by_one_byte_is_checked_anew() -> None:
+    # Opening a capability is remembered (it comes with every stream and report of its
+    # session): nothing but the very same bytes may profit from that.
+    coord = identity.generate_private_key()
+    key = identity.public_key_bytes(coord)
+    claims = client_api_pb2.CapabilityClaims(session_id="s1", model="m", max_tokens=64)
+    signed = identity.sign_capability(coord, claims)
+    for _ in range(2):
+        assert identity.open_capability(key, signed) == claims
+    more = bytearray(signed.claims)
+    more[-1] ^= 1  # max_tokens 64 -> 65
+    assert client_api_pb2.CapabilityClaims.FromString(bytes(more)).max_tokens == 65
+    raised = client_api_pb2.SignedCapability(claims=bytes(more), signature=signed.signature)
+    assert identity.open_capability(key, raised) is None
+    flipped = bytearray(signed.signature)
+    flipped[0] ^= 1
+    bad = client_api_pb2.SignedCapability(claims=signed.claims, signature=bytes(flipped))
+    assert identity.open_capability(key, bad) is None
+    assert identity.open_capability(key, signed) == claims
+
+
 def test_verify_rejects_malformed_keys_and_signatures_without_raising() -> None:
     assert not identity.verify(b"short", b"x" * 64, b"payload")
     assert not identity.verify(b"k" * 32, b"short", b"payload")
