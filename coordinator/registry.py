@@ -523,6 +523,7 @@ class Registry:
             offline_after_ms=int(self.settings.offline_after * 1000),
             mqtt_url=self.settings.mqtt_url or "",
             reachable=reachable,
+            coordinator_unix_ms=now_ms(),
         )
 
     def _is_banned(self, node_id: str) -> bool:

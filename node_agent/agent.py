@@ -45,6 +45,8 @@ _KEEPALIVE_S = 10.0
 _CHALLENGE_TIMEOUT_S = 10.0
 # Register may dial our data address back before it answers, so it gets longer.
 _REGISTER_TIMEOUT_S = 30.0
+# A clock further off than this from the coordinator's is worth telling the owner about.
+CLOCK_WARNING_S = 60.0
 _WELCOME_TIMEOUT_S = 10.0
 _DEFAULT_HEARTBEAT_S = 5.0
 # After a drain request, how long to wait for the coordinator to confirm DRAINING
@@ -265,6 +267,15 @@ class NodeAgent:
             )
         self.ctx.coordinator_public_key = response.coordinator_public_key
         self.ctx.attach_ticket = response.attach_ticket
+        offset = self.ctx.learn_coordinator_clock(response.coordinator_unix_ms)
+        if abs(offset) > CLOCK_WARNING_S:
+            log.warning(
+                "this machine's clock is %.0f s %s the coordinator's; the node checks "
+                "capabilities on the coordinator's clock, but set this clock right (enable "
+                "NTP time sync): its logs' times disagree with the coordinator's",
+                abs(offset),
+                "behind" if offset > 0 else "ahead of",
+            )
         hw = self.ctx.hardware
         log.info(
             "registered as %s (name=%s, device=%s %s, tflops=%.3f, %.0f GB/s, usable=%.1f GiB, "

@@ -379,6 +379,7 @@ def _join(args: argparse.Namespace) -> int:
             channel_options=list(CHANNEL_OPTIONS),
             max_sessions=args.max_sessions,
             telemetry_sources=[ProcessTelemetry(hw.torch_device)],
+            local_clock=failpoints.local_clock(),  # time.time unless a test skews it
         )
         return asyncio.run(_run(config, ctx, args))
 

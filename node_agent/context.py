@@ -6,6 +6,8 @@ every (re-)registration, so read them when needed instead of copying them at sta
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -28,10 +30,25 @@ class AgentContext:
     # Set by the agent after each successful Register:
     coordinator_public_key: bytes = b""  # verifies capability tokens offline
     attach_ticket: bytes = b""  # metadata x-tessera-ticket on GetManifest / FetchTensors
+    # The coordinator's clock less this machine's, in seconds (RegisterResponse.
+    # coordinator_unix_ms): capabilities expire by the coordinator's clock.
+    clock_offset_s: float = 0.0
+    local_clock: Callable[[], float] = time.time  # this machine's clock (tests skew it)
     # Plug-ins add theirs; the agent merges them into every heartbeat.
     telemetry_sources: list[TelemetrySource] = field(default_factory=list)
     shard_handler: ShardHandler = field(default_factory=NoRuntimeShardHandler)
     _accepting_work: bool = field(default=True, init=False, repr=False)
+
+    def coordinator_time(self) -> float:
+        """Now by the coordinator's clock, in Unix seconds."""
+        return self.local_clock() + self.clock_offset_s
+
+    def learn_coordinator_clock(self, coordinator_unix_ms: int) -> float:
+        """Take the offset of the coordinator's clock as it answered just now (0: an older
+        coordinator that does not say, so this machine's own clock is used); returns it."""
+        if coordinator_unix_ms > 0:
+            self.clock_offset_s = coordinator_unix_ms / 1000.0 - self.local_clock()
+        return self.clock_offset_s
 
     @property
     def accepting_work(self) -> bool:

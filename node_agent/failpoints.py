@@ -15,6 +15,9 @@ Set ``TESSERA_FAILPOINTS`` in the node agent's environment to a comma-separated 
     seed=N           seed of the random choices, for reproducible runs
     inflate_benchmark=F  report F x the measured matmul TFLOPS at registration (a node
                      that lies about its speed; measured traffic must correct it)
+    clock_skew_s=S   the node's clock is S seconds ahead (negative: behind), as on a PC
+                     whose clock is wrong; it must still serve (capabilities expire by the
+                     coordinator's clock)
 
 for example ``TESSERA_FAILPOINTS=corrupt=0.05,seed=3``. Unset or empty: no effect at all
 (``from_env`` returns None and the stage server never calls in here). When set, the node
@@ -28,7 +31,8 @@ import asyncio
 import logging
 import os
 import signal
-from collections.abc import Mapping
+import time
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import numpy as np
@@ -51,6 +55,7 @@ _VALUES = {
     "crash_after": int,
     "seed": int,
     "inflate_benchmark": float,
+    "clock_skew_s": float,
 }
 
 
@@ -70,6 +75,7 @@ class FailpointSpec:
     crash_after: int = 0
     seed: int | None = None
     inflate_benchmark: float = 0.0
+    clock_skew_s: float = 0.0
 
     @property
     def touches_outputs(self) -> bool:
@@ -98,7 +104,7 @@ def parse(text: str) -> FailpointSpec:
             raise FailpointError(
                 f"{ENV_VAR}: cannot read {entry!r}; use a comma-separated list of "
                 "corrupt=Q, corrupt_backward=Q, skip_step=Q, noise=S, zeros, echo, "
-                "delay_ms=N, crash_after=N, seed=N, inflate_benchmark=F"
+                "delay_ms=N, crash_after=N, seed=N, inflate_benchmark=F, clock_skew_s=S"
             )
     spec = FailpointSpec(**values)  # type: ignore[arg-type]
     for name in ("corrupt", "corrupt_backward", "skip_step"):
@@ -214,3 +220,17 @@ def benchmark_factor(environ: Mapping[str, str] | None = None) -> float:
         "for tests of the coordinator's measured speeds)", factor, factor,
     )  # fmt: skip
     return factor
+
+
+def local_clock(environ: Mapping[str, str] | None = None) -> Callable[[], float]:
+    """This machine's clock: ``time.time``, unless TESSERA_FAILPOINTS sets clock_skew_s
+    (then a loud warning says so)."""
+    text = (environ if environ is not None else os.environ).get(ENV_VAR, "").strip()
+    skew = parse(text).clock_skew_s if text else 0.0
+    if not skew:
+        return time.time
+    log.warning(
+        "FAILPOINT clock_skew_s=%g: this node's clock reads %g s off (for tests of nodes "
+        "whose clock is wrong)", skew, skew,
+    )  # fmt: skip
+    return lambda: time.time() + skew

@@ -165,12 +165,13 @@ class StageServicer(stage_pb2_grpc.StageServicer):
         ctx: AgentContext,
         shards: ShardManager,
         limits: StageLimits | None = None,
-        clock: Callable[[], float] = time.time,
+        clock: Callable[[], float] | None = None,
     ) -> None:
         self._ctx = ctx
         self._shards = shards
         self.limits = limits or StageLimits()
-        self._clock = clock
+        # Capabilities expire by the coordinator's clock (AgentContext.coordinator_time).
+        self._clock = clock or ctx.coordinator_time
         self._cache_locks: dict[str, asyncio.Lock] = {}  # by cache_key(session, start, end)
         self._expiry_task: asyncio.Task[None] | None = None
         self._usage = UsageMeter(ctx.private_key)

@@ -126,13 +126,14 @@ class TrainingStageServicer(training_pb2_grpc.TrainingStageServicer):
         ctx: AgentContext,
         shards: ShardManager,
         limits: TrainingLimits | None = None,
-        clock: Callable[[], float] = time.time,
+        clock: Callable[[], float] | None = None,
         store: CheckpointClient | None = None,
     ) -> None:
         self._ctx = ctx
         self._shards = shards
         self.limits = limits or TrainingLimits()
-        self._clock = clock
+        # Capabilities expire by the coordinator's clock (AgentContext.coordinator_time).
+        self._clock = clock or ctx.coordinator_time
         self._store = store or CheckpointClient(ctx)
         self._jobs: dict[str, _Job] = {}
         self._locks: dict[str, asyncio.Lock] = {}

@@ -305,3 +305,15 @@ async def test_a_silent_healthy_stream_stays_attached_and_a_hung_coordinator_is_
             await wait_until(attached, timeout=30, what="attached again")
         finally:
             assert await stop(agent, task) == ExitCode.OK
+
+
+def test_capabilities_expire_by_the_coordinator_s_clock_as_registration_gave_it(
+    agent_ctx,
+) -> None:
+    agent_ctx.local_clock = lambda: 1_000_000.0  # this machine's clock, far behind
+    assert agent_ctx.coordinator_time() == 1_000_000.0
+    assert agent_ctx.learn_coordinator_clock(1_000_300_000) == 300.0  # 5 min ahead there
+    assert agent_ctx.coordinator_time() == 1_000_300.0
+    # A coordinator from before RegisterResponse.coordinator_unix_ms says 0: the offset
+    # learnt last is kept (none at first: this machine's own clock).
+    assert agent_ctx.learn_coordinator_clock(0) == 300.0

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import time
 
 import numpy as np
 import pytest
@@ -51,6 +52,17 @@ def test_parse_reads_every_failpoint() -> None:
 def test_bad_failpoints_are_refused_with_the_accepted_form(text: str) -> None:
     with pytest.raises(failpoints.FailpointError, match="TESSERA_FAILPOINTS"):
         failpoints.parse(text)
+
+
+def test_a_skewed_clock_reads_that_far_off_and_says_so(caplog: pytest.LogCaptureFixture) -> None:
+    assert failpoints.local_clock({}) is time.time
+    assert failpoints.local_clock({failpoints.ENV_VAR: "corrupt=0.1"}) is time.time
+    with caplog.at_level(logging.WARNING, logger="tessera.failpoints"):
+        clock = failpoints.local_clock({failpoints.ENV_VAR: "clock_skew_s=-7200"})
+    assert abs(clock() - (time.time() - 7200)) < 1.0
+    assert "clock_skew_s=-7200" in caplog.text
+    with pytest.raises(failpoints.FailpointError, match="clock_skew_s needs a float"):
+        failpoints.parse("clock_skew_s=soon")
 
 
 def test_active_failpoints_log_loudly(caplog: pytest.LogCaptureFixture) -> None:

@@ -41,7 +41,7 @@ class RegisterRequest(_message.Message):
     def __init__(self, public_key: _Optional[bytes] = ..., nonce: _Optional[bytes] = ..., signature: _Optional[bytes] = ..., name: _Optional[str] = ..., account: _Optional[str] = ..., capabilities: _Optional[_Union[_node_pb2.Capabilities, _Mapping]] = ..., data_address: _Optional[str] = ...) -> None: ...
 
 class RegisterResponse(_message.Message):
-    __slots__ = ("node_id", "coordinator_public_key", "attach_ticket", "heartbeat_interval_ms", "offline_after_ms", "mqtt_url", "reachable")
+    __slots__ = ("node_id", "coordinator_public_key", "attach_ticket", "heartbeat_interval_ms", "offline_after_ms", "mqtt_url", "reachable", "coordinator_unix_ms")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     COORDINATOR_PUBLIC_KEY_FIELD_NUMBER: _ClassVar[int]
     ATTACH_TICKET_FIELD_NUMBER: _ClassVar[int]
@@ -49,6 +49,7 @@ class RegisterResponse(_message.Message):
     OFFLINE_AFTER_MS_FIELD_NUMBER: _ClassVar[int]
     MQTT_URL_FIELD_NUMBER: _ClassVar[int]
     REACHABLE_FIELD_NUMBER: _ClassVar[int]
+    COORDINATOR_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     coordinator_public_key: bytes
     attach_ticket: bytes
@@ -56,7 +57,8 @@ class RegisterResponse(_message.Message):
     offline_after_ms: int
     mqtt_url: str
     reachable: bool
-    def __init__(self, node_id: _Optional[str] = ..., coordinator_public_key: _Optional[bytes] = ..., attach_ticket: _Optional[bytes] = ..., heartbeat_interval_ms: _Optional[int] = ..., offline_after_ms: _Optional[int] = ..., mqtt_url: _Optional[str] = ..., reachable: _Optional[bool] = ...) -> None: ...
+    coordinator_unix_ms: int
+    def __init__(self, node_id: _Optional[str] = ..., coordinator_public_key: _Optional[bytes] = ..., attach_ticket: _Optional[bytes] = ..., heartbeat_interval_ms: _Optional[int] = ..., offline_after_ms: _Optional[int] = ..., mqtt_url: _Optional[str] = ..., reachable: _Optional[bool] = ..., coordinator_unix_ms: _Optional[int] = ...) -> None: ...
 
 class NodeMessage(_message.Message):
     __slots__ = ("hello", "heartbeat", "drain", "shard_status")
