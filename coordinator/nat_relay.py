@@ -18,7 +18,9 @@ port comes from that range (the one range an operator opens in a firewall); with
 system picks. It listens on `--relay-bind` (default: the relay host), for a host whose
 public address is not on any of its interfaces (a cloud VM behind 1:1 NAT).
 
-Limits: MAX_CONNECTIONS client connections per tunnel, MAX_DATA_BYTES a message, and a
+Limits: MAX_CONNECTIONS client connections per tunnel (MAX_CONNECTIONS_PER_ADDRESS from one
+address, and a connection that sends nothing within FIRST_BYTES_TIMEOUT_S is closed, so a
+stranger cannot hold all the places), MAX_DATA_BYTES a message, and a
 bounded queue towards the node, so a client that sends faster than the tunnel carries waits
 (TCP back-pressure) instead of filling memory. Towards the clients nothing waits: one
 client that does not read must not hold up the node's other connections, so its bytes are
@@ -33,6 +35,7 @@ import asyncio
 import errno
 import itertools
 import logging
+from collections import Counter
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
@@ -46,6 +49,13 @@ from protos.tessera.v1 import relay_pb2, relay_pb2_grpc
 log = logging.getLogger("tessera.relay")
 
 MAX_CONNECTIONS = 256
+# One address may hold this many of a tunnel's connections (an honest client needs a few:
+# the driver, its checks, other nodes' hand-offs come from their own addresses), so a
+# stranger cannot take all MAX_CONNECTIONS and lock the node's clients out.
+MAX_CONNECTIONS_PER_ADDRESS = 32
+# A gRPC client sends its connection preface at once: a connection silent for this long
+# only holds a place.
+FIRST_BYTES_TIMEOUT_S = 10.0
 MAX_DATA_BYTES = 1 << 20
 READ_CHUNK = 64 * 1024
 QUEUE_MESSAGES = 256  # towards the node, all connections together
@@ -64,6 +74,7 @@ class _Tunnel:
         self.server: asyncio.base_events.Server | None = None
         self._ids = itertools.count(1)
         self._closes: set[asyncio.Task[None]] = set()  # closes waiting for room in ``down``
+        self._per_address: Counter[str] = Counter()  # open connections by client address
         self.closed = False
 
     @property
@@ -72,25 +83,45 @@ class _Tunnel:
         return int(self.server.sockets[0].getsockname()[1])
 
     async def accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        if len(self.conns) >= MAX_CONNECTIONS:
-            log.warning("relay for %s: %d connections open; refusing another", self.node_id,
-                        MAX_CONNECTIONS)  # fmt: skip
+        peer = writer.get_extra_info("peername")
+        address = str(peer[0]) if isinstance(peer, tuple) and peer else "?"
+        refusal = self._refusal(address)
+        if refusal:
+            log.warning("relay for %s: %s; refusing a connection from %s", self.node_id,
+                        refusal, address)  # fmt: skip
             writer.close()
             return
         conn = next(self._ids)
         self.conns[conn] = writer
+        self._per_address[address] += 1
         await self.down.put(relay_pb2.TunnelDown(open=relay_pb2.TunnelOpen(conn=conn)))
         try:
-            while chunk := await reader.read(READ_CHUNK):
+            timeout_s: float | None = FIRST_BYTES_TIMEOUT_S
+            while chunk := await asyncio.wait_for(reader.read(READ_CHUNK), timeout_s):
+                timeout_s = None
                 await self.down.put(
                     relay_pb2.TunnelDown(data=relay_pb2.TunnelData(conn=conn, data=chunk))
                 )
+        except TimeoutError:
+            log.info("relay for %s: connection %d from %s sent nothing in %.0f s; closed",
+                     self.node_id, conn, address, FIRST_BYTES_TIMEOUT_S)  # fmt: skip
         except (ConnectionError, asyncio.IncompleteReadError):
             pass
         finally:
+            self._per_address[address] -= 1
+            if not self._per_address[address]:
+                del self._per_address[address]
             if self.conns.pop(conn, None) is not None:  # the client ended it: tell the node
                 writer.close()
                 self._tell_closed(conn)
+
+    def _refusal(self, address: str) -> str:
+        """Why a new connection from ``address`` is not taken, or ""."""
+        if len(self.conns) >= MAX_CONNECTIONS:
+            return f"{MAX_CONNECTIONS} connections open"
+        if self._per_address[address] >= MAX_CONNECTIONS_PER_ADDRESS:
+            return f"{MAX_CONNECTIONS_PER_ADDRESS} connections open from that address"
+        return ""
 
     def deliver(self, data: relay_pb2.TunnelData) -> None:
         """The node's bytes to their client, queued without waiting for it to read."""

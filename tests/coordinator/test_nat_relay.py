@@ -128,13 +128,15 @@ async def test_connections_to_the_relay_reach_the_node_s_data_plane(relay, tmp_p
         await round_trip(tunnel.address, b"anyone?")
 
 
-async def ended(reader: asyncio.StreamReader) -> None:
-    """Read whatever is still on the way until the connection ends (closed or reset)."""
+async def all_of(reader: asyncio.StreamReader) -> bytes:
+    """Everything the connection brings until it ends (closed or reset)."""
+    got = bytearray()
     try:
-        while await reader.read(1 << 20):
-            pass
+        while chunk := await reader.read(65536):
+            got += chunk
     except ConnectionError:
         pass
+    return bytes(got)
 
 
 async def flood(address: str, nbytes: int, head: bytes = b"") -> asyncio.StreamReader:
@@ -166,7 +168,7 @@ async def test_a_client_that_does_not_read_is_cut_off_and_the_others_go_on(
             assert await asyncio.wait_for(round_trip(tunnel.address, payload), 10) == (
                 payload.upper()
             )
-        await asyncio.wait_for(ended(hog), 20)  # cut off
+        await asyncio.wait_for(all_of(hog), 20)  # cut off
         # The node was told: its connection to the data plane closed too (one for the hog,
         # one per round trip).
         for _ in range(100):
@@ -195,7 +197,47 @@ async def test_a_data_plane_connection_that_is_not_read_is_cut_off(
             assert await asyncio.wait_for(round_trip(tunnel.address, payload), 10) == (
                 payload.upper()
             )
-        await asyncio.wait_for(ended(hog), 20)  # the node cut it, and the relay its client
+        await asyncio.wait_for(all_of(hog), 20)  # the node cut it, and the relay its client
+    finally:
+        running.cancel()
+        await asyncio.gather(running, return_exceptions=True)
+        data_plane.close()
+
+
+async def test_one_address_cannot_take_every_place_and_silent_connections_are_closed(
+    relay, tmp_path, monkeypatch
+) -> None:
+    # Before: anyone could open MAX_CONNECTIONS idle connections to a relayed node's port,
+    # and its clients found the relay refusing theirs.
+    monkeypatch.setattr(nat_relay, "MAX_CONNECTIONS_PER_ADDRESS", 2)
+    monkeypatch.setattr(nat_relay, "FIRST_BYTES_TIMEOUT_S", 0.5)
+    data_plane_ends: list[int] = []
+    tunnel, running, data_plane = await node_tunnel(relay, tmp_path, data_plane_ends)
+    try:
+        await asyncio.wait_for(tunnel.welcomed.wait(), 10)
+        host, port = tunnel.address.rsplit(":", 1)
+        # Loopback answers all of 127/8: a second address stands for a stranger's.
+        stranger = [
+            await asyncio.open_connection(host, int(port), local_addr=("127.0.0.2", 0))
+            for _ in range(3)
+        ]
+        for _, writer in stranger:
+            writer.write(b"hold")
+        third_reader, _ = stranger[2]
+        assert await asyncio.wait_for(all_of(third_reader), 10) == b""  # refused, unanswered
+        assert await asyncio.wait_for(round_trip(tunnel.address, b"mine"), 10) == b"MINE"
+        for reader, _ in stranger[:2]:
+            assert await asyncio.wait_for(reader.readexactly(4), 10) == b"HOLD"
+        # A connection that says nothing is closed, and the node's end with it.
+        silent, _ = await asyncio.open_connection(host, int(port))
+        assert await asyncio.wait_for(all_of(silent), 10) == b""
+        for _ in range(100):
+            if len(data_plane_ends) == 2:  # the round trip's and the silent one's
+                break
+            await asyncio.sleep(0.05)
+        assert len(data_plane_ends) == 2
+        for _, writer in stranger[:2]:
+            writer.close()
     finally:
         running.cancel()
         await asyncio.gather(running, return_exceptions=True)
