@@ -28,9 +28,9 @@ def unread_bytes(writer: asyncio.StreamWriter) -> int:
 def write_or_cut(writer: asyncio.StreamWriter, data: bytes, limit: int) -> bool:
     """Queue ``data`` on ``writer`` without waiting; False, with the connection cut at
     once (its queued bytes dropped), when its peer has left more than ``limit`` bytes
-    unread or the connection is already closing."""
+    unread. A connection already closing takes nothing (and is not counted as cut)."""
     if writer.transport.is_closing():
-        return False
+        return True  # its end is already on the way to the other side
     writer.write(data)
     if unread_bytes(writer) <= limit:
         return True
