@@ -318,6 +318,9 @@ class PipelineDriver:
         self._failovers_this_step = 0
         self._replayed_this_step: set[tuple[str, Span]] = set()
         self._resumed_this_step: set[tuple[str, Span]] = set()
+        # Nodes that answered a call of this session on a span: a broken connection to one
+        # of them is worth dialing again before failing it over (_retry_same_node).
+        self._answered: set[tuple[str, Span]] = set()
         self.timings: list[StageTiming] = []
         self.failovers: list[FailoverEvent] = []
         self.receipts: list[Receipt] = []
@@ -1158,19 +1161,20 @@ class PipelineDriver:
         step: int,
         last_only: bool,
     ) -> tuple[np.ndarray, str] | None:
-        """The failed decode step again on the same node, when only the connection to it
-        broke (``resume_connect_s``); None when that is not worth a try, or the node cannot
-        be reached again at once: the caller fails over. The node's cache still holds the
-        session, so the step alone goes again (a node that lost it answers
-        FAILED_PRECONDITION, and a replay there follows)."""
+        """The failed step (a decode step or a prompt chunk) again on the same node, when
+        only the connection to it broke (``resume_connect_s``); None when that is not worth
+        a try, or the node cannot be reached again at once: the caller fails over. The
+        node's cache still holds the session up to this step (or the step too, which it
+        then computes again), so the step alone goes again (a node that lost the session
+        answers FAILED_PRECONDITION, and a replay there follows)."""
         slot = self._slots[index]
         key = (slot.hop.node_id, slot.span)
         if (
             failure.code != grpc.StatusCode.UNAVAILABLE
             or self.config.resume_connect_s <= 0
             or key in self._resumed_this_step
-            or not slot.decode_seconds  # it never answered a decode step: nothing to resume
-            or self._history.length(slot.span) - start_pos != 1
+            or key not in self._answered  # it never answered here: nothing to resume
+            or self._history.length(slot.span) <= start_pos
         ):
             return None
         self._resumed_this_step.add(key)
@@ -1181,6 +1185,7 @@ class PipelineDriver:
                  slot.hop.node_id, failure, step)  # fmt: skip
         failovers = len(self.failovers)
         _, full, full_dtype = self._history.replay_input(slot.span)
+        tokens = int(full.shape[1]) - start_pos
         trim = last_only and slot.span.end == self.shape.num_layers
         out, out_dtype = await self._run_through(
             slot.span.start, slot.span.end, start_pos, full[:, start_pos:], full_dtype,
@@ -1197,7 +1202,7 @@ class PipelineDriver:
                     via="resume",
                     reason=str(failure),
                     stalled_ms=(time.monotonic() - failed_at) * 1000.0,
-                    replayed_tokens=1,
+                    replayed_tokens=tokens,
                     position=start_pos,
                 )
             )
@@ -1337,6 +1342,7 @@ class PipelineDriver:
                 raise HopFailure(str(err)) from err
             if pending is not None:
                 self._unsettled.append(_Unsettled(slot.span, slot.hop, call, response, pending))
+        self._answered.add((slot.hop.node_id, slot.span))
         if tokens == 1 and not replay:
             slot.decode_seconds.append(wall)
             if self._reporter is not None:

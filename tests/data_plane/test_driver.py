@@ -173,6 +173,43 @@ async def test_a_connection_reset_costs_no_replay(start_node, keys, checkpoint, 
         await driver.close()
 
 
+async def test_a_connection_reset_before_a_prompt_chunk_resends_only_that_chunk(
+    start_node, keys, checkpoint
+) -> None:
+    # The prompt comes in two steps (a chat's next turn, a chunked prefill), and the first
+    # hop's line resets in between: the second step goes to the same node again, alone,
+    # instead of replaying the whole prompt on the alternate.
+    nodes = [await start_node([(0, 2)]), await start_node([(2, 4)])]
+    alternate = await start_node([(0, 2)])
+    async with LinkEmulator("127.0.0.1", nodes[0].port, name="the line") as line:
+        behind = SimpleNamespace(node_id=nodes[0].node_id, address=line.address)
+        driver = PipelineDriver(
+            session_grant(keys, [(0, 2, behind, [alternate]), (2, 4, nodes[1], [])]), MODEL
+        )
+        await driver.step(PROMPT[:2], last_only=True)
+        line.reset()
+        logits = await driver.step(PROMPT[2:], last_only=True)
+        first = int(np.argmax(logits[0]))
+        rest = await greedy_from(driver, first, NEW_TOKENS - 1)
+        assert [first, *rest] == reference_greedy(checkpoint, PROMPT, NEW_TOKENS)
+        assert line.stats.connections_reset >= 1
+        assert not [t for t in driver.timings if t.node_id == alternate.node_id]  # never called
+        [event] = driver.failovers
+        assert event.via == "resume" and event.replacement_node_ids == (nodes[0].node_id,)
+        assert (event.replayed_tokens, event.position) == (len(PROMPT) - 2, 2)
+        await driver.close()
+
+
+async def greedy_from(driver: PipelineDriver, token: int, new_tokens: int) -> list[int]:
+    """``new_tokens`` more greedy tokens after ``token``."""
+    out = []
+    for _ in range(new_tokens):
+        logits = await driver.step([token], last_only=True)
+        token = int(np.argmax(logits[0]))
+        out.append(token)
+    return out
+
+
 async def test_a_node_the_driver_cannot_connect_to_is_reported_at_once(
     start_node, keys, checkpoint
 ) -> None:
