@@ -666,8 +666,15 @@ class PipelineDriver:
         ]
 
         def forget(first_index: int) -> None:
-            for sub, s in zip(subscriptions[first_index:], slots[1 + first_index :], strict=True):
+            later = zip(
+                subscriptions[first_index:], slots[1 + first_index :], answers[first_index:],
+                strict=True,
+            )  # fmt: skip
+            for sub, s, answer in later:
                 sub.forget(step, s.span.start, s.span.end)
+                if answer.done() and not answer.cancelled() and answer.exception() is None:
+                    # It came before the client went on without it: that node ran the step.
+                    self._unclaimed(s.hop.node_id, (step, s.span.start, s.span.end))
 
         failed_at = time.monotonic()
         try:
@@ -679,9 +686,8 @@ class PipelineDriver:
             previous = failed_at + wall  # when the answer before the next one arrived
             x, dtype = await self._accept(first, call, response, wall)
             if response.relay_failed and len(slots) > 1:
-                forget(0)
                 return await self._relay_broke(0, response.relay_failed, start_pos, x, dtype,
-                                               step, last_only)  # fmt: skip
+                                               step, last_only, forget)  # fmt: skip
         except (HopFailure, RequestRejected) as err:
             forget(0)
             self._end_ring(f"the first hop failed: {err}")
@@ -747,9 +753,8 @@ class PipelineDriver:
                     k, start_pos, x, dtype, step, last_only, failure=(failure, answered)
                 )
             if response.relay_failed and k < len(slots) - 1:
-                forget(k)
                 return await self._relay_broke(k, response.relay_failed, start_pos, x, dtype,
-                                               step, last_only)  # fmt: skip
+                                               step, last_only, forget)  # fmt: skip
         self.pushed_steps += 1  # through the whole route
         self._relay_breaks = 0
         if response.relay_failed and (adopt or launch is not None):
@@ -781,11 +786,14 @@ class PipelineDriver:
         dtype: str,
         step: int,
         last_only: bool,
+        forget: Callable[[int], None],
     ) -> tuple[np.ndarray, str]:
         """Slot ``index`` answered but could not hand its output on (its answer says why):
         the client sends the rest of the step itself at once rather than wait out a
         deadline. Nobody is failed over for it: the link between two nodes broke, or the
-        next node is gone, which that call then finds out."""
+        next node is gone, which that call then finds out. ``forget`` stops waiting for
+        the later slots' pushed answers (after they count as handed back: one that came
+        already, or comes later, is work its node did)."""
         reason = shown(reason, 200)  # the node's words, of any length
         slot, after = self._slots[index], self._slots[index + 1]
         self._end_ring(f"node {slot.hop.node_id} could not relay")
@@ -802,6 +810,7 @@ class PipelineDriver:
             self._handed_back[key] = int(x.shape[0] * x.shape[1])
         while len(self._handed_back) > HANDED_BACK_KEPT:
             del self._handed_back[next(iter(self._handed_back))]
+        forget(index)
         self._history.record(after.span, start_pos, x, dtype)
         return await self._resume_hop_by_hop(index + 1, start_pos, x, dtype, step, last_only)
 

@@ -8,6 +8,8 @@ pushed input differs from what the node before it signed.
 
 from __future__ import annotations
 
+import asyncio
+
 import grpc
 import pytest
 from data_plane.stage_harness import MODEL, cut_link, reference_greedy, session_grant
@@ -175,19 +177,33 @@ async def test_a_node_whose_subscription_failed_is_asked_again_later(
 
 
 class ClaimsEveryRelayFailed(StageServicer):
-    """Hands every step on, yet says in each answer that it could not, at great length."""
+    """Hands every step on, yet says in each answer that it could not, at great length;
+    with ``answer_after_s``, answers that late (the next node's answer comes first)."""
+
+    answer_after_s = 0.0
 
     async def _forward_one(self, request, stream):
         response = await super()._forward_one(request, stream)
         if response is not None and request.relay_to:
             response.relay_failed = "no! " * 250_000
+            if self.answer_after_s:
+                await asyncio.sleep(self.answer_after_s)
         return response
 
 
+class ClaimsLate(ClaimsEveryRelayFailed):
+    answer_after_s = 0.3
+
+
+@pytest.mark.parametrize(
+    "liar", [ClaimsEveryRelayFailed, ClaimsLate], ids=["answers-first", "answers-last"]
+)
 async def test_a_node_that_claims_its_hand_offs_failed_only_costs_the_push(
-    start_node, keys, checkpoint
+    start_node, keys, checkpoint, liar: type[ClaimsEveryRelayFailed]
 ) -> None:
-    a = await start_node([(0, 2)], servicer_class=ClaimsEveryRelayFailed)
+    # "answers-last": the next node's answer to the step handed on reaches the client
+    # before the claim does (CI once saw it so by chance), and must still count.
+    a = await start_node([(0, 2)], servicer_class=liar)
     b = await start_node([(2, 4)], servicer_class=CountsCalls)
     grant = session_grant(keys, [(0, 2, a, []), (2, 4, b, [])])
     driver = PipelineDriver(grant, MODEL, config=NO_WAITING)
