@@ -131,6 +131,8 @@ class _Tunnel:
         if not tunnel_writes.write_or_cut(writer, data.data, UNREAD_LIMIT):
             self._cut(data.conn, f"its client left more than {UNREAD_LIMIT} bytes unread")
             return
+        if not tunnel_writes.unread_bytes(writer):
+            return  # taken at once (the usual case): the tunnel's total did not grow
         unread = {c: tunnel_writes.unread_bytes(w) for c, w in self.conns.items()}
         if sum(unread.values()) > TUNNEL_UNREAD_LIMIT:
             hog = max(unread, key=unread.__getitem__)

@@ -194,9 +194,13 @@ class Failpoints:
         return True
 
 
+def _env_text(environ: Mapping[str, str] | None) -> str:
+    return (environ if environ is not None else os.environ).get(ENV_VAR, "").strip()
+
+
 def from_env(environ: Mapping[str, str] | None = None) -> Failpoints | None:
     """The node's failpoints, or None when the variable is unset or empty (the default)."""
-    text = (environ if environ is not None else os.environ).get(ENV_VAR, "").strip()
+    text = _env_text(environ)
     if not text:
         return None
     spec = parse(text)
@@ -211,7 +215,7 @@ def from_env(environ: Mapping[str, str] | None = None) -> Failpoints | None:
 def benchmark_factor(environ: Mapping[str, str] | None = None) -> float:
     """What the node multiplies its measured TFLOPS by before it reports them: 1.0 unless
     TESSERA_FAILPOINTS sets inflate_benchmark (then a loud warning says so)."""
-    text = (environ if environ is not None else os.environ).get(ENV_VAR, "").strip()
+    text = _env_text(environ)
     factor = parse(text).inflate_benchmark if text else 0.0
     if not factor:
         return 1.0
@@ -225,7 +229,7 @@ def benchmark_factor(environ: Mapping[str, str] | None = None) -> float:
 def local_clock(environ: Mapping[str, str] | None = None) -> Callable[[], float]:
     """This machine's clock: ``time.time``, unless TESSERA_FAILPOINTS sets clock_skew_s
     (then a loud warning says so)."""
-    text = (environ if environ is not None else os.environ).get(ENV_VAR, "").strip()
+    text = _env_text(environ)
     skew = parse(text).clock_skew_s if text else 0.0
     if not skew:
         return time.time
