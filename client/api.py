@@ -48,6 +48,7 @@ from client.sampling import Sampler, SamplingParams
 from client.tokenizer import TextTokenizer, load_tokenizer
 from client.verification import StageVerifier, VerificationStats
 from protos import identity
+from protos.coordinator_clock import StampClock
 from protos.tessera.v1 import (
     client_api_pb2,
     client_api_pb2_grpc,
@@ -220,6 +221,8 @@ class AsyncClient:
         self.settle_every = settle_every
         # With a key, sessions are paid: it signs the open and counter-signs usage receipts.
         self.key = key
+        # What the coordinator's clock reads, learnt when it refuses a stale stamp.
+        self.clock = StampClock()
         self.max_price = max_price
         self.prefer = prefer
         self.timeout_s = timeout_s
@@ -231,7 +234,7 @@ class AsyncClient:
         self._stage_channels = ChannelPool()
         self._models: dict[str, _ModelHandle] = {}
         self.last_run: GenerationResult | None = None
-        self.jobs_api = JobsApi(self._channel, self._call)
+        self.jobs_api = JobsApi(self._channel, self._call, self.clock)
 
     async def __aenter__(self) -> AsyncClient:
         return self
@@ -261,8 +264,11 @@ class AsyncClient:
         """This client's credit: available and escrowed (needs a key)."""
         if self.key is None:
             raise TesseraError("a balance belongs to a client key; create the client with key=")
-        return await self._call(
-            "reading the balance", self._ledger.GetBalance, billing.balance_query(self.key)
+        key = self.key
+        return await self._call_stamped(
+            "reading the balance",
+            self._ledger.GetBalance,
+            lambda: billing.balance_query(key, self.clock.now_ms()),
         )
 
     # ---- generation -----------------------------------------------------------------
@@ -311,9 +317,14 @@ class AsyncClient:
             max_price=self.max_price,
             prefer=self.prefer,
         )
-        if self.key is not None:
-            billing.sign_open(open_request, self.key)
-        grant = await self._call("opening a session", self._stub.OpenSession, open_request)
+
+        def signed() -> client_api_pb2.OpenSessionRequest:
+            # A new stamp and nonce for every try: the coordinator takes a signed open once.
+            if self.key is not None:
+                billing.sign_open(open_request, self.key, self.clock.now_ms())
+            return open_request
+
+        grant = await self._call_stamped("opening a session", self._stub.OpenSession, signed)
         verifier = StageVerifier(grant.session_id, self._stage_channels, self._report)
         driver = PipelineDriver(
             grant,
@@ -621,10 +632,24 @@ class AsyncClient:
         try:
             return await method(request, timeout=self.timeout_s)
         except grpc.aio.AioRpcError as err:
-            code = err.code()
-            if never_reached(err, self._channel.get_state()):
-                raise CoordinatorUnavailable(self.coordinator, err.details() or code.name) from err
-            raise CoordinatorError(what, code, err.details() or "") from err
+            raise self._failure(what, err) from err
+
+    async def _call_stamped(self, what: str, method: Any, request: Callable[[], Any]) -> Any:
+        """A call whose ``request()`` carries a signed time stamp: when the coordinator
+        refuses it as stale, this client's clock is off; it takes the coordinator's time
+        from the refusal and tries once more with a request stamped anew."""
+        try:
+            return await method(request(), timeout=self.timeout_s)
+        except grpc.aio.AioRpcError as err:
+            if not self.clock.learn(err):
+                raise self._failure(what, err) from err
+        return await self._call(what, method, request())
+
+    def _failure(self, what: str, err: grpc.aio.AioRpcError) -> TesseraError:
+        code = err.code()
+        if never_reached(err, self._channel.get_state()):
+            return CoordinatorUnavailable(self.coordinator, err.details() or code.name)
+        return CoordinatorError(what, code, err.details() or "")
 
 
 def never_reached(err: grpc.aio.AioRpcError, state: grpc.ChannelConnectivity) -> bool:

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import logging
 import os
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -66,28 +65,31 @@ def account_of(key: Ed25519PrivateKey) -> str:
     return identity.client_account(identity.public_key_bytes(key))
 
 
-def sign_open(request: client_api_pb2.OpenSessionRequest, key: Ed25519PrivateKey) -> None:
-    """Make `request` a paying one: the key, its account, a fresh stamp, the signature."""
+def sign_open(
+    request: client_api_pb2.OpenSessionRequest, key: Ed25519PrivateKey, now_ms: int
+) -> None:
+    """Make `request` a paying one: the key, its account, a fresh stamp (``now_ms``, by
+    the coordinator's clock as far as the client knows it), the signature."""
     request.client_public_key = identity.public_key_bytes(key)
     request.account = account_of(key)
-    request.request_unix_ms = int(time.time() * 1000)
+    request.request_unix_ms = now_ms
     request.nonce = os.urandom(NONCE_BYTES)  # the coordinator accepts each signed open once
     request.client_signature = key.sign(identity.open_session_payload(request))
 
 
 def sign_open_training(
-    request: jobs_pb2.OpenTrainingSessionRequest, key: Ed25519PrivateKey
+    request: jobs_pb2.OpenTrainingSessionRequest, key: Ed25519PrivateKey, now_ms: int
 ) -> None:
     """Sign a training job's open: the coordinator escrows the job's quote from this key's
     account (docs/ledger.md, "Jobs")."""
     request.client_public_key = identity.public_key_bytes(key)
-    request.request_unix_ms = int(time.time() * 1000)
+    request.request_unix_ms = now_ms
     request.nonce = os.urandom(NONCE_BYTES)
     request.client_signature = key.sign(identity.open_training_payload(request))
 
 
-def balance_query(key: Ed25519PrivateKey) -> ledger_pb2.SignedQuery:
-    return identity.sign_ledger_query(key, "balance", int(time.time() * 1000))
+def balance_query(key: Ed25519PrivateKey, now_ms: int) -> ledger_pb2.SignedQuery:
+    return identity.sign_ledger_query(key, "balance", now_ms)
 
 
 _Key = tuple[str, int, int]  # node id, layer start, layer end

@@ -45,6 +45,7 @@ from client.training_driver import (
     TrainingDriver,
     TrainingHop,
 )
+from protos.coordinator_clock import StampClock
 from protos.tessera.v1 import (
     jobs_pb2,
     jobs_pb2_grpc,
@@ -120,10 +121,13 @@ class TrainSpec:
 class JobsApi:
     """The Jobs RPCs with the client's error mapping (`call` is AsyncClient._call)."""
 
-    def __init__(self, channel: grpc.aio.Channel, call: Callable[..., Any]) -> None:
+    def __init__(
+        self, channel: grpc.aio.Channel, call: Callable[..., Any], clock: StampClock
+    ) -> None:
         self.stub = jobs_pb2_grpc.JobsStub(channel)
         self.verification = verification_pb2_grpc.VerificationStub(channel)
         self.call = call
+        self.clock = clock  # the client's: stamps signed opens by the coordinator's time
 
     async def upload_dataset(self, dataset: TokenDataset) -> jobs_pb2.DatasetInfo:
         """Send the dataset unless the coordinator already holds the same tokens."""
@@ -335,7 +339,7 @@ class JobRunner:
                 job_id=self.job_id, max_price=self.max_price
             )
             if self.key is not None:
-                billing.sign_open_training(request, self.key)
+                billing.sign_open_training(request, self.key, self.api.clock.now_ms())
             return request
 
         self._session = await self._with_patience(
@@ -361,6 +365,8 @@ class JobRunner:
             try:
                 return await method(request(), timeout=30.0)
             except grpc.aio.AioRpcError as err:
+                if self.api.clock.learn(err):
+                    continue  # a stamp refused as stale: ``request()`` stamps anew
                 waited = time.monotonic() - began
                 if err.code() != grpc.StatusCode.UNAVAILABLE or waited > REPLAN_PATIENCE_S:
                     raise CoordinatorError(what, err.code(), err.details() or "") from err

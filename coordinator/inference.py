@@ -262,8 +262,10 @@ class SessionRpc:
     async def _answer(context: grpc.aio.ServicerContext, method: Any, request: Any) -> Any:
         try:
             return method(request)
-        except (SessionError, LedgerError) as exc:
+        except SessionError as exc:
             await context.abort(exc.code, exc.message)
+        except LedgerError as exc:
+            await context.abort(exc.code, exc.message, trailing_metadata=exc.trailing_metadata)
 
 
 def build(ctx: CoordinatorContext) -> SessionRpc:

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import argparse
 import sys
-import time
 import uuid
 from datetime import datetime
 from pathlib import Path
+from typing import Any
 
 import grpc
 
@@ -16,6 +16,7 @@ from node_agent import identity
 from node_agent.agent import CHANNEL_OPTIONS
 from node_agent.data_dir import default_data_dir
 from protos import identity as wire_identity
+from protos.coordinator_clock import StampClock
 from protos.dialing import dialable
 from protos.tessera.v1 import ledger_pb2, ledger_pb2_grpc
 
@@ -129,12 +130,14 @@ def run(args: argparse.Namespace) -> int:
             f"no node key in {args.data_dir}: pass the --data-dir this node joined with"
         )
     key = identity.load_or_create_key(args.data_dir)
-    now_ms = int(time.time() * 1000)
+    request_id = args.request_id or uuid.uuid4().hex if args.command == "stake" else ""
+    clock = StampClock()
     with grpc.insecure_channel(args.coordinator, options=CHANNEL_OPTIONS) as channel:
         stub = ledger_pb2_grpc.LedgerStub(channel)
-        try:
+
+        def ask() -> Any:
+            now_ms = clock.now_ms()
             if args.command == "stake":
-                request_id = args.request_id or uuid.uuid4().hex
                 # The signature covers the amount and the request id (coordinator's
                 # ledger.service.stake_purpose): nobody can replay it for another amount.
                 purpose = f"stake {args.amount} {request_id}"
@@ -143,16 +146,23 @@ def run(args: argparse.Namespace) -> int:
                     request_id=request_id,
                     query=wire_identity.sign_ledger_query(key, purpose, now_ms),
                 )
-                reply = stub.DepositStake(request, timeout=RPC_TIMEOUT_S)
-                if not args.json:
-                    print(f"staked {args.amount} credit units (request id {request_id})")
-            else:
-                query = wire_identity.sign_ledger_query(key, "earnings", now_ms)
-                reply = stub.GetEarnings(query, timeout=RPC_TIMEOUT_S)
+                return stub.DepositStake(request, timeout=RPC_TIMEOUT_S)
+            query = wire_identity.sign_ledger_query(key, "earnings", now_ms)
+            return stub.GetEarnings(query, timeout=RPC_TIMEOUT_S)
+
+        try:
+            try:
+                reply = ask()
+            except grpc.RpcError as err:
+                if not clock.learn(err):  # not a stamp refused as stale: nothing to retry
+                    raise
+                reply = ask()
         except grpc.RpcError as err:
             # On stderr: with --json, stdout is for the answer alone.
             print(f"tessera-node: {_problem(err, args.coordinator)}", file=sys.stderr)
             return 1
+    if args.command == "stake" and not args.json:
+        print(f"staked {args.amount} credit units (request id {request_id})")
     if args.json:
         from google.protobuf import json_format
 

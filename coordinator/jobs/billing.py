@@ -35,7 +35,7 @@ def hold_id(job_id: str) -> str:
 
 
 def _refused(err: LedgerError) -> StoreError:
-    return StoreError(err.code, err.message)
+    return StoreError(err.code, err.message, err.trailing_metadata)
 
 
 class JobBilling:

@@ -53,7 +53,7 @@ TicketCheck = Callable[[str, bytes], "bool | Awaitable[bool]"]
 
 
 async def _abort(context: Any, err: StoreError) -> NoReturn:
-    await context.abort(err.code, err.message)
+    await context.abort(err.code, err.message, trailing_metadata=err.trailing_metadata)
     raise AssertionError("unreachable: abort() raises")
 
 

@@ -4,16 +4,13 @@ from __future__ import annotations
 
 import grpc
 
+from coordinator.refusal import Refusal
+
 INT64_MAX = (1 << 63) - 1
 
 
-class LedgerError(Exception):
-    """A refused ledger operation; `code` is the gRPC status it maps to."""
-
-    def __init__(self, code: grpc.StatusCode, message: str) -> None:
-        super().__init__(message)
-        self.code = code
-        self.message = message
+class LedgerError(Refusal):
+    """A refused ledger operation."""
 
 
 def check_amount(amount: object, what: str = "amount", *, allow_zero: bool = False) -> int:

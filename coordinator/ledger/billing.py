@@ -19,7 +19,7 @@ from coordinator.ledger.book import Ledger, SettlementResult
 from coordinator.ledger.pricing import PriceOf, plan_route, stage_nodes
 from coordinator.ledger.receipts import verify_usage
 from coordinator.router import Holder, RttMs, Stage
-from protos import identity
+from protos import coordinator_clock, identity
 from protos.tessera.v1 import client_api_pb2, ledger_pb2
 
 log = logging.getLogger("tessera.ledger")
@@ -194,10 +194,14 @@ def accept_once(ledger: Ledger, nonce: bytes) -> None:
 
 
 def check_fresh(unix_ms: int) -> None:
-    skew = abs(time.time() * 1000 - unix_ms)
+    """Refuse a stamp too far from this clock. The refusal carries this clock's time, so a
+    client whose clock is off can stamp its next try right (protos/coordinator_clock.py)."""
+    now_ms = int(time.time() * 1000)
+    skew = abs(now_ms - unix_ms)
     if skew > FRESHNESS_MS:
         raise LedgerError(
             grpc.StatusCode.UNAUTHENTICATED,
             f"the request is stamped {skew / 1000:.0f} s away from the coordinator's clock "
             f"(at most {FRESHNESS_MS // 1000} s): check this machine's clock",
+            coordinator_clock.clock_trailer(now_ms),
         )

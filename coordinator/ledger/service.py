@@ -230,7 +230,7 @@ async def _answer(context: grpc.aio.ServicerContext, method: Any, *args: Any) ->
     try:
         return method(*args)
     except LedgerError as exc:
-        await context.abort(exc.code, exc.message)
+        await context.abort(exc.code, exc.message, trailing_metadata=exc.trailing_metadata)
 
 
 def build(ctx: CoordinatorContext) -> LedgerComponent:

@@ -4,18 +4,15 @@ from __future__ import annotations
 
 import grpc
 
+from coordinator.refusal import Refusal
+
 
 class CheckpointError(ValueError):
     """A checkpoint (a directory, a file or an upload header) is unusable."""
 
 
-class StoreError(Exception):
+class StoreError(Refusal):
     """A request the store refuses; carries the gRPC status the caller gets."""
-
-    def __init__(self, code: grpc.StatusCode, message: str) -> None:
-        super().__init__(message)
-        self.code = code
-        self.message = message
 
 
 def invalid(message: str) -> StoreError:

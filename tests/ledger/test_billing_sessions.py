@@ -110,7 +110,7 @@ class World:
     def request(self, *, sign: bool = True, **fields) -> client_api_pb2.OpenSessionRequest:
         request = client_api_pb2.OpenSessionRequest(model="m", max_length=MAX_LENGTH, **fields)
         if sign:
-            sign_open(request, self.client)
+            sign_open(request, self.client, int(time.time() * 1000))
         return request
 
 
@@ -227,7 +227,7 @@ async def test_stale_and_unsigned_paid_opens_are_refused(world: World):
         err.value.code == grpc.StatusCode.FAILED_PRECONDITION and "client key" in err.value.message
     )
     stale = client_api_pb2.OpenSessionRequest(model="m", max_length=MAX_LENGTH)
-    sign_open(stale, world.client)
+    sign_open(stale, world.client, int(time.time() * 1000))
     stale.request_unix_ms = int(time.time() * 1000) - 3_600_000
     stale.client_signature = world.client.sign(identity.open_session_payload(stale))
     with pytest.raises(LedgerError) as err:

@@ -11,6 +11,7 @@ the jobs tests' (tests/jobs/jobs_harness.py).
 
 from __future__ import annotations
 
+import time
 from collections.abc import Awaitable, Callable
 
 import grpc
@@ -57,7 +58,7 @@ def signed_open(key, **fields: object) -> client_api_pb2.OpenSessionRequest:
     fields.setdefault("model", MODEL)
     fields.setdefault("max_length", MAX_LENGTH)
     request = client_api_pb2.OpenSessionRequest(**fields)  # type: ignore[arg-type]
-    billing.sign_open(request, key)
+    billing.sign_open(request, key, int(time.time() * 1000))
     return request
 
 

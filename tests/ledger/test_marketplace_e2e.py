@@ -6,6 +6,7 @@ the coordinator inside settlement (failpoints) with a restart on the same databa
 
 from __future__ import annotations
 
+import json
 import re
 import sqlite3
 from collections.abc import Iterator
@@ -26,10 +27,13 @@ from support.market import (
     running_market,
     wait_for,
 )
+from support.wrong_clock import set_clock_off
 
+from client import cli as client_cli
 from client.api import Client
 from client.local_swarm import LocalSwarm
 from coordinator.ledger.failpoints import ENV as FAILPOINT_ENV
+from node_agent import cli as node_cli
 from protos.tessera.v1 import ledger_pb2, ledger_pb2_grpc
 
 pytestmark = pytest.mark.slow
@@ -117,6 +121,40 @@ def test_a_long_session_settles_periodically_then_closes_for_the_same_total(mark
     assert paid_by_node(market, result.session_id) == shares
     audit = audit_cli(market)
     assert audit.returncode == 0 and "ledger OK" in audit.stdout, audit.stdout
+
+
+def test_a_client_and_an_operator_whose_clocks_are_hours_off_still_pay_and_read(
+    market, client_key, monkeypatch, capsys
+):
+    """A PC whose clock is hours off (no network time, a dual-boot hardware clock): the
+    coordinator refuses its signed requests' stamps as stale, with its own time in the
+    refusal, and the next try is stamped by that time. Here the client and the CLIs run in
+    this process, whose clock is set wrong; the coordinator's is right."""
+    balance_before = int(balance_cli(market)["available"])
+    set_clock_off(monkeypatch, 3 * 3600)
+    result = generate(market, client_key)
+    shares = expected_shares(market, result, nodes=3)
+    assert result.settlement is not None
+    assert result.settlement.charged == sum(shares.values())
+    assert paid_by_node(market, result.session_id) == shares
+    key_path = str(market.workdir / "client.key")
+    assert client_cli.main(["balance", "--coordinator", market.address, "--key", key_path,
+                            "--json"]) == 0  # fmt: skip
+    balance = json.loads(capsys.readouterr().out)
+    assert int(balance["available"]) == balance_before - result.settlement.charged
+    # An operator's clock two hours behind reads what the right clock reads.
+    set_clock_off(monkeypatch, -2 * 3600)
+    node_id = next(iter(shares))
+    name = market.node(node_id).name
+    assert node_cli.main(["earnings", "--coordinator", market.address, "--data-dir",
+                          str(market.workdir / "nodes" / name), "--json"]) == 0  # fmt: skip
+    skewed, right = json.loads(capsys.readouterr().out), earnings_cli(market, node_id)
+    assert (skewed["node_id"], skewed["account"]) == (right["node_id"], right["account"])
+
+    def earned(reply: dict) -> int:  # pending turns into released meanwhile
+        return int(reply["pending"]) + int(reply["released"])
+
+    assert earned(skewed) == earned(right) >= shares[node_id]
 
 
 @pytest.mark.parametrize("failpoint", ["settle:mid", "settle:before-commit", "settle:after-commit"])

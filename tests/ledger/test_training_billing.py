@@ -53,7 +53,7 @@ def _ledger(served: JobsCoordinator) -> Ledger:
 def _open_request(job_id: str, key=None, max_price: int = 0):
     request = jobs_pb2.OpenTrainingSessionRequest(job_id=job_id, max_price=max_price)
     if key is not None:
-        billing.sign_open_training(request, key)
+        billing.sign_open_training(request, key, int(time.time() * 1000))
     return request
 
 
@@ -230,7 +230,7 @@ async def test_only_the_paying_client_can_open_a_paid_job_again(market: JobsCoor
         market.stub.OpenTrainingSession(altered), grpc.StatusCode.UNAUTHENTICATED, "not signed"
     )
     stale = jobs_pb2.OpenTrainingSessionRequest(job_id=job.job_id)
-    billing.sign_open_training(stale, owner)
+    billing.sign_open_training(stale, owner, int(time.time() * 1000))
     stale.request_unix_ms -= 3_600_000
     stale.client_signature = owner.sign(identity.open_training_payload(stale))
     await refused(market.stub.OpenTrainingSession(stale), grpc.StatusCode.UNAUTHENTICATED, "clock")

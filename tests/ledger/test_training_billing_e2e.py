@@ -22,6 +22,7 @@ from support.market import (
     paid_by_node,
     running_market,
 )
+from support.wrong_clock import set_clock_off
 
 from client.api import AsyncClient
 from client.datasets import TokenDataset
@@ -142,3 +143,18 @@ def test_a_paused_job_keeps_its_escrow_and_a_resumed_runner_pays_the_rest(market
     assert (int(balance["available"]), int(balance["escrowed"])) == (balance_before - amount, 0)
     audit = audit_cli(market)
     assert audit.returncode == 0 and "ledger OK" in audit.stdout, audit.stdout
+
+
+def test_a_runner_whose_clock_is_hours_behind_still_opens_and_pays_its_job(market, monkeypatch):
+    """The signed open is stamped by this process's clock, three hours behind the
+    coordinator's: refused as stale once, then stamped by the coordinator's time."""
+    key = funded_client(market)
+    data = _dataset()
+    job_id = _submit(market, key, data)
+    set_clock_off(monkeypatch, -3 * 3600)
+    final = _run(market, key, job_id, data)
+    assert final.step == SPEC.steps
+    shares = _shares(market, final, SPEC.steps * SPEC.batch_size)
+    assert paid_by_node(market, f"job:{job_id}") == shares
+    quote = sum(shares.values())
+    assert _hold(market, job_id) == (quote, quote, 0, "settled")
