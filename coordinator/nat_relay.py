@@ -20,13 +20,15 @@ public address is not on any of its interfaces (a cloud VM behind 1:1 NAT).
 
 Limits: MAX_CONNECTIONS client connections per tunnel (MAX_CONNECTIONS_PER_ADDRESS from one
 address, and a connection that sends nothing within FIRST_BYTES_TIMEOUT_S is closed, so a
-stranger cannot hold all the places), MAX_DATA_BYTES a message, and a
-bounded queue towards the node, so a client that sends faster than the tunnel carries waits
-(TCP back-pressure) instead of filling memory. Towards the clients nothing waits: one
-client that does not read must not hold up the node's other connections, so its bytes are
-queued, and a client that leaves more than UNREAD_LIMIT bytes unread (or the one with the
-most, when a tunnel's clients leave more than TUNNEL_UNREAD_LIMIT together) is cut off
-(protos/tunnel_writes.py).
+stranger cannot hold all the places), MAX_DATA_BYTES a message, and towards the node a small
+queue per connection (CONN_QUEUE_MESSAGES), so a client that sends faster than the tunnel
+carries waits (TCP back-pressure) instead of filling memory. The tunnel takes from those
+queues in turn, a message from each, so a client that floods delays another's request by
+one message of its own, not by its whole backlog (_FairQueue). Towards the clients nothing
+waits: one client that does not read must not hold up the node's other connections, so its
+bytes are queued, and a client that leaves more than UNREAD_LIMIT bytes unread (or the one
+with the most, when a tunnel's clients leave more than TUNNEL_UNREAD_LIMIT together) is cut
+off (protos/tunnel_writes.py).
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ import asyncio
 import errno
 import itertools
 import logging
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
@@ -58,10 +60,106 @@ MAX_CONNECTIONS_PER_ADDRESS = 32
 FIRST_BYTES_TIMEOUT_S = 10.0
 MAX_DATA_BYTES = 1 << 20
 READ_CHUNK = 64 * 1024
-QUEUE_MESSAGES = 256  # towards the node, all connections together
+# Data messages waiting to go to the node, a connection: a few keep the tunnel busy while
+# the client's next read is under way; more would only make the others wait longer (and
+# cost memory: CONN_QUEUE_MESSAGES x READ_CHUNK x MAX_CONNECTIONS at most).
+CONN_QUEUE_MESSAGES = 4
 MAX_REMEMBERED = 10_000  # nodes whose last relay port is kept
 UNREAD_LIMIT = tunnel_writes.MAX_UNREAD_BYTES  # a client connection's unread bytes
 TUNNEL_UNREAD_LIMIT = 4 * UNREAD_LIMIT  # all of a tunnel's client connections together
+
+
+class _FairQueue:
+    """The messages towards the node, a queue for each connection, taken from them in
+    turn: one connection's backlog never stands in front of another's bytes."""
+
+    def __init__(self, per_conn: int) -> None:
+        self._per_conn = per_conn
+        # Each connection's messages in its order (open, data, close), and how many of them
+        # are data: only data waits for room, so that a control message is never lost.
+        self._queues: dict[int, deque[tuple[relay_pb2.TunnelDown, bool]]] = {}
+        self._data: Counter[int] = Counter()
+        self._turns: deque[int] = deque()  # the connections with something queued, in turn
+        self._ready = asyncio.Event()  # something to get, or closed
+        self._room: dict[int, asyncio.Event] = {}  # a put waits for its connection's room
+        # Connections whose close is queued: data that was waiting for room then would
+        # follow the close, so it is dropped (the node has no connection to give it to).
+        self._ending: set[int] = set()
+        self._closed = False
+
+    def conns(self) -> set[int]:
+        """The connections with messages still to send (each holds memory)."""
+        return set(self._queues)
+
+    async def put(self, conn: int, message: relay_pb2.TunnelDown) -> None:
+        """Queue a data message once ``conn`` has room: only that connection waits."""
+        while self._data[conn] >= self._per_conn and not self._dropping(conn):
+            room = self._room.setdefault(conn, asyncio.Event())
+            room.clear()
+            await room.wait()
+        if self._dropping(conn):
+            return
+        self._data[conn] += 1
+        self._append(conn, message, is_data=True)
+
+    def _dropping(self, conn: int) -> bool:
+        return self._closed or conn in self._ending
+
+    def put_control(self, conn: int, message: relay_pb2.TunnelDown) -> None:
+        """Queue an open or a close at once, behind ``conn``'s data: waiting could lose it
+        (a caller that cannot wait) and going first would reorder it."""
+        if self._closed:
+            return  # the node is gone: nowhere to send it
+        if message.HasField("close"):
+            self._ending.add(conn)
+            self._wake(conn)  # a put waiting for room drops its data now
+        self._append(conn, message, is_data=False)
+
+    def _append(self, conn: int, message: relay_pb2.TunnelDown, *, is_data: bool) -> None:
+        queue = self._queues.get(conn)
+        if queue is None:
+            queue = self._queues[conn] = deque()
+            self._turns.append(conn)
+        queue.append((message, is_data))
+        self._ready.set()
+
+    def _wake(self, conn: int) -> None:
+        room = self._room.pop(conn, None)
+        if room is not None:
+            room.set()
+
+    async def get(self) -> relay_pb2.TunnelDown | None:
+        """The next message, one from each waiting connection in turn; None once closed."""
+        while not self._turns and not self._closed:
+            self._ready.clear()
+            await self._ready.wait()
+        if self._closed:
+            return None
+        conn = self._turns.popleft()
+        queue = self._queues[conn]
+        message, is_data = queue.popleft()
+        if is_data:
+            self._data[conn] -= 1
+            self._wake(conn)
+        if queue:
+            self._turns.append(conn)  # its next message waits for the others' turns
+        else:  # ids are never reused: forget the connection (memory stays bounded)
+            del self._queues[conn]
+            del self._data[conn]
+            self._ending.discard(conn)
+        return message
+
+    def close(self) -> None:
+        """Drop what was not sent; get() gives None from now on, and no put() waits."""
+        self._closed = True
+        self._queues.clear()
+        self._data.clear()
+        self._turns.clear()
+        self._ending.clear()
+        self._ready.set()
+        for room in self._room.values():
+            room.set()
+        self._room.clear()
 
 
 class _Tunnel:
@@ -69,11 +167,10 @@ class _Tunnel:
 
     def __init__(self, node_id: str) -> None:
         self.node_id = node_id
-        self.down: asyncio.Queue[relay_pb2.TunnelDown | None] = asyncio.Queue(QUEUE_MESSAGES)
+        self.down = _FairQueue(CONN_QUEUE_MESSAGES)
         self.conns: dict[int, asyncio.StreamWriter] = {}
         self.server: asyncio.base_events.Server | None = None
         self._ids = itertools.count(1)
-        self._closes: set[asyncio.Task[None]] = set()  # closes waiting for room in ``down``
         self._per_address: Counter[str] = Counter()  # open connections by client address
         self.closed = False
 
@@ -94,13 +191,15 @@ class _Tunnel:
         conn = next(self._ids)
         self.conns[conn] = writer
         self._per_address[address] += 1
-        await self.down.put(relay_pb2.TunnelDown(open=relay_pb2.TunnelOpen(conn=conn)))
+        self.down.put_control(conn, relay_pb2.TunnelDown(open=relay_pb2.TunnelOpen(conn=conn)))
         try:
             timeout_s: float | None = FIRST_BYTES_TIMEOUT_S
             while chunk := await asyncio.wait_for(reader.read(READ_CHUNK), timeout_s):
                 timeout_s = None
+                if conn not in self.conns:
+                    break  # cut off, and the node told so: nothing may follow the close
                 await self.down.put(
-                    relay_pb2.TunnelDown(data=relay_pb2.TunnelData(conn=conn, data=chunk))
+                    conn, relay_pb2.TunnelDown(data=relay_pb2.TunnelData(conn=conn, data=chunk))
                 )
         except TimeoutError:
             log.info("relay for %s: connection %d from %s sent nothing in %.0f s; closed",
@@ -117,8 +216,10 @@ class _Tunnel:
 
     def _refusal(self, address: str) -> str:
         """Why a new connection from ``address`` is not taken, or ""."""
-        if len(self.conns) >= MAX_CONNECTIONS:
-            return f"{MAX_CONNECTIONS} connections open"
+        # A connection that ended holds its place until its last bytes are sent: else
+        # clients that open, send and leave could pile up queues while the node is slow.
+        if len(self.conns.keys() | self.down.conns()) >= MAX_CONNECTIONS:
+            return f"{MAX_CONNECTIONS} connections open or still sending to the node"
         if self._per_address[address] >= MAX_CONNECTIONS_PER_ADDRESS:
             return f"{MAX_CONNECTIONS_PER_ADDRESS} connections open from that address"
         return ""
@@ -147,17 +248,11 @@ class _Tunnel:
         self._tell_closed(conn)
 
     def _tell_closed(self, conn: int) -> None:
-        """The node closes its end too; the message waits for room rather than be lost
-        (the node would keep a connection to its data plane open for nothing)."""
+        """The node closes its end too, after the connection's queued data; never lost (the
+        node would keep a connection to its data plane open for nothing)."""
         if self.closed:
             return  # the stream to the node has ended
-        close = relay_pb2.TunnelDown(close=relay_pb2.TunnelClose(conn=conn))
-        try:
-            self.down.put_nowait(close)
-        except asyncio.QueueFull:
-            task = asyncio.ensure_future(self.down.put(close))
-            self._closes.add(task)
-            task.add_done_callback(self._closes.discard)
+        self.down.put_control(conn, relay_pb2.TunnelDown(close=relay_pb2.TunnelClose(conn=conn)))
 
     def drop(self, conn: int) -> None:
         """The node ended the connection: the client gets what is queued, then the close."""
@@ -172,12 +267,9 @@ class _Tunnel:
         for writer in self.conns.values():
             tunnel_writes.cut(writer)  # the node is gone: nothing queued can be answered
         self.conns.clear()
-        for task in list(self._closes):
-            task.cancel()
-        # What the node has not been sent yet goes nowhere now; None ends the stream.
-        while not self.down.empty():
-            self.down.get_nowait()
-        self.down.put_nowait(None)
+        # What the node has not been sent yet goes nowhere now; get() gives None, which
+        # ends the stream.
+        self.down.close()
 
 
 class NatRelay(relay_pb2_grpc.RelayServicer):
@@ -256,8 +348,10 @@ class NatRelay(relay_pb2_grpc.RelayServicer):
         reading = asyncio.ensure_future(self._read(request_iterator, tunnel))
         log.info("relay: node %s is reachable at %s through its tunnel", node_id, address)
         try:
-            yield relay_pb2.TunnelDown(welcome=relay_pb2.TunnelWelcome(address=address))
+            # Routed through the tunnel before the node hears of it: whoever the node tells
+            # its address then finds it known here (clients' bytes wait in the queues).
             self._on_relayed(node_id, address)
+            yield relay_pb2.TunnelDown(welcome=relay_pb2.TunnelWelcome(address=address))
             while (message := await tunnel.down.get()) is not None:
                 yield message
             problem = reading.exception() if reading.done() and not reading.cancelled() else None

@@ -492,3 +492,154 @@ async def test_a_former_port_outside_the_range_is_not_given() -> None:
             await channel.close()
         await relay.service.stop()
         await relay.server.stop(0)
+
+
+async def backlogged(writer: asyncio.StreamWriter) -> None:
+    """Until ``writer``'s unsent bytes stop going down: whatever its relay takes on has
+    been taken (a queue that is full, the tunnel's own buffers)."""
+    last = -1
+    steady = 0
+    while steady < 5:
+        await asyncio.sleep(0.05)
+        size = writer.transport.get_write_buffer_size()
+        steady = steady + 1 if size == last else 0
+        last = size
+
+
+async def test_a_flooding_client_does_not_hold_up_the_node_s_other_connections(relay) -> None:
+    # Before: every connection's bytes waited in one queue towards the node, so a client that
+    # sent as fast as it could put up to QUEUE_MESSAGES x READ_CHUNK (16 MiB) ahead of every
+    # other client's, and a small request waited behind all of it. The node's end here is
+    # the test, with a small fixed stream window: what it gets first is what the relay sent
+    # first, not what gRPC's flow control let ahead.
+    channel = grpc.aio.insecure_channel(
+        relay.address, options=[("grpc.http2.bdp_probe", 0), ("grpc.http2.lookahead_bytes", 65536)]
+    )
+    call = relay_pb2_grpc.RelayStub(channel).Tunnel()
+    await call.write(hello(relay.node_id))
+    address = (await asyncio.wait_for(call.read(), 10)).welcome.address
+    host, port = address.rsplit(":", 1)
+    flooder: asyncio.StreamWriter | None = None
+    asker: asyncio.StreamWriter | None = None
+    try:
+        _, flooder = await asyncio.open_connection(host, int(port))
+        flooder.write(b"x" * (64 << 20))  # the node, not reading yet, holds this back
+        opened = await asyncio.wait_for(call.read(), 10)
+        flooding = opened.open.conn
+        await backlogged(flooder)
+        _, asker = await asyncio.open_connection(host, int(port))
+        asker.write(b"ping")
+        flooded = 0  # the flooder's bytes the node got before the small request
+        async with asyncio.timeout(30):
+            while True:
+                message = await call.read()
+                kind = message.WhichOneof("kind")
+                if kind == "data" and message.data.conn == flooding:
+                    flooded += len(message.data.data)
+                elif kind == "data":
+                    assert message.data.data == b"ping"
+                    break
+        # What the flooder's own queue held and a stream window, not its backlog (more
+        # than 16 MiB before).
+        assert flooded <= 4 * nat_relay.CONN_QUEUE_MESSAGES * nat_relay.READ_CHUNK, flooded
+    finally:
+        for writer in (flooder, asker):
+            if writer is not None:
+                writer.close()
+        call.cancel()
+        await channel.close()
+
+
+def down(kind: str, conn: int, data: bytes = b"") -> relay_pb2.TunnelDown:
+    if kind == "open":
+        return relay_pb2.TunnelDown(open=relay_pb2.TunnelOpen(conn=conn))
+    if kind == "close":
+        return relay_pb2.TunnelDown(close=relay_pb2.TunnelClose(conn=conn))
+    return relay_pb2.TunnelDown(data=relay_pb2.TunnelData(conn=conn, data=data))
+
+
+def described(message: relay_pb2.TunnelDown | None) -> tuple[str, int, bytes] | None:
+    if message is None:
+        return None
+    kind = message.WhichOneof("kind")
+    body = getattr(message, kind)
+    return kind, body.conn, getattr(body, "data", b"")
+
+
+async def test_the_queue_towards_the_node_takes_the_connections_in_turn() -> None:
+    queue = nat_relay._FairQueue(per_conn=3)
+    for conn, count in ((1, 3), (2, 1), (3, 2)):
+        for i in range(count):
+            await queue.put(conn, down("data", conn, b"%d" % i))
+    # Connection 1 is full: its next put waits, and only it.
+    waiting = asyncio.ensure_future(queue.put(1, down("data", 1, b"3")))
+    await asyncio.sleep(0.01)
+    assert not waiting.done()
+    await asyncio.wait_for(queue.put(2, down("data", 2, b"1")), 1)
+    got = [described(await queue.get()) for _ in range(3)]
+    await asyncio.wait_for(waiting, 1)  # room again
+    got += [described(await queue.get()) for _ in range(5)]
+    assert [(conn, data) for _, conn, data in got] == [
+        (1, b"0"), (2, b"0"), (3, b"0"),
+        (1, b"1"), (2, b"1"), (3, b"1"),
+        (1, b"2"), (1, b"3"),
+    ]  # fmt: skip
+
+
+async def test_opens_and_closes_keep_their_place_and_a_close_is_never_lost() -> None:
+    queue = nat_relay._FairQueue(per_conn=2)
+    queue.put_control(1, down("open", 1))
+    await queue.put(1, down("data", 1, b"a"))
+    await queue.put(1, down("data", 1, b"b"))
+    waiting = asyncio.ensure_future(queue.put(1, down("data", 1, b"late")))
+    queue.put_control(2, down("open", 2))
+    await queue.put(2, down("data", 2, b"c"))
+    await asyncio.sleep(0.01)
+    assert not waiting.done()
+    # Connection 1 is full, yet its close goes in at once (a cut-off cannot wait for room)
+    # and after its data; the put that waited for room is dropped: it would follow the close.
+    queue.put_control(1, down("close", 1))
+    queue.put_control(2, down("close", 2))
+    await asyncio.wait_for(waiting, 1)
+    got = [described(await queue.get()) for _ in range(7)]
+    assert got == [
+        ("open", 1, b""), ("open", 2, b""),
+        ("data", 1, b"a"), ("data", 2, b"c"),
+        ("data", 1, b"b"), ("close", 2, b""),
+        ("close", 1, b""),
+    ]  # fmt: skip
+    assert queue.conns() == set()  # nothing left of them
+    # Many connections, every queue full: every close still goes.
+    for conn in range(10, 20):
+        for i in range(2):
+            await queue.put(conn, down("data", conn, b"%d" % i))
+        queue.put_control(conn, down("close", conn))
+    got = [described(await queue.get()) for _ in range(30)]
+    closes = [conn for kind, conn, _ in got if kind == "close"]
+    assert sorted(closes) == list(range(10, 20))
+    for conn in closes:
+        assert got.index(("close", conn, b"")) > got.index(("data", conn, b"1"))
+
+
+async def test_closing_the_queue_ends_a_waiting_get_and_put_and_drops_the_rest() -> None:
+    queue = nat_relay._FairQueue(per_conn=1)
+    getting = asyncio.ensure_future(queue.get())
+    await asyncio.sleep(0.01)
+    assert not getting.done()
+    await queue.put(1, down("data", 1, b"a"))  # wakes the get
+    assert described(await asyncio.wait_for(getting, 1)) == ("data", 1, b"a")
+    getting = asyncio.ensure_future(queue.get())
+    await asyncio.sleep(0.01)
+    queue.close()  # so does the end of the tunnel
+    assert await asyncio.wait_for(getting, 1) is None
+    queue = nat_relay._FairQueue(per_conn=1)
+    await queue.put(2, down("data", 2, b"b"))
+    putting = asyncio.ensure_future(queue.put(2, down("data", 2, b"c")))  # full: waits
+    await asyncio.sleep(0.01)
+    assert not putting.done()
+    queue.close()
+    await asyncio.wait_for(putting, 1)
+    queue.put_control(3, down("close", 3))
+    await queue.put(3, down("data", 3, b"d"))
+    assert await asyncio.wait_for(queue.get(), 1) is None  # nothing of it goes now
+    assert queue.conns() == set()
