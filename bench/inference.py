@@ -32,10 +32,12 @@ The pipes floor always runs the three stages as three processes.
 
 Cold and warm. Round 1 runs against nodes new to the coordinator, which checks every
 one of their calls on a second node: that round is printed as the COLD figure. Trust is
-earned by passing checks, so the later rounds see what a long-running swarm sees, nodes
-checked at the floor rate: the median of those rounds is the WARM steady state, and the
-last line. Both ratios are printed; with --rounds 1 only the cold one exists and the
-last line is that.
+earned by passing checks: after round 1 the swarm generates, untimed, until the
+coordinator checks every node at its floor rate (5% of calls by default; about 10
+generations, 20-40 s here), as it checks the nodes of a long-running swarm. The later
+rounds then see that steady state: the median of them is the WARM figure, and the last
+line. Both ratios are printed; with --rounds 1 only the cold one exists and the last line
+is that.
 
 The greedy token ids of every run must be identical (exit status 1 if not). The LAST line
 is exactly `swarm/local tokens/s ratio: X` (the warm steady state, see above).
@@ -111,6 +113,7 @@ from client.driver import DriverConfig  # noqa: E402
 from client.local_swarm import LocalSwarm, wait_for_replicas  # noqa: E402
 from client.records import HopRecord  # noqa: E402
 from client.tokenizer import load_tokenizer  # noqa: E402
+from coordinator.settings import Settings  # noqa: E402
 from node_agent.runtime import load_stage_model  # noqa: E402
 
 MODEL = "bench-llama"
@@ -475,10 +478,12 @@ def bench(args: argparse.Namespace, workdir: Path) -> int:
     )
     rounds: list[tuple[Run, Run, Run, Run]] = []  # (local, pipes, swarm, hop by hop)
     coordinator_args = ["--min-stages", "3", "--replicas", "2"]
+    check_floor = Settings.verify_min_probability  # the coordinator's default
     if args.check_floor is not None:
         coordinator_args += ["--verify-warmup", "1", "--verify-min-probability",
                              str(args.check_floor)]  # fmt: skip
         say(f"checks: --check-floor {args.check_floor} (not the coordinator's defaults)")
+        check_floor = args.check_floor
     with LocalSwarm(workdir, coordinator_args=coordinator_args) as swarm:
         swarm.start_coordinator()
         nodes = [swarm.start_node(name) for name in NODES]
@@ -527,6 +532,8 @@ def bench(args: argparse.Namespace, workdir: Path) -> int:
                         f"{hop.tokens_per_s:6.2f} ({ratio(hop, local):.2f}) over "
                         f"{len(plain.result.initial_route)} hops; {checked_text(plain)}"
                     )
+                    if r == 0 and args.rounds > 1:
+                        say(season(client, prompt_ids, args.tokens, check_floor))
             finally:
                 pipes.close()
             faulty, victim_id, kill_after, stall_s = run_with_kill(client, swarm, prompt_ids, args)
@@ -626,6 +633,36 @@ def bench(args: argparse.Namespace, workdir: Path) -> int:
             f"{ratio(plain, local):.2f}"
         )
     return 0 if same else 1
+
+
+def season(client: Client, prompt_ids: list[int], tokens: int, floor: float) -> str:
+    """Generate, untimed, until the coordinator checks every node at ``floor``, the rate at
+    which it checks the nodes of a long-running swarm once they have earned its trust; at
+    most SEASON_LIMIT_S. What it took, as a line to print."""
+    began = time.monotonic()
+    generations = 0
+    while True:
+        chances = {n.name or n.node_id: n.trust.check_probability for n in client.nodes()}
+        above = {name: p for name, p in chances.items() if p > floor * (1 + 1e-6)}
+        spent = time.monotonic() - began
+        if not above or spent > SEASON_LIMIT_S:
+            break
+        generate_swarm(client, prompt_ids, tokens)
+        generations += 1
+    rates = ", ".join(f"{name} {p:.0%}" for name, p in sorted(chances.items()))
+    if above:
+        return (
+            f"after {generations} untimed generations ({spent:.0f} s) some nodes are still "
+            f"checked above the floor of {floor:.0%} ({rates}): the warm rounds check more "
+            "than a long-running swarm does"
+        )
+    return (
+        f"{generations} untimed generations ({spent:.0f} s) until the coordinator checks every "
+        f"node at its floor of {floor:.0%}, as in a long-running swarm ({rates})"
+    )
+
+
+SEASON_LIMIT_S = 180.0
 
 
 def ratio(run: Run, baseline: Run) -> float:
