@@ -16,9 +16,9 @@ from typing import Any
 import grpc
 
 from coordinator.context import CoordinatorContext
-from coordinator.ledger.amounts import LedgerError
 from coordinator.node_state import NodeState
 from coordinator.placement import Placement, PlacementNode, model_spec
+from coordinator.refusal import Refusal
 from coordinator.registry import (
     NodeStateChanged,
     NodeView,
@@ -26,7 +26,7 @@ from coordinator.registry import (
     TelemetryReported,
 )
 from coordinator.reliability import HISTORY_EVENTS
-from coordinator.sessions import SessionError, Sessions
+from coordinator.sessions import Sessions
 from protos.tessera.v1 import client_api_pb2, coordinator_pb2
 
 log = logging.getLogger("tessera.inference")
@@ -262,9 +262,7 @@ class SessionRpc:
     async def _answer(context: grpc.aio.ServicerContext, method: Any, request: Any) -> Any:
         try:
             return method(request)
-        except SessionError as exc:
-            await context.abort(exc.code, exc.message)
-        except LedgerError as exc:
+        except Refusal as exc:  # SessionError, LedgerError
             await context.abort(exc.code, exc.message, trailing_metadata=exc.trailing_metadata)
 
 

@@ -40,6 +40,7 @@ from coordinator.challenges import ChallengeRejected, ChallengeStore
 from coordinator.db import NodeRecord, NodeRepository, StateChange
 from coordinator.events import EventBus
 from coordinator.node_state import CONNECTED, RESTART_REASON, NodeState
+from coordinator.refusal import Refusal
 from coordinator.settings import Settings
 from coordinator.validation import MAX_STRING_CHARS, InvalidField, validate_registration
 from protos import identity
@@ -75,12 +76,8 @@ def telemetry_topic(node_id: str) -> str:
     return f"tessera/nodes/{node_id}/telemetry"
 
 
-class RegistryError(Exception):
+class RegistryError(Refusal):
     """A request the registry refuses; `code` is the gRPC status to answer with."""
-
-    def __init__(self, code: grpc.StatusCode, message: str) -> None:
-        super().__init__(message)
-        self.code = code
 
 
 # -- what listeners receive -----------------------------------------------------------------------

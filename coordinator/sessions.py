@@ -20,6 +20,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from coordinator.operators import same_operator
 from coordinator.placement import Placement
+from coordinator.refusal import Refusal
 from coordinator.router import Holder, Hop, NoRouteError, Stage, cover_span, route
 from protos import identity
 from protos.quoting import shown
@@ -40,11 +41,8 @@ _MAX_NAME = 256
 MAX_CHECKERS = 3
 
 
-class SessionError(Exception):
-    def __init__(self, code: grpc.StatusCode, message: str) -> None:
-        super().__init__(message)
-        self.code = code
-        self.message = message
+class SessionError(Refusal):
+    """A session request refused, with the gRPC status its caller gets."""
 
 
 class Sessions:

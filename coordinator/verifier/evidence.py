@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import grpc
 import numpy as np
 
+from coordinator.refusal import Refusal
 from protos import codec, identity, output_check
 from protos.tessera.v1 import client_api_pb2, common_pb2, verification_pb2
 
@@ -27,11 +28,8 @@ MAX_NODE_CALLS = 1024
 DIGEST_BYTES = output_check.DIGEST_BYTES
 
 
-class ReportError(Exception):
-    def __init__(self, code: grpc.StatusCode, message: str) -> None:
-        super().__init__(message)
-        self.code = code
-        self.message = message
+class ReportError(Refusal):
+    """A verification report refused, with the gRPC status its caller gets."""
 
 
 @dataclass(frozen=True)
