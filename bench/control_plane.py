@@ -47,6 +47,7 @@ sys.path.insert(0, str(REPO_ROOT))
 
 from coordinator.server import server_options  # noqa: E402
 from coordinator.settings import Settings  # noqa: E402
+from node_agent import __version__  # noqa: E402
 from node_agent.agent import AgentConfig, keepalive_options  # noqa: E402
 from protos import codec, identity  # noqa: E402
 from protos.tessera.v1 import (  # noqa: E402
@@ -236,7 +237,7 @@ def capabilities(i: int) -> node_pb2.Capabilities:
         device_kind="cuda", device_name="NVIDIA GeForce RTX 3090", device_count=1,
         memory_total_bytes=24 << 30, memory_usable_bytes=22 << 30, compute_capability="8.6",
         cpu_cores=16, ram_bytes=64 << 30, matmul_tflops=30.0 + i % 10, region="eu-west",
-        agent_version="bench", dtypes=["float32", "float16"],
+        agent_version=__version__, dtypes=["float32", "float16"],
     )  # fmt: skip
 
 

@@ -22,7 +22,9 @@ from typing import Any
 
 import grpc
 
+from coordinator import agent_versions
 from coordinator.admin_client import CliError, resolve_address
+from coordinator.agent_versions import MIN_AGENT_VERSION
 from coordinator.events import parse_mqtt_url
 from coordinator.settings import Settings
 
@@ -115,6 +117,12 @@ def _probability(text: str) -> float:
     return value
 
 
+def _release(text: str) -> str:
+    if agent_versions.release(text) is None:
+        raise argparse.ArgumentTypeError(f"expected a release like 0.3.1, got {text!r}")
+    return text
+
+
 def _listen_address(text: str) -> str:
     from coordinator.addresses import split_host_port
 
@@ -202,6 +210,12 @@ def _add_serve_parser(subparsers: Any) -> None:
         help="acknowledge every Nth heartbeat, and every state change at once (default: "
         "%(default)s). 2 halves the acks the coordinator writes, about a third of its CPU per "
         "heartbeat; node agents accept up to 3 silent intervals",
+    )  # fmt: skip
+    serve_parser.add_argument(
+        "--min-agent-version", type=_release, default=MIN_AGENT_VERSION, metavar="X.Y.Z",
+        help="refuse node agents older than this release, with a message that tells their "
+        "owners to upgrade (default: %(default)s, the oldest that speaks this protocol); "
+        "raise it to keep out a release with a known flaw",
     )  # fmt: skip
     serve_parser.add_argument(
         "--replicas", type=_positive_int, default=2, metavar="R",
@@ -293,6 +307,7 @@ def _run_serve(args: argparse.Namespace) -> int:
         heartbeat_ack_every=args.heartbeat_ack_every,
         replicas=args.replicas,
         min_stages=args.min_stages,
+        min_agent_version=args.min_agent_version,
         max_token_latency_ms=args.max_token_latency,
         max_token_price_units=args.max_token_price,
         kv_tokens_per_shard=args.kv_tokens,

@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from coordinator.agent_versions import MIN_AGENT_VERSION
+
 
 @dataclass(frozen=True)
 class Settings:
@@ -41,6 +43,9 @@ class Settings:
     # (None: any free port the system gives).
     relay_bind: str | None = None
     relay_ports: tuple[int, int] | None = None
+    # Node agents older than this release are refused at registration
+    # (coordinator/agent_versions.py).
+    min_agent_version: str = MIN_AGENT_VERSION
     # How long a stopping server lets running calls finish.
     shutdown_grace_s: float = 5.0
     # Placement: every layer keeps at least this many ready replicas when capacity allows.

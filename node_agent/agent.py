@@ -259,7 +259,15 @@ class NodeAgent:
             data_address=self.data_address,
         )
         identity.sign_register(self.ctx.private_key, request)
-        response = await stub.Register(request, timeout=_REGISTER_TIMEOUT_S)
+        try:
+            response = await stub.Register(request, timeout=_REGISTER_TIMEOUT_S)
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() == grpc.StatusCode.FAILED_PRECONDITION:  # a release too old for it
+                raise Refused(
+                    f"the coordinator at {self.config.coordinator} does not take this node: "
+                    f"{exc.details()}"
+                ) from None
+            raise
         if response.node_id != self.ctx.node_id:
             raise Refused(
                 f"the coordinator assigned id {response.node_id}, but this key's id is "

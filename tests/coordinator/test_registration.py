@@ -278,6 +278,32 @@ async def test_banned_key_is_refused(harness: Harness) -> None:
     await assert_still_serving(harness)
 
 
+@pytest.mark.parametrize(
+    ("version", "words"),
+    [
+        ("0.0.9", "is Tessera 0.0.9, and this coordinator takes 0.2.0 or newer"),
+        ("0.1.7", "is Tessera 0.1.7"),
+        ("", "says no version"),
+        ("nightly", "says it is 'nightly'"),
+        ("v" + "9" * 63, "says it is 'v999"),  # not a release, however high it looks
+    ],
+)
+async def test_a_node_agent_older_than_the_minimum_is_told_to_upgrade(
+    start_harness, version: str, words: str
+) -> None:
+    harness = await start_harness(min_agent_version="0.2.0")
+    node = harness.node()
+    refused = node.register(capabilities=good_capabilities(agent_version=version))
+    details = await expect_error(refused, grpc.StatusCode.FAILED_PRECONDITION, words)
+    assert "pip install -U 'tessera-swarm[node]'" in details and len(details) < 500, details
+    assert harness.registry.node(node.node_id) is None
+    # Still serving: the minimum itself, a later release, and a pre-release of one, are taken.
+    for taken in ("0.2.0", "0.10.1", "1.0.0rc1"):
+        other = harness.node()
+        await other.register(capabilities=good_capabilities(agent_version=taken))
+        assert harness.registry.node(other.node_id) is not None
+
+
 class _StageStub(stage_pb2_grpc.StageServicer):
     def __init__(self, node_id: str) -> None:
         self.node_id = node_id

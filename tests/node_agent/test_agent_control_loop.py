@@ -8,9 +8,10 @@ from pathlib import Path
 
 import grpc
 import pytest
-from support.procs import start_coordinator
+from support.procs import start_coordinator, start_node
 
 from coordinator.settings import Settings
+from node_agent import __version__
 from node_agent.agent import AgentConfig, ExitCode, NodeAgent
 from node_agent.backoff import Backoff
 from node_agent.data_plane import NoModelStageServicer
@@ -317,3 +318,19 @@ def test_capabilities_expire_by_the_coordinator_s_clock_as_registration_gave_it(
     # A coordinator from before RegisterResponse.coordinator_unix_ms says 0: the offset
     # learnt last is kept (none at first: this machine's own clock).
     assert agent_ctx.learn_coordinator_clock(0) == 300.0
+
+
+def test_a_node_agent_too_old_for_the_coordinator_exits_and_says_how_to_upgrade(
+    tmp_path: Path,
+) -> None:
+    """Real processes: a coordinator that takes node agents from 99.0.0 on, and this
+    release's agent. It exits with REFUSED (the systemd unit does not restart that) and
+    tells its owner what to do, instead of retrying for ever."""
+    with start_coordinator(tmp_path, extra_args=["--min-agent-version", "99.0.0"]) as coord:
+        node = start_node(coord.address, tmp_path / "node", "old", wait_registered=False)
+        with node:
+            assert node.process.wait(timeout=60) == ExitCode.REFUSED
+        log = node.process.log_text()
+        assert f"this node agent is Tessera {__version__}" in log, log[-2000:]
+        assert "takes 99.0.0 or newer" in log and "pip install -U" in log, log[-2000:]
+        assert "retrying" not in log, log[-2000:]
