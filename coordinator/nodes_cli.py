@@ -1,10 +1,11 @@
-"""`tessera-coordinator nodes list|drain`: look at and steer the registered nodes."""
+"""`tessera-coordinator nodes list|drain|ban|unban`: look at and steer the registered nodes."""
 
 from __future__ import annotations
 
 import argparse
 import json
 import time
+from collections.abc import Callable
 from typing import Any
 
 from google.protobuf import json_format
@@ -30,11 +31,15 @@ RPC_TIMEOUT_S = 15.0
 def add_parser(subparsers: Any) -> None:
     nodes = subparsers.add_parser(
         "nodes",
-        help="list or drain the nodes of a running coordinator",
+        help="list, drain, ban or unban the nodes of a running coordinator",
         description="Look at and steer the nodes registered with a running coordinator.",
         epilog="examples:\n"
         "  tessera-coordinator nodes list --data-dir /var/lib/tessera --all\n"
         "  tessera-coordinator nodes drain NODE_ID --reason 'disk swap' \\\n"
+        "      --data-dir /var/lib/tessera\n"
+        "  tessera-coordinator nodes ban NODE_ID --reason 'spams sessions' \\\n"
+        "      --data-dir /var/lib/tessera\n"
+        "  tessera-coordinator nodes unban NODE_ID --reason 'owner fixed it' \\\n"
         "      --data-dir /var/lib/tessera",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
@@ -59,19 +64,57 @@ def add_parser(subparsers: Any) -> None:
     add_connection_arguments(listing)
     listing.set_defaults(func=run_list)
 
-    drain = actions.add_parser(
-        "drain",
+    _add_node_action(
+        actions, "drain", run_drain,
         help="ask a node to finish its work and leave (admin)",
         description="Ask an attached node to stop taking new work, finish what runs and "
         "disconnect. Needs the admin token.",
-        epilog="example: tessera-coordinator nodes drain n3f2a... --reason 'disk swap' "
+        example="--reason 'disk swap'",
+        reason_help="shown to the node's operator (default: none)",
+    )  # fmt: skip
+    _add_node_action(
+        actions, "ban", run_ban,
+        help="ban a node: disconnect it and refuse its key (admin)",
+        description="Ban a node: its stream is closed, its shards are placed elsewhere, and "
+        "its key may not register again until `nodes unban`. A node agent exits when "
+        "banned, so its open sessions fail over to alternates. Slashes nothing: stakes are "
+        "slashed only on proof of wrong work. Needs the admin token.",
+        example="--reason 'spams sessions'",
+        reason_help="kept in the node's history (default: none)",
+    )  # fmt: skip
+    _add_node_action(
+        actions, "unban", run_unban,
+        help="lift a node's ban (admin)",
+        description="Lift a ban: the node may register again, and is checked as a new node "
+        "would be (its failures stay on record). Needs the admin token.",
+        example="--reason 'owner fixed it'",
+        reason_help="kept in the node's history (default: none)",
+    )  # fmt: skip
+
+
+def _add_node_action(
+    actions: Any,
+    name: str,
+    func: Callable[[argparse.Namespace], int],
+    *,
+    help: str,  # noqa: A002 - argparse's own word
+    description: str,
+    example: str,
+    reason_help: str,
+) -> None:
+    """`nodes NAME NODE_ID [--reason TEXT]`, an admin action on one node."""
+    action = actions.add_parser(
+        name,
+        help=help,
+        description=description,
+        epilog=f"example: tessera-coordinator nodes {name} n3f2a... {example} "
         "--data-dir /var/lib/tessera",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    drain.add_argument("node_id", metavar="NODE_ID", help="as shown by `nodes list`")
-    drain.add_argument("--reason", default="", help="shown to the node's operator (default: none)")
-    add_connection_arguments(drain)
-    drain.set_defaults(func=run_drain)
+    action.add_argument("node_id", metavar="NODE_ID", help="as shown by `nodes list --all`")
+    action.add_argument("--reason", default="", help=reason_help)
+    add_connection_arguments(action)
+    action.set_defaults(func=func)
 
 
 def _state_name(value: int) -> str:
@@ -130,13 +173,30 @@ def run_list(args: argparse.Namespace) -> int:
     return 0
 
 
-def run_drain(args: argparse.Namespace) -> int:
+def _admin_call(args: argparse.Namespace, method: str, request: Any) -> None:
     token = resolve_admin_token(args)
     with open_channel(resolve_address(args)) as channel:
-        admin_pb2_grpc.AdminStub(channel).DrainNode(
-            admin_pb2.DrainNodeRequest(node_id=args.node_id, reason=args.reason),
-            metadata=bearer_metadata(token),
-            timeout=RPC_TIMEOUT_S,
+        getattr(admin_pb2_grpc.AdminStub(channel), method)(
+            request, metadata=bearer_metadata(token), timeout=RPC_TIMEOUT_S
         )
+
+
+def run_drain(args: argparse.Namespace) -> int:
+    request = admin_pb2.DrainNodeRequest(node_id=args.node_id, reason=args.reason)
+    _admin_call(args, "DrainNode", request)
     print(f"node {args.node_id} is draining")
+    return 0
+
+
+def run_ban(args: argparse.Namespace) -> int:
+    request = admin_pb2.NodeModerationRequest(node_id=args.node_id, reason=args.reason)
+    _admin_call(args, "BanNode", request)
+    print(f"node {args.node_id} is banned; `nodes unban {args.node_id}` lifts it")
+    return 0
+
+
+def run_unban(args: argparse.Namespace) -> int:
+    request = admin_pb2.NodeModerationRequest(node_id=args.node_id, reason=args.reason)
+    _admin_call(args, "UnbanNode", request)
+    print(f"node {args.node_id} may register again")
     return 0

@@ -732,18 +732,23 @@ class Registry:
             return False
         return True
 
-    async def drain(self, node_id: str, reason: str) -> str:
-        """Ask an attached node to finish its work and leave (admin request); returns the
-        reason as the node was told it (at most 200 characters)."""
+    def _operator_target(self, node_id: str, action: str) -> _LiveNode:
+        """The node an operator's request names (drain, ban, unban)."""
         if not node_id:
             raise RegistryError(
                 grpc.StatusCode.INVALID_ARGUMENT,
-                "name the node to drain: node_id is empty (`tessera-coordinator nodes list` "
-                "shows the ids)",
+                f"name the node to {action}: node_id is empty (`tessera-coordinator nodes "
+                "list --all` shows the ids)",
             )
         node = self._nodes.get(node_id)
         if node is None:
             raise RegistryError(grpc.StatusCode.NOT_FOUND, f"unknown node id {node_id[:64]!r}")
+        return node
+
+    async def drain(self, node_id: str, reason: str) -> str:
+        """Ask an attached node to finish its work and leave (admin request); returns the
+        reason as the node was told it (at most 200 characters)."""
+        node = self._operator_target(node_id, "drain")
         if node.state not in CONNECTED:
             raise RegistryError(
                 grpc.StatusCode.FAILED_PRECONDITION,
@@ -761,6 +766,34 @@ class Registry:
             # Logged and stored: quoted, so line breaks cannot forge log lines.
             self._set_state(node, NodeState.DRAINING, f"admin asked to drain: {shown(reason)}")
         return reason
+
+    def operator_ban(self, node_id: str, reason: str) -> str:
+        """An operator bans a node (admin request): as ``ban``, and refused for a node
+        banned already, so that the reason on record stays the first one. Returns the
+        reason as recorded."""
+        node = self._operator_target(node_id, "ban")
+        if node.state is NodeState.BANNED:
+            raise RegistryError(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"node {node_id} is banned already (`tessera-coordinator nodes list --all`)",
+            )
+        recorded = f"by an operator: {shown(reason[:200] or 'no reason given')}"
+        self.ban(node_id, recorded)
+        return recorded
+
+    def unban(self, node_id: str, reason: str) -> str:
+        """Lift a ban (admin request): the node is offline, and may register again. What
+        it did stays on record (its failures in the verifier's reputation, so it is checked
+        as a new node is). Returns the reason as recorded."""
+        node = self._operator_target(node_id, "unban")
+        if node.state is not NodeState.BANNED:
+            raise RegistryError(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"node {node_id} is {node.state.value}, not banned: there is no ban to lift",
+            )
+        recorded = f"ban lifted by an operator: {shown(reason[:200] or 'no reason given')}"
+        self._set_state(node, NodeState.OFFLINE, recorded)
+        return recorded
 
     def ban(self, node_id: str, reason: str) -> None:
         """Final: the node's stream is closed and its key may not register again."""

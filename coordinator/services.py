@@ -9,8 +9,9 @@ part is missing the RPC answers UNIMPLEMENTED.
 from __future__ import annotations
 
 import asyncio
+import inspect
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any, NoReturn
 
 import grpc
@@ -212,14 +213,35 @@ class AdminService(admin_pb2_grpc.AdminServicer):
     def __init__(self, ctx: CoordinatorContext) -> None:
         self.ctx = ctx
 
-    async def DrainNode(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+    async def _as_admin(self, context: grpc.aio.ServicerContext, action: Callable[[], Any]) -> Any:
+        """``action()``'s result (awaited if need be) for a caller with the admin token."""
         await require_admin(context, self.ctx.admin_token)
         try:
-            reason = await self.ctx.registry.drain(request.node_id, request.reason)
+            result = action()
+            return await result if inspect.isawaitable(result) else result
         except RegistryError as exc:
             await _abort_with(context, exc)
+
+    async def DrainNode(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        registry = self.ctx.registry
+        reason = await self._as_admin(
+            context, lambda: registry.drain(request.node_id, request.reason)
+        )
         # %r: an admin's free text must not forge log lines.
         log.info("admin drained node %s (%r)", request.node_id, reason)
+        return common_pb2.Empty()
+
+    # The registry logs and records the state changes of these two, with their reasons.
+    async def BanNode(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        registry = self.ctx.registry
+        await self._as_admin(
+            context, lambda: registry.operator_ban(request.node_id, request.reason)
+        )
+        return common_pb2.Empty()
+
+    async def UnbanNode(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        registry = self.ctx.registry
+        await self._as_admin(context, lambda: registry.unban(request.node_id, request.reason))
         return common_pb2.Empty()
 
     async def AddModel(self, request_iterator: Any, context: Any) -> Any:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import grpc
 import pytest
 from support.coordinator_harness import Harness
+from support.hostile import refused
 
 from coordinator.admin_auth import bearer_metadata
 from coordinator.cli import build_parser
@@ -69,20 +70,13 @@ async def test_drain_refuses_hostile_input_and_keeps_serving(harness: Harness) -
     auth = bearer_metadata(harness.ctx.admin_token)
     node = await harness.registered_node(attach=True)
 
-    async def refused(request: admin_pb2.DrainNodeRequest, code: grpc.StatusCode) -> str:
-        with pytest.raises(grpc.aio.AioRpcError) as info:
-            await harness.admin.DrainNode(request, metadata=auth)
-        assert info.value.code() == code, info.value.details()
-        details = info.value.details() or ""
-        assert len(details) < 500  # never echoes a megabyte back
-        return details
+    def drain(request: admin_pb2.DrainNodeRequest) -> object:
+        return harness.admin.DrainNode(request, metadata=auth)
 
-    assert "node_id is empty" in await refused(drain_request(""), grpc.StatusCode.INVALID_ARGUMENT)
-    await refused(drain_request("n" * 100_000 + "\n"), grpc.StatusCode.NOT_FOUND)
-    await refused(
-        drain_request(node.node_id, "x" * (codec.MAX_MESSAGE_BYTES + 10)),
-        grpc.StatusCode.RESOURCE_EXHAUSTED,
-    )
+    await refused(drain(drain_request("")), grpc.StatusCode.INVALID_ARGUMENT, "node_id is empty")
+    await refused(drain(drain_request("n" * 100_000 + "\n")), grpc.StatusCode.NOT_FOUND, "")
+    huge = drain_request(node.node_id, "x" * (codec.MAX_MESSAGE_BYTES + 10))
+    await refused(drain(huge), grpc.StatusCode.RESOURCE_EXHAUSTED, "")
     assert harness.state(node.node_id) is NodeState.ONLINE  # nothing of that reached it
 
     # A long reason with line breaks still drains: the node is told at most 200 characters.
@@ -185,3 +179,62 @@ async def test_model_rpcs_answer_unimplemented_without_a_store(harness: Harness)
         async for _ in stream:
             pass
     assert info.value.code() == grpc.StatusCode.UNIMPLEMENTED
+
+
+def moderation(node_id: str, reason: str = "spams sessions") -> admin_pb2.NodeModerationRequest:
+    return admin_pb2.NodeModerationRequest(node_id=node_id, reason=reason)
+
+
+async def test_an_operator_bans_a_node_and_lifts_the_ban(harness: Harness) -> None:
+    auth = bearer_metadata(harness.ctx.admin_token)
+    node = await harness.registered_node("moderated", attach=True)
+    await harness.admin.BanNode(moderation(node.node_id), metadata=auth)
+    assert harness.state(node.node_id) is NodeState.BANNED
+    with pytest.raises(grpc.aio.AioRpcError) as info:  # its stream is closed
+        await node.call.read()
+    assert info.value.code() == grpc.StatusCode.PERMISSION_DENIED
+    assert info.value.details() == "node banned: by an operator: 'spams sessions'"
+    with pytest.raises(grpc.aio.AioRpcError) as info:  # and its key may not come back
+        await node.register()
+    assert info.value.code() == grpc.StatusCode.PERMISSION_DENIED
+    # Banned once: a second ban is refused and keeps the first reason on record.
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        await harness.admin.BanNode(moderation(node.node_id, "again"), metadata=auth)
+    assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert "banned already" in info.value.details()
+
+    await harness.admin.UnbanNode(moderation(node.node_id, "owner fixed it"), metadata=auth)
+    assert harness.state(node.node_id) is NodeState.OFFLINE
+    await node.register()
+    await node.attach()
+    assert harness.state(node.node_id) is NodeState.ONLINE
+    with pytest.raises(grpc.aio.AioRpcError) as info:  # no ban to lift now
+        await harness.admin.UnbanNode(moderation(node.node_id), metadata=auth)
+    assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert "is online, not banned" in info.value.details()
+
+
+@pytest.mark.parametrize("method", ["BanNode", "UnbanNode"])
+async def test_ban_and_unban_refuse_strangers_and_hostile_input(harness: Harness, method) -> None:
+    auth = bearer_metadata(harness.ctx.admin_token)
+    node = await harness.registered_node(attach=True)
+    call = getattr(harness.admin, method)
+
+    unauthenticated = grpc.StatusCode.UNAUTHENTICATED
+    await refused(call(moderation(node.node_id)), unauthenticated, "without credentials")
+    wrong = (("authorization", "Bearer guess"),)
+    await refused(call(moderation(node.node_id), metadata=wrong), unauthenticated, "wrong")
+    empty = call(moderation(""), metadata=auth)
+    await refused(empty, grpc.StatusCode.INVALID_ARGUMENT, "node_id is empty")
+    await refused(
+        call(moderation("n" * 100_000 + "\n"), metadata=auth), grpc.StatusCode.NOT_FOUND, ""
+    )
+    huge = moderation(node.node_id, "x" * (codec.MAX_MESSAGE_BYTES + 10))
+    await refused(call(huge, metadata=auth), grpc.StatusCode.RESOURCE_EXHAUSTED, "")
+    assert harness.state(node.node_id) is NodeState.ONLINE  # nothing of that reached it
+    if method == "BanNode":  # a long reason with line breaks is cut and quoted on record
+        await call(moderation(node.node_id, "a\nb " * 5_000), metadata=auth)
+        assert harness.state(node.node_id) is NodeState.BANNED
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await node.call.read()
+        assert "'a\\nb a\\nb" in info.value.details() and len(info.value.details()) < 400

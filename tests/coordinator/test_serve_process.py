@@ -18,6 +18,7 @@ from support.procs import (
     ManagedProcess,
     python_module,
     start_coordinator,
+    start_node,
 )
 
 from coordinator.cli import main
@@ -382,3 +383,45 @@ def test_serve_rejects_bad_flags(args: list[str], fragment: str, capsys) -> None
     code, _, err = run_main(args, capsys)
     assert code == 2
     assert fragment in err
+
+
+async def test_admin_cli_bans_a_node_agent_and_lifts_the_ban(tmp_path) -> None:
+    """Real processes: `nodes ban` ends a running node agent, which exits REFUSED (its
+    systemd unit does not restart that) and cannot join again; `nodes unban` lets it."""
+    with start_coordinator(tmp_path) as coordinator:
+        data_dir = str(coordinator.data_dir)
+        node = start_node(coordinator.address, tmp_path / "node", "noisy")
+        with node:
+            banned = cli("nodes", "ban", str(node.node_id), "--reason", "spams sessions",
+                         "--data-dir", data_dir)  # fmt: skip
+            assert banned.returncode == 0, banned.stderr
+            assert "is banned" in banned.stdout
+            assert node.process.wait(timeout=60) == 3  # ExitCode.REFUSED
+        assert "banned" in node.process.log_text()
+        nodes = await list_nodes(coordinator.address)
+        assert [n.state for n in nodes] == [node_pb2.NODE_STATE_BANNED]
+        again = start_node(coordinator.address, tmp_path / "node", "noisy",
+                           wait_registered=False)  # fmt: skip
+        with again:
+            assert again.process.wait(timeout=60) == 3
+        unknown = cli("nodes", "unban", "n-nobody", "--data-dir", data_dir)
+        assert unknown.returncode == 1 and "NOT_FOUND" in unknown.stderr
+
+        lifted = cli("nodes", "unban", str(node.node_id), "--reason", "owner fixed it",
+                     "--data-dir", data_dir)  # fmt: skip
+        assert lifted.returncode == 0, lifted.stderr
+        back = start_node(coordinator.address, tmp_path / "node", "noisy")
+        with back:
+            assert back.node_id == node.node_id
+            nodes = await list_nodes(coordinator.address, include_offline=False)
+            assert [n.node_id for n in nodes] == [node.node_id]
+        db = sqlite_utils.Database(coordinator.db_path)
+        reasons = [
+            r[0]
+            for r in db.execute(
+                "SELECT reason FROM node_events WHERE node_id = ? ORDER BY id", [node.node_id]
+            )
+        ]
+        db.close()
+        assert "by an operator: 'spams sessions'" in reasons
+        assert "ban lifted by an operator: 'owner fixed it'" in reasons

@@ -26,7 +26,7 @@ from protos.tessera.v1 import common_pb2 as tessera_dot_v1_dot_common__pb2
 from protos.tessera.v1 import client_api_pb2 as tessera_dot_v1_dot_client__api__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16tessera/v1/admin.proto\x12\ntessera.v1\x1a\x17tessera/v1/common.proto\x1a\x1btessera/v1/client_api.proto\"m\n\rAddModelChunk\x12,\n\x06header\x18\x01 \x01(\x0b\x32\x1a.tessera.v1.AddModelHeaderH\x00\x12&\n\x04\x64\x61ta\x18\x02 \x01(\x0b\x32\x16.tessera.v1.TensorDataH\x00\x42\x06\n\x04kind\"\x87\x01\n\x0e\x41\x64\x64ModelHeader\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x13\n\x0b\x63onfig_json\x18\x02 \x01(\t\x12\x16\n\x0etokenizer_json\x18\x03 \x01(\x0c\x12)\n\x07tensors\x18\x04 \x03(\x0b\x32\x18.tessera.v1.TensorHeader\x12\x0f\n\x07replace\x18\x05 \x01(\x08\"Z\n\x0cTensorHeader\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\r\n\x05shape\x18\x03 \x03(\x03\x12\x0e\n\x06nbytes\x18\x04 \x01(\x04\x12\x0e\n\x06sha256\x18\x05 \x01(\t\"8\n\nTensorData\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0e\n\x06offset\x18\x02 \x01(\x04\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\"3\n\x10\x44rainNodeRequest\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t2\xbd\x01\n\x05\x41\x64min\x12>\n\x08\x41\x64\x64Model\x12\x19.tessera.v1.AddModelChunk\x1a\x15.tessera.v1.ModelInfo(\x01\x12\x36\n\x0bRemoveModel\x12\x14.tessera.v1.ModelRef\x1a\x11.tessera.v1.Empty\x12<\n\tDrainNode\x12\x1c.tessera.v1.DrainNodeRequest\x1a\x11.tessera.v1.Emptyb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16tessera/v1/admin.proto\x12\ntessera.v1\x1a\x17tessera/v1/common.proto\x1a\x1btessera/v1/client_api.proto\"m\n\rAddModelChunk\x12,\n\x06header\x18\x01 \x01(\x0b\x32\x1a.tessera.v1.AddModelHeaderH\x00\x12&\n\x04\x64\x61ta\x18\x02 \x01(\x0b\x32\x16.tessera.v1.TensorDataH\x00\x42\x06\n\x04kind\"\x87\x01\n\x0e\x41\x64\x64ModelHeader\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x13\n\x0b\x63onfig_json\x18\x02 \x01(\t\x12\x16\n\x0etokenizer_json\x18\x03 \x01(\x0c\x12)\n\x07tensors\x18\x04 \x03(\x0b\x32\x18.tessera.v1.TensorHeader\x12\x0f\n\x07replace\x18\x05 \x01(\x08\"Z\n\x0cTensorHeader\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\r\n\x05shape\x18\x03 \x03(\x03\x12\x0e\n\x06nbytes\x18\x04 \x01(\x04\x12\x0e\n\x06sha256\x18\x05 \x01(\t\"8\n\nTensorData\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0e\n\x06offset\x18\x02 \x01(\x04\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\"3\n\x10\x44rainNodeRequest\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\"8\n\x15NodeModerationRequest\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t2\xc1\x02\n\x05\x41\x64min\x12>\n\x08\x41\x64\x64Model\x12\x19.tessera.v1.AddModelChunk\x1a\x15.tessera.v1.ModelInfo(\x01\x12\x36\n\x0bRemoveModel\x12\x14.tessera.v1.ModelRef\x1a\x11.tessera.v1.Empty\x12<\n\tDrainNode\x12\x1c.tessera.v1.DrainNodeRequest\x1a\x11.tessera.v1.Empty\x12?\n\x07\x42\x61nNode\x12!.tessera.v1.NodeModerationRequest\x1a\x11.tessera.v1.Empty\x12\x41\n\tUnbanNode\x12!.tessera.v1.NodeModerationRequest\x1a\x11.tessera.v1.Emptyb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -43,6 +43,8 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_TENSORDATA']._serialized_end=489
   _globals['_DRAINNODEREQUEST']._serialized_start=491
   _globals['_DRAINNODEREQUEST']._serialized_end=542
-  _globals['_ADMIN']._serialized_start=545
-  _globals['_ADMIN']._serialized_end=734
+  _globals['_NODEMODERATIONREQUEST']._serialized_start=544
+  _globals['_NODEMODERATIONREQUEST']._serialized_end=600
+  _globals['_ADMIN']._serialized_start=603
+  _globals['_ADMIN']._serialized_end=924
 # @@protoc_insertion_point(module_scope)

@@ -53,6 +53,16 @@ class AdminStub:
                 request_serializer=tessera_dot_v1_dot_admin__pb2.DrainNodeRequest.SerializeToString,
                 response_deserializer=tessera_dot_v1_dot_common__pb2.Empty.FromString,
                 _registered_method=True)
+        self.BanNode = channel.unary_unary(
+                '/tessera.v1.Admin/BanNode',
+                request_serializer=tessera_dot_v1_dot_admin__pb2.NodeModerationRequest.SerializeToString,
+                response_deserializer=tessera_dot_v1_dot_common__pb2.Empty.FromString,
+                _registered_method=True)
+        self.UnbanNode = channel.unary_unary(
+                '/tessera.v1.Admin/UnbanNode',
+                request_serializer=tessera_dot_v1_dot_admin__pb2.NodeModerationRequest.SerializeToString,
+                response_deserializer=tessera_dot_v1_dot_common__pb2.Empty.FromString,
+                _registered_method=True)
 
 
 class AdminServicer:
@@ -80,6 +90,22 @@ class AdminServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def BanNode(self, request, context):
+        """Ban a node: its stream is closed, its shards are re-placed, and its key may not
+        register again until it is unbanned. A ban by an operator slashes nothing: stakes are
+        slashed only on proof of wrong work (docs/ledger.md).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def UnbanNode(self, request, context):
+        """Lift a ban: the node may register again, and is checked as a new node would be.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_AdminServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -96,6 +122,16 @@ def add_AdminServicer_to_server(servicer, server):
             'DrainNode': grpc.unary_unary_rpc_method_handler(
                     servicer.DrainNode,
                     request_deserializer=tessera_dot_v1_dot_admin__pb2.DrainNodeRequest.FromString,
+                    response_serializer=tessera_dot_v1_dot_common__pb2.Empty.SerializeToString,
+            ),
+            'BanNode': grpc.unary_unary_rpc_method_handler(
+                    servicer.BanNode,
+                    request_deserializer=tessera_dot_v1_dot_admin__pb2.NodeModerationRequest.FromString,
+                    response_serializer=tessera_dot_v1_dot_common__pb2.Empty.SerializeToString,
+            ),
+            'UnbanNode': grpc.unary_unary_rpc_method_handler(
+                    servicer.UnbanNode,
+                    request_deserializer=tessera_dot_v1_dot_admin__pb2.NodeModerationRequest.FromString,
                     response_serializer=tessera_dot_v1_dot_common__pb2.Empty.SerializeToString,
             ),
     }
@@ -181,6 +217,60 @@ class Admin:
             target,
             '/tessera.v1.Admin/DrainNode',
             tessera_dot_v1_dot_admin__pb2.DrainNodeRequest.SerializeToString,
+            tessera_dot_v1_dot_common__pb2.Empty.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def BanNode(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tessera.v1.Admin/BanNode',
+            tessera_dot_v1_dot_admin__pb2.NodeModerationRequest.SerializeToString,
+            tessera_dot_v1_dot_common__pb2.Empty.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UnbanNode(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tessera.v1.Admin/UnbanNode',
+            tessera_dot_v1_dot_admin__pb2.NodeModerationRequest.SerializeToString,
             tessera_dot_v1_dot_common__pb2.Empty.FromString,
             options,
             channel_credentials,
