@@ -137,6 +137,13 @@ class Reputation:
             record.canary_passed += 1
         self._save(record)
 
+    def start_over(self, node_id: str) -> None:
+        """Checked as a new node is (its run of verified results starts again), with what
+        it did, failures included, still on record."""
+        record = self._mutable(node_id)
+        record.consecutive = 0
+        self._save(record)
+
     def failed(self, node_id: str, *, canary: bool = False) -> None:
         record = self._mutable(node_id)
         record.consecutive = 0

@@ -28,7 +28,7 @@ import grpc
 from coordinator.model_store.errors import StoreError
 from coordinator.node_state import NodeState
 from coordinator.placement import compute_dtype
-from coordinator.registry import RegistryError
+from coordinator.registry import NodeStateChanged, RegistryError
 from coordinator.verifier.canaries import Canaries
 from coordinator.verifier.evidence import (
     Mismatch,
@@ -127,7 +127,18 @@ class Verifier:
         verifier = cls(ctx, Reputation(ctx.db, schedule))
         if ctx.planner is not None:
             ctx.planner.trust_cost = verifier.reputation.router_cost
+        ctx.registry.add_listener(verifier._on_registry_event)
         return verifier
+
+    def _on_registry_event(self, event: object) -> None:
+        # A node whose ban an operator lifted earns trust again from the start: every call
+        # of it is checked until it has a run of verified results, as a new node's.
+        if (
+            isinstance(event, NodeStateChanged)
+            and event.old is NodeState.BANNED
+            and event.new is not NodeState.BANNED
+        ):
+            self.reputation.start_over(event.node_id)
 
     # ---- lifecycle ------------------------------------------------------------------
 

@@ -188,6 +188,10 @@ def moderation(node_id: str, reason: str = "spams sessions") -> admin_pb2.NodeMo
 async def test_an_operator_bans_a_node_and_lifts_the_ban(harness: Harness) -> None:
     auth = bearer_metadata(harness.ctx.admin_token)
     node = await harness.registered_node("moderated", attach=True)
+    reputation = harness.ctx.verifier.reputation
+    for _ in range(400):  # a trusted node: checked at the floor rate
+        reputation.verified(node.node_id)
+    assert reputation.probability(node.node_id) == 0.05
     await harness.admin.BanNode(moderation(node.node_id), metadata=auth)
     assert harness.state(node.node_id) is NodeState.BANNED
     with pytest.raises(grpc.aio.AioRpcError) as info:  # its stream is closed
@@ -205,6 +209,9 @@ async def test_an_operator_bans_a_node_and_lifts_the_ban(harness: Harness) -> No
 
     await harness.admin.UnbanNode(moderation(node.node_id, "owner fixed it"), metadata=auth)
     assert harness.state(node.node_id) is NodeState.OFFLINE
+    # Back, it earns trust again from the start; its record stays.
+    assert reputation.probability(node.node_id) == 1.0
+    assert reputation.record(node.node_id).verified == 400
     await node.register()
     await node.attach()
     assert harness.state(node.node_id) is NodeState.ONLINE
