@@ -117,6 +117,8 @@ class Verifier:
         self.trainer = TrainingReplayer(ctx.signing_key, describe=self.describe_hop)
         self._listeners: list[Listener] = []
         self._keys: dict[str, bytes] = {}
+        # When the ban began of each node convicted (and slashed) in it.
+        self._slashed_bans: dict[str, int] = {}
         self.canaries = Canaries(self)
         self._canary_task: asyncio.Task[None] | None = None
 
@@ -699,17 +701,25 @@ class Verifier:
             pk="evidence_id",
         )
         self.reputation.failed(node_id, canary=canary)
-        view = self._ctx.registry.node(node_id)
-        if view is not None and view.state is NodeState.BANNED:
-            # Already convicted (e.g. two canaries of one round): one ban, one slashing.
+        registry = self._ctx.registry
+        view = registry.node(node_id)
+        banned = view is not None and view.state is NodeState.BANNED
+        if banned and self._slashed_bans.get(node_id) == view.state_changed_ms:
+            # Convicted already in this ban (e.g. two canaries of one round): one slashing.
             self._notify(WorkRejected(node_id, session_id, reason))
             return evidence
-        log.error("FRAUD PROVEN: node %s (account %r): %s; banning it (evidence %s)",
-                  node_id, account, reason, evidence[:16])  # fmt: skip
-        try:
-            self._ctx.registry.ban(node_id, f"proven wrong output ({kind}): {reason}"[:200])
-        except RegistryError as err:
-            log.warning("could not ban %s: %s", node_id, err)
+        # A ban that no conviction made (an operator's) slashed nothing: this proof does.
+        log.error("FRAUD PROVEN: node %s (account %r): %s; %s (evidence %s)", node_id,
+                  account, reason, "banned already" if banned else "banning it",
+                  evidence[:16])  # fmt: skip
+        if not banned:
+            try:
+                registry.ban(node_id, f"proven wrong output ({kind}): {reason}"[:200])
+            except RegistryError as err:
+                log.warning("could not ban %s: %s", node_id, err)
+        after = registry.node(node_id)
+        if after is not None and after.state is NodeState.BANNED:
+            self._slashed_bans[node_id] = after.state_changed_ms
         self._notify(WorkRejected(node_id, session_id, reason))
         self._notify(FraudProven(node_id, account, evidence, reason))
         return evidence

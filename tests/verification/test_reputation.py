@@ -83,3 +83,24 @@ async def test_a_conviction_bans_the_node_and_tells_the_listeners(start_harness)
     unsubscribe()
     verifier.convict(node.node_id, "op-c", "s-3", "canary", "after", b"y", "0" * 64)
     assert len(events) == 3, "an unsubscribed listener hears nothing"
+
+
+async def test_proof_against_a_node_an_operator_banned_still_slashes(start_harness) -> None:
+    """An operator's ban slashes nothing; proof of wrong work that comes in afterwards (a
+    check that was under way) does, once."""
+    harness = await start_harness(canary_interval_s=0.0)
+    node = await harness.registered_node("cheat", attach=True)
+    verifier = harness.ctx.verifier
+    events: list[object] = []
+    verifier.add_listener(events.append)
+    harness.ctx.registry.operator_ban(node.node_id, "spams sessions")
+    evidence = verifier.convict(
+        node.node_id, "op-c", "s-1", "arbitration", "wrong output", b"proof", "e" * 64
+    )
+    assert events == [
+        WorkRejected(node.node_id, "s-1", "wrong output"),
+        FraudProven(node.node_id, "op-c", evidence, "wrong output"),
+    ]
+    verifier.convict(node.node_id, "op-c", "s-2", "canary", "again", b"x", "f" * 64)
+    assert [type(e) for e in events[2:]] == [WorkRejected]  # one slashing a ban
+    assert harness.state(node.node_id) is NodeState.BANNED
