@@ -136,6 +136,14 @@ class NodeRepository:
             [(c.node_id, c.ts_ms, c.from_state, c.to_state, c.reason) for c in changes],
         )
 
+    def last_reasons(self) -> dict[str, str]:
+        """Each node's newest state change's reason."""
+        rows = self.db.execute(
+            "SELECT node_id, reason FROM node_events WHERE id IN "
+            "(SELECT MAX(id) FROM node_events GROUP BY node_id)"
+        ).fetchall()
+        return {node_id: reason or "" for node_id, reason in rows}
+
     def events(self, node_id: str | None = None, limit: int = 1000) -> list[StateChange]:
         """The newest state changes last; of one node, or of all."""
         where, params = ("WHERE node_id = ?", [node_id]) if node_id else ("", [])

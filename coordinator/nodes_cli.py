@@ -170,6 +170,9 @@ def run_list(args: argparse.Namespace) -> int:
         print("  ".join(str(v).ljust(w) for v, w in zip(row, widths, strict=True)).rstrip())
     if not reply.nodes:
         print("(no nodes" + ("" if args.all else " connected; --all shows offline ones") + ")")
+    for n in reply.nodes:
+        if n.state == node_pb2.NODE_STATE_BANNED:
+            print(f"{n.node_id} is banned: {n.state_reason or 'no reason on record'}")
     return 0
 
 

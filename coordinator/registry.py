@@ -123,6 +123,7 @@ class NodeView:
     registered_ms: int
     state_changed_ms: int
     shards: tuple[node_pb2.ShardStatus, ...]
+    state_reason: str = ""
 
     def to_proto(self) -> node_pb2.NodeInfo:
         info = node_pb2.NodeInfo(
@@ -137,6 +138,7 @@ class NodeView:
             data_address=self.data_address,
             shards=self.shards,
             reachable=self.reachable,
+            state_reason=self.state_reason,
         )
         if self.telemetry is not None:
             info.telemetry.CopyFrom(self.telemetry)
@@ -190,7 +192,7 @@ class _LiveNode:
     __slots__ = (
         "node_id", "public_key", "name", "account", "capabilities", "data_address", "reachable",
         "state", "registered_ms", "last_seen_ms", "last_seen_mono", "state_changed_ms",
-        "telemetry", "shards", "ticket", "attach", "persisted_last_seen_ms",
+        "telemetry", "shards", "ticket", "attach", "persisted_last_seen_ms", "state_reason",
     )  # fmt: skip
 
     def __init__(self, record: NodeRecord, capabilities: node_pb2.Capabilities) -> None:
@@ -207,6 +209,7 @@ class _LiveNode:
         self.persisted_last_seen_ms = record.last_seen_ms
         self.last_seen_mono = time.monotonic()
         self.state_changed_ms = record.state_changed_ms
+        self.state_reason = ""  # the newest node_events row's, once loaded or changed
         self.telemetry: node_pb2.Telemetry | None = None
         self.shards: dict[tuple[str, int, int], node_pb2.ShardStatus] = {}
         self.ticket: bytes | None = None
@@ -226,6 +229,7 @@ class _LiveNode:
             registered_ms=self.registered_ms,
             state_changed_ms=self.state_changed_ms,
             shards=tuple(self.shards.values()),
+            state_reason=self.state_reason,
         )
 
 
@@ -285,6 +289,9 @@ class Registry:
             caps = node_pb2.Capabilities()
             caps.ParseFromString(record.capabilities)
             self._nodes[record.node_id] = _LiveNode(record, caps)
+        for node_id, reason in self.repo.last_reasons().items():
+            if node_id in self._nodes:
+                self._nodes[node_id].state_reason = reason
         for node in self._nodes.values():
             if node.state in CONNECTED:
                 self._set_state(node, NodeState.OFFLINE, RESTART_REASON)
@@ -413,6 +420,7 @@ class Registry:
         ts = now_ms()
         node.state = new
         node.state_changed_ms = ts
+        node.state_reason = reason
         self._pending_changes.append(StateChange(node.node_id, ts, old.value, new.value, reason))
         self._schedule_state_flush()
         log.info("node %s (%s): %s -> %s: %s", node.node_id, node.name, old.value, new.value,

@@ -198,6 +198,10 @@ async def test_an_operator_bans_a_node_and_lifts_the_ban(harness: Harness) -> No
         await node.call.read()
     assert info.value.code() == grpc.StatusCode.PERMISSION_DENIED
     assert info.value.details() == "node banned: by an operator: 'spams sessions'"
+    listed = await harness.client_api.ListNodes(
+        client_api_pb2.ListNodesRequest(include_offline=True)
+    )
+    assert [n.state_reason for n in listed.nodes] == ["by an operator: 'spams sessions'"]
     with pytest.raises(grpc.aio.AioRpcError) as info:  # and its key may not come back
         await node.register()
     assert info.value.code() == grpc.StatusCode.PERMISSION_DENIED

@@ -407,6 +407,12 @@ async def test_admin_cli_bans_a_node_agent_and_lifts_the_ban(tmp_path) -> None:
         unknown = cli("nodes", "unban", "n-nobody", "--data-dir", data_dir)
         assert unknown.returncode == 1 and "NOT_FOUND" in unknown.stderr
 
+    # The ban and its reason outlast a kill -9 of the coordinator (leaving the block above).
+    with start_coordinator(tmp_path, data_dir=coordinator.data_dir) as coordinator:
+        listed = cli("nodes", "list", "--all", "--data-dir", data_dir)
+        assert listed.returncode == 0, listed.stderr
+        assert f"{node.node_id} is banned: by an operator: 'spams sessions'" in listed.stdout
+
         lifted = cli("nodes", "unban", str(node.node_id), "--reason", "owner fixed it",
                      "--data-dir", data_dir)  # fmt: skip
         assert lifted.returncode == 0, lifted.stderr

@@ -114,7 +114,7 @@ class Telemetry(_message.Message):
     def __init__(self, memory_used_bytes: _Optional[int] = ..., utilization: _Optional[float] = ..., queue_length: _Optional[int] = ..., active_sessions: _Optional[int] = ..., kv_tokens_used: _Optional[int] = ..., kv_tokens_budget: _Optional[int] = ..., rtt_ms: _Optional[_Mapping[str, float]] = ...) -> None: ...
 
 class NodeInfo(_message.Message):
-    __slots__ = ("node_id", "name", "account", "state", "capabilities", "telemetry", "registered_unix_ms", "last_seen_unix_ms", "state_changed_unix_ms", "data_address", "shards", "trust", "speed", "reliability", "reachable")
+    __slots__ = ("node_id", "name", "account", "state", "capabilities", "telemetry", "registered_unix_ms", "last_seen_unix_ms", "state_changed_unix_ms", "data_address", "shards", "trust", "speed", "reliability", "reachable", "state_reason")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     NAME_FIELD_NUMBER: _ClassVar[int]
     ACCOUNT_FIELD_NUMBER: _ClassVar[int]
@@ -130,6 +130,7 @@ class NodeInfo(_message.Message):
     SPEED_FIELD_NUMBER: _ClassVar[int]
     RELIABILITY_FIELD_NUMBER: _ClassVar[int]
     REACHABLE_FIELD_NUMBER: _ClassVar[int]
+    STATE_REASON_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     name: str
     account: str
@@ -145,7 +146,8 @@ class NodeInfo(_message.Message):
     speed: NodeSpeed
     reliability: NodeReliability
     reachable: bool
-    def __init__(self, node_id: _Optional[str] = ..., name: _Optional[str] = ..., account: _Optional[str] = ..., state: _Optional[_Union[NodeState, str]] = ..., capabilities: _Optional[_Union[Capabilities, _Mapping]] = ..., telemetry: _Optional[_Union[Telemetry, _Mapping]] = ..., registered_unix_ms: _Optional[int] = ..., last_seen_unix_ms: _Optional[int] = ..., state_changed_unix_ms: _Optional[int] = ..., data_address: _Optional[str] = ..., shards: _Optional[_Iterable[_Union[ShardStatus, _Mapping]]] = ..., trust: _Optional[_Union[NodeTrust, _Mapping]] = ..., speed: _Optional[_Union[NodeSpeed, _Mapping]] = ..., reliability: _Optional[_Union[NodeReliability, _Mapping]] = ..., reachable: _Optional[bool] = ...) -> None: ...
+    state_reason: str
+    def __init__(self, node_id: _Optional[str] = ..., name: _Optional[str] = ..., account: _Optional[str] = ..., state: _Optional[_Union[NodeState, str]] = ..., capabilities: _Optional[_Union[Capabilities, _Mapping]] = ..., telemetry: _Optional[_Union[Telemetry, _Mapping]] = ..., registered_unix_ms: _Optional[int] = ..., last_seen_unix_ms: _Optional[int] = ..., state_changed_unix_ms: _Optional[int] = ..., data_address: _Optional[str] = ..., shards: _Optional[_Iterable[_Union[ShardStatus, _Mapping]]] = ..., trust: _Optional[_Union[NodeTrust, _Mapping]] = ..., speed: _Optional[_Union[NodeSpeed, _Mapping]] = ..., reliability: _Optional[_Union[NodeReliability, _Mapping]] = ..., reachable: _Optional[bool] = ..., state_reason: _Optional[str] = ...) -> None: ...
 
 class NodeReliability(_message.Message):
     __slots__ = ("leave_rate_per_h", "departures", "hours_online")
