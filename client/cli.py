@@ -333,6 +333,9 @@ def _nodes(args: argparse.Namespace) -> int:
         "SPEED",
     ]  # fmt: skip
     print(_table(header, rows))
+    for n in nodes:
+        if n.state == node_pb2.NODE_STATE_BANNED:
+            print(f"{n.node_id} is banned: {n.state_reason or 'no reason on record'}")
     return 0
 
 

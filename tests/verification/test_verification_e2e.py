@@ -207,6 +207,7 @@ def test_a_lazy_node_is_caught_by_canaries_without_client_traffic(
             check=True,
         ).stdout
         assert "TRUST" in listing.splitlines()[0]
-        [lazy_row] = [line for line in listing.splitlines() if lazy.node_id in line]
+        [lazy_row, why] = [line for line in listing.splitlines() if lazy.node_id in line]
+        assert why.startswith(f"{lazy.node_id} is banned: proven wrong output (canary)"), why
         failed = re.search(r"(\d+) failed", lazy_row)
         assert "banned" in lazy_row and failed and int(failed.group(1)) >= 1, lazy_row
