@@ -33,8 +33,8 @@ The pipes floor always runs the three stages as three processes.
 Cold and warm. Round 1 runs against nodes new to the coordinator, which checks every
 one of their calls on a second node: that round is printed as the COLD figure. Trust is
 earned by passing checks: after round 1 the swarm generates, untimed, until the
-coordinator checks every node at its floor rate (5% of calls by default; about 10
-generations, 20-40 s here), as it checks the nodes of a long-running swarm. The later
+coordinator checks every node at its floor rate (5% of calls by default; 5-10
+generations, 10-30 s here), as it checks the nodes of a long-running swarm. The later
 rounds then see that steady state: the median of them is the WARM figure, and the last
 line. Both ratios are printed; with --rounds 1 only the cold one exists and the last line
 is that.

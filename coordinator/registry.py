@@ -474,14 +474,15 @@ class Registry:
             validate_registration(request)
         except InvalidField as exc:
             raise RegistryError(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from None
+        node_id = identity.node_id(public_key)
+        if self._is_banned(node_id):
+            raise RegistryError(grpc.StatusCode.PERMISSION_DENIED, f"node {node_id} is banned")
+        # After the ban: upgrading would not help a banned node.
         too_old = agent_versions.refusal(
             request.capabilities.agent_version, self.settings.min_agent_version
         )
         if too_old is not None:
             raise RegistryError(grpc.StatusCode.FAILED_PRECONDITION, too_old)
-        node_id = identity.node_id(public_key)
-        if self._is_banned(node_id):
-            raise RegistryError(grpc.StatusCode.PERMISSION_DENIED, f"node {node_id} is banned")
 
         reachable = False
         if request.data_address:

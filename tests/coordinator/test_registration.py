@@ -304,6 +304,15 @@ async def test_a_node_agent_older_than_the_minimum_is_told_to_upgrade(
         assert harness.registry.node(other.node_id) is not None
 
 
+async def test_a_banned_node_hears_of_its_ban_before_its_old_version(start_harness) -> None:
+    harness = await start_harness(min_agent_version="0.2.0")
+    node = harness.node()
+    await node.register(capabilities=good_capabilities(agent_version="0.2.0"))
+    harness.registry.ban(node.node_id, "proven fraud")
+    old = node.register(capabilities=good_capabilities(agent_version="0.1.0"))
+    await expect_error(old, grpc.StatusCode.PERMISSION_DENIED, "banned")  # upgrading won't help
+
+
 class _StageStub(stage_pb2_grpc.StageServicer):
     def __init__(self, node_id: str) -> None:
         self.node_id = node_id
