@@ -394,7 +394,9 @@ async def _run(config: AgentConfig, ctx: AgentContext, args: argparse.Namespace)
         ctx.shard_handler = handler
     mqtt = None
     if args.mqtt:
-        mqtt = MqttPresence(parse_broker_url(args.mqtt), ctx.node_id, backoff.from_env())
+        mqtt = MqttPresence(
+            parse_broker_url(args.mqtt), ctx.node_id, backoff.from_env(), ctx.coordinator_time
+        )
     agent = NodeAgent(config, ctx, backoff.from_env(args.backoff_base_s, args.backoff_cap_s), mqtt)
     _install_signal_handlers(agent)
     return await agent.run()

@@ -12,6 +12,7 @@ import json
 import logging
 import ssl
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from urllib.parse import unquote, urlsplit
 
@@ -70,10 +71,10 @@ def parse_broker_url(url: str) -> BrokerAddress:
     )
 
 
-def presence_payload(node_id: str, state: str, with_ts: bool = True) -> bytes:
+def presence_payload(node_id: str, state: str, ts_s: float | None) -> bytes:
     body: dict[str, object] = {"state": state, "node_id": node_id}
-    if with_ts:
-        body["ts"] = int(time.time() * 1000)
+    if ts_s is not None:
+        body["ts"] = int(ts_s * 1000)
     return json.dumps(body).encode()
 
 
@@ -91,10 +92,20 @@ def telemetry_payload(telemetry: node_pb2.Telemetry) -> bytes:
 class MqttPresence:
     """Runs as a background task: `run()`; feed it with `set_state` / `publish_telemetry`."""
 
-    def __init__(self, broker: BrokerAddress, node_id: str, backoff: Backoff) -> None:
+    def __init__(
+        self,
+        broker: BrokerAddress,
+        node_id: str,
+        backoff: Backoff,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
         self._broker = broker
         self._node_id = node_id
         self._backoff = backoff
+        # Stamps presence: Unix seconds by the coordinator's clock, which compares the
+        # stamp with when the node's Attach stream began to tell a stale "offline" from a
+        # current one (a node whose own clock is hours off would fool it).
+        self._clock = clock
         self._state = "online"
         # Every transition is published in order (draining, then offline), not only the
         # latest: watchers learn that the node left gracefully.
@@ -159,7 +170,7 @@ class MqttPresence:
             identifier=f"tessera-node-{self._node_id}",
             # ts is left out: it would be the connect time, not the time the node vanished.
             will=aiomqtt.Will(
-                topic, presence_payload(self._node_id, "offline", with_ts=False), 1, True
+                topic, presence_payload(self._node_id, "offline", ts_s=None), 1, True
             ),
             keepalive=KEEPALIVE_S,
             timeout=10,
@@ -176,7 +187,7 @@ class MqttPresence:
                 while self._pending_states:
                     await client.publish(
                         presence_topic(self._node_id),
-                        presence_payload(self._node_id, self._pending_states[0]),
+                        presence_payload(self._node_id, self._pending_states[0], self._clock()),
                         qos=1,
                         retain=True,
                     )

@@ -5,6 +5,7 @@ import json
 import os
 import re
 import signal
+import time
 from pathlib import Path
 
 import aiomqtt
@@ -15,6 +16,7 @@ from support.procs import start_coordinator, start_node
 
 from coordinator.server import running_coordinator
 from coordinator.settings import Settings
+from node_agent import failpoints
 from node_agent.mqtt_presence import parse_broker_url, presence_topic, telemetry_topic
 from protos import codec
 from protos.tessera.v1 import (
@@ -173,13 +175,18 @@ async def test_mqtt_presence_telemetry_and_last_will(tmp_path: Path, mosquitto: 
         await asyncio.wait_for(subscribed.wait(), 10)
         with start_coordinator(tmp_path, heartbeat_interval=0.3) as coord:
             args = [*NODE_ARGS, "--mqtt", mosquitto]
-            with start_node(coord.address, tmp_path / "n1", "n1", args, env=FAST) as node:
+            # Its clock two hours ahead: presence is stamped by the coordinator's clock,
+            # which the coordinator compares with when the node attached.
+            env = {**FAST, failpoints.ENV_VAR: "clock_skew_s=7200"}
+            with start_node(coord.address, tmp_path / "n1", "n1", args, env=env) as node:
                 presence, telemetry = presence_topic(node.node_id), telemetry_topic(node.node_id)
 
                 def states() -> list[str]:
                     return [m["state"] for t, m in messages if t == presence]
 
                 await wait_for(lambda: "online" in states(), "online presence")
+                online = next(m for t, m in messages if t == presence)
+                assert abs(online["ts"] - time.time() * 1000) < 60_000, online
                 await wait_for(lambda: any(t == telemetry for t, _ in messages), "telemetry")
                 sample = next(m for t, m in messages if t == telemetry)
                 assert sample["memory_used_bytes"] > 0
