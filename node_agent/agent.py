@@ -133,7 +133,6 @@ class NodeAgent:
         self.ctx = ctx
         self.backoff = backoff
         self.mqtt = mqtt
-        self._mqtt_started = False
         self.data_address = ""
         self.coordinator_state = node_pb2.NODE_STATE_UNSPECIFIED
         self._leave: _Leave | None = None
@@ -275,10 +274,9 @@ class NodeAgent:
         self.ctx.coordinator_public_key = response.coordinator_public_key
         self.ctx.attach_ticket = response.attach_ticket
         offset = self.ctx.learn_coordinator_clock(response.coordinator_unix_ms)
-        if self.mqtt is not None and not self._mqtt_started:
+        if self.mqtt is not None:
             # Online once the coordinator took it, stamped by the coordinator's clock.
             self.mqtt.start()
-            self._mqtt_started = True
         if abs(offset) > CLOCK_WARNING_S:
             log.warning(
                 "this machine's clock is %.0f s %s the coordinator's; the node checks "

@@ -116,7 +116,9 @@ class MqttPresence:
         self._task: asyncio.Task[None] | None = None
 
     def start(self) -> None:
-        self._task = asyncio.create_task(self.run(), name="mqtt-presence")
+        """Start publishing; once only (the agent calls it at every registration)."""
+        if self._task is None:
+            self._task = asyncio.create_task(self.run(), name="mqtt-presence")
 
     def set_state(self, state: str) -> None:
         if state != self._state:
