@@ -28,6 +28,7 @@ from coordinator.ledger.schema import (
 )
 from coordinator.model_store.schema import MIGRATION_NAME as MODEL_STORE_MIGRATION
 from coordinator.model_store.schema import create_model_store_tables
+from coordinator.verifier.reputation import SLASHED_BANS_MIGRATION, create_slashed_bans_table
 from coordinator.verifier.reputation import create_tables as create_verifier_tables
 
 
@@ -93,6 +94,7 @@ MIGRATIONS: list[Migration] = [
     Migration(7, LEDGER_NONCES_MIGRATION, create_nonce_table),
     Migration(8, JOBS_OWNER_MIGRATION, add_job_owner),
     Migration(9, JOBS_REPLAN_MIGRATION, add_replan_key),
+    Migration(10, SLASHED_BANS_MIGRATION, create_slashed_bans_table),
 ]
 
 

@@ -100,6 +100,20 @@ def create_tables(db: sqlite_utils.Database) -> None:
     )
 
 
+SLASHED_BANS = "slashed_bans"
+SLASHED_BANS_MIGRATION = "verifier: the ban each conviction slashed"
+
+
+def create_slashed_bans_table(db: sqlite_utils.Database) -> None:
+    """Migration body: per node, the ban (by when it began) that a conviction slashed.
+
+    A conviction slashes once per ban; a coordinator that restarts in the middle of a ban
+    must still know it did, or a late proof would slash the operator's stake again."""
+    db[SLASHED_BANS].create(
+        {"node_id": str, "ban_started_ms": int, "evidence_id": str}, pk="node_id"
+    )
+
+
 _COLUMNS = [f.name for f in fields(Record)]
 _UPSERT = (
     f"INSERT INTO {TABLE} ({', '.join(_COLUMNS)}) VALUES ({', '.join('?' * len(_COLUMNS))}) "

@@ -40,7 +40,7 @@ from coordinator.verifier.evidence import (
     evidence_id,
     signature_key,
 )
-from coordinator.verifier.reputation import Reputation, Schedule
+from coordinator.verifier.reputation import SLASHED_BANS, Reputation, Schedule
 from coordinator.verifier.stage_runner import StageRunner
 from coordinator.verifier.training_evidence import (
     MAX_AGREEMENTS,
@@ -117,8 +117,6 @@ class Verifier:
         self.trainer = TrainingReplayer(ctx.signing_key, describe=self.describe_hop)
         self._listeners: list[Listener] = []
         self._keys: dict[str, bytes] = {}
-        # When the ban began of each node convicted (and slashed) in it.
-        self._slashed_bans: dict[str, int] = {}
         self.canaries = Canaries(self)
         self._canary_task: asyncio.Task[None] | None = None
 
@@ -704,7 +702,7 @@ class Verifier:
         registry = self._ctx.registry
         view = registry.node(node_id)
         banned = view is not None and view.state is NodeState.BANNED
-        if banned and self._slashed_bans.get(node_id) == view.state_changed_ms:
+        if banned and self._slashed_in(node_id) == view.state_changed_ms:
             # Convicted already in this ban (e.g. two canaries of one round): one slashing.
             self._notify(WorkRejected(node_id, session_id, reason))
             return evidence
@@ -717,9 +715,23 @@ class Verifier:
                 registry.ban(node_id, f"proven wrong output ({kind}): {reason}"[:200])
             except RegistryError as err:
                 log.warning("could not ban %s: %s", node_id, err)
-        after = registry.node(node_id)
-        if after is not None and after.state is NodeState.BANNED:
-            self._slashed_bans[node_id] = after.state_changed_ms
         self._notify(WorkRejected(node_id, session_id, reason))
         self._notify(FraudProven(node_id, account, evidence, reason))
+        # Marked after the ledger heard of it: a crash in between may slash twice, never
+        # not at all.
+        after = registry.node(node_id)
+        if after is not None and after.state is NodeState.BANNED:
+            self._ctx.db[SLASHED_BANS].upsert(
+                {"node_id": node_id, "ban_started_ms": after.state_changed_ms,
+                 "evidence_id": evidence},
+                pk="node_id",
+            )  # fmt: skip
         return evidence
+
+    def _slashed_in(self, node_id: str) -> int | None:
+        """When the ban began that a conviction of ``node_id`` slashed last (kept in the
+        database: a restarted coordinator must not slash the same ban again)."""
+        row = self._ctx.db.execute(
+            f"SELECT ban_started_ms FROM {SLASHED_BANS} WHERE node_id = ?", [node_id]
+        ).fetchone()
+        return None if row is None else int(row[0])

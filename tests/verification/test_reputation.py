@@ -3,13 +3,17 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
+import grpc
 import pytest
+from support.coordinator_harness import Harness, harness_settings, state_of
 
 from coordinator.db import open_database
 from coordinator.node_state import NodeState
 from coordinator.placement import Placement, PlacementNode
 from coordinator.planner import Shard
+from coordinator.server import running_coordinator
 from coordinator.verifier.reputation import Reputation, Schedule
 from coordinator.verifier.service import FraudProven, WorkRejected
 from protos.tessera.v1 import node_pb2
@@ -104,3 +108,32 @@ async def test_proof_against_a_node_an_operator_banned_still_slashes(start_harne
     verifier.convict(node.node_id, "op-c", "s-2", "canary", "again", b"x", "f" * 64)
     assert [type(e) for e in events[2:]] == [WorkRejected]  # one slashing a ban
     assert harness.state(node.node_id) is NodeState.BANNED
+
+
+async def test_one_slashing_a_ban_holds_across_a_coordinator_restart(tmp_path: Path) -> None:
+    """A proof that comes in after a restart, of a node banned and slashed before it, is
+    recorded but slashes nothing more: the operator's stake may hold new deposits by now."""
+    settings = harness_settings(tmp_path / "coordinator", canary_interval_s=0.0)
+
+    def slashes(ctx: Any) -> list[str]:
+        rows = ctx.db.execute("SELECT txid FROM ledger_transactions WHERE kind = 'slash'")
+        return [r[0] for r in rows]
+
+    async with running_coordinator(settings) as coordinator:
+        async with grpc.aio.insecure_channel(coordinator.address) as channel:
+            harness = Harness(coordinator, channel)
+            node = await harness.registered_node("cheat", attach=True)
+            evidence = harness.ctx.verifier.convict(
+                node.node_id, "op-c", "s-1", "arbitration", "wrong output", b"proof", "e" * 64
+            )
+            await harness.wait_state(node.node_id, NodeState.BANNED)
+            assert slashes(harness.ctx) == [f"slash:{evidence}"]
+    async with running_coordinator(settings) as coordinator:
+        verifier = coordinator.ctx.verifier
+        events: list[object] = []
+        verifier.add_listener(events.append)
+        assert state_of(coordinator, node.node_id) is NodeState.BANNED
+        late = verifier.convict(node.node_id, "op-c", "s-2", "canary", "late", b"x", "f" * 64)
+        assert events == [WorkRejected(node.node_id, "s-2", "late")], "slashed a ban twice"
+        assert slashes(coordinator.ctx) == [f"slash:{evidence}"]
+        assert coordinator.ctx.db["verification_evidence"].get(late)["session_id"] == "s-2"
