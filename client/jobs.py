@@ -211,6 +211,11 @@ class JobRunner:
     _seeded: bool = field(default=False, init=False)
     _session: jobs_pb2.TrainingSession | None = field(default=None, init=False)
     recoveries: int = field(default=0, init=False)
+    # Signatures of the replies whose agreements were reported. A step redone after a
+    # rollback returns the very reply it did before (same weights, same input, and an
+    # Ed25519 signature is deterministic); the coordinator counts each signed reply once
+    # and refuses a report that repeats one, with every new agreement in it.
+    _reported: set[bytes] = field(default_factory=set, init=False)
 
     async def run(self) -> jobs_pb2.JobInfo:
         session = await self._open_session()
@@ -390,9 +395,11 @@ class JobRunner:
         """Agreed lockstep checks raise both nodes' reputation; losing them only costs
         trust, never the job, so a refusal is logged and dropped."""
         assert self._session is not None
-        while driver.agreements:
-            batch = driver.agreements[:MAX_AGREEMENTS_PER_REPORT]
-            del driver.agreements[:MAX_AGREEMENTS_PER_REPORT]
+        fresh = _unreported(driver.agreements, self._reported)
+        driver.agreements.clear()
+        while fresh:
+            batch = fresh[:MAX_AGREEMENTS_PER_REPORT]
+            del fresh[:MAX_AGREEMENTS_PER_REPORT]
             request = verification_pb2.TrainingChecks(
                 job_id=self.job_id, capability=self._session.capability, agreements=batch
             )
@@ -400,6 +407,11 @@ class JobRunner:
                 await self.api.verification.ReportTrainingChecks(request, timeout=30.0)
             except grpc.aio.AioRpcError as err:
                 log.warning("training checks not reported: %s: %s", err.code().name, err.details())
+            else:
+                self._reported.update(
+                    s.signature for a in batch for s in (a.primary, a.checker)
+                )
+
 
     def _receipts(self) -> list[ledger_pb2.SignedUsage]:
         return self.usage.countersign(self.job_id, self.key) if self.key is not None else []
@@ -496,3 +508,18 @@ class TrainingJob:
     def cancel(self) -> None:
         """Stop the runner; the job is marked paused and can be resumed later."""
         self._future.cancel()
+
+
+def _unreported(
+    agreements: list[verification_pb2.TrainingAgreement], reported: set[bytes]
+) -> list[verification_pb2.TrainingAgreement]:
+    """The agreements none of whose signed replies was reported, nor is in an earlier one of
+    these: the coordinator counts each once and refuses a report that repeats one."""
+    fresh: list[verification_pb2.TrainingAgreement] = []
+    seen: set[bytes] = set()
+    for agreement in agreements:
+        signatures = {agreement.primary.signature, agreement.checker.signature}
+        if not (signatures & reported or signatures & seen):
+            seen |= signatures
+            fresh.append(agreement)
+    return fresh
