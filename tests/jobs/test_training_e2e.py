@@ -28,6 +28,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from support.checkpoints import TINY_SHAPE, make_checkpoint, transformers_greedy, write_safetensors
+from support.datasets import counting_dataset
 from support.swarms import three_stage_swarm
 from support.waiting import wait_for
 
@@ -63,12 +64,10 @@ def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def dataset(tmp_path_factory: pytest.TempPathFactory) -> tuple[TokenDataset, Path]:
-    rng = np.random.default_rng(0)
-    starts = rng.integers(3, 60, size=64)
-    tokens = np.concatenate([np.arange(s, s + 17) for s in starts]).astype(np.int32)  # counting
+    data = counting_dataset(64)
     path = tmp_path_factory.mktemp("data") / "counting.npy"
-    np.save(path, tokens.reshape(64, 17))
-    return TokenDataset("counting", tokens, 17), path
+    np.save(path, data.tokens.reshape(64, 17))
+    return data, path
 
 
 @pytest.fixture(scope="module")

@@ -11,8 +11,8 @@ import asyncio
 import sqlite3
 from collections.abc import Iterator
 
-import numpy as np
 import pytest
+from support.datasets import counting_dataset
 from support.market import (
     GRANT,
     audit_cli,
@@ -46,13 +46,6 @@ def market(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalSwarm]:
         tmp_path_factory.mktemp("market"), checkpoint, training_prices=TRAINING_PRICES
     ) as swarm:
         yield swarm
-
-
-def _dataset() -> TokenDataset:
-    rng = np.random.default_rng(0)
-    starts = rng.integers(3, 60, size=32)
-    tokens = np.concatenate([np.arange(s, s + 17) for s in starts]).astype(np.int32)
-    return TokenDataset("counting", tokens, 17)
 
 
 class Interrupt(TesseraError):
@@ -100,7 +93,7 @@ def _shares(market: LocalSwarm, final, samples: int) -> dict[str, int]:
 
 def test_a_paid_training_job_moves_exactly_its_samples_to_the_operators(market):
     key = funded_client(market)
-    data = _dataset()
+    data = counting_dataset()
     balance_before = int(balance_cli(market)["available"])
     job_id = _submit(market, key, data)
     final = _run(market, key, job_id, data)
@@ -123,7 +116,7 @@ def test_a_paid_training_job_moves_exactly_its_samples_to_the_operators(market):
 
 def test_a_paused_job_keeps_its_escrow_and_a_resumed_runner_pays_the_rest(market):
     key = funded_client(market)  # the same key and grant as the first test: granted once
-    data = _dataset()
+    data = counting_dataset()
     balance_before = int(balance_cli(market)["available"])
     job_id = _submit(market, key, data)
     with pytest.raises(Interrupt):
@@ -149,7 +142,7 @@ def test_a_runner_whose_clock_is_hours_behind_still_opens_and_pays_its_job(marke
     """The signed open is stamped by this process's clock, three hours behind the
     coordinator's: refused as stale once, then stamped by the coordinator's time."""
     key = funded_client(market)
-    data = _dataset()
+    data = counting_dataset()
     job_id = _submit(market, key, data)
     set_clock_off(monkeypatch, -3 * 3600)
     final = _run(market, key, job_id, data)

@@ -9,7 +9,7 @@ import json
 import sqlite3
 import subprocess
 import sys
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 import pytest
@@ -20,6 +20,7 @@ from support.waiting import wait_for
 from client import billing
 from client.api import Client, GenerationResult
 from client.local_swarm import LocalSwarm
+from node_agent.failpoints import ENV_VAR
 from protos.tessera.v1 import node_pb2
 
 MODEL = "tiny-llama"
@@ -48,6 +49,21 @@ def make_market_checkpoint(directory: Path) -> Path:
 
 
 THREE_STAGES = ("--min-stages", "3", "--replicas", "1")
+TURNCOAT = Path(__file__).parents[1] / "ledger" / "turncoat_node.py"
+
+
+def turncoats(
+    work: Path, names: Iterable[str], failpoints: str
+) -> tuple[dict[str, Path], dict[str, dict[str, str]], dict[str, Path]]:
+    """Every node a turncoat (tests/ledger/turncoat_node.py) with ``failpoints`` and a
+    trigger file of its own, so that a test turns whichever node lands where it wants a
+    cheater: (scripts, node_env) for running_market, and the triggers by node name."""
+    triggers = {name: work / f"{name}-cheats" for name in names}
+    env = {
+        name: {ENV_VAR: failpoints, "TESSERA_TEST_CHEAT_TRIGGER": str(trigger)}
+        for name, trigger in triggers.items()
+    }
+    return dict.fromkeys(triggers, TURNCOAT), env, triggers
 
 
 @contextlib.contextmanager

@@ -23,7 +23,14 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
-from support.market import PROMPT, make_market_checkpoint, running_market, serves, wait_for
+from support.market import (
+    PROMPT,
+    make_market_checkpoint,
+    running_market,
+    serves,
+    turncoats,
+    wait_for,
+)
 
 import client.verification as verification
 from client.api import Client, GeneratedToken
@@ -31,7 +38,6 @@ from client.driver import DriverConfig
 from client.errors import OutputTainted
 from client.local_swarm import LocalSwarm
 from client.records import HopRecord
-from node_agent.failpoints import ENV_VAR
 from protos.tessera.v1 import node_pb2
 
 pytestmark = pytest.mark.slow
@@ -122,16 +128,11 @@ def market(
 ) -> Iterator[tuple[LocalSwarm, dict[str, Path], str]]:
     # Every node is a turncoat with a trigger of its own: the test turns whichever node the
     # router puts on the hop under test.
-    triggers = {name: tmp_path / f"{name}-cheats" for name in NODES}
-    env = {
-        name: {ENV_VAR: "corrupt=1.0,seed=5", "TESSERA_TEST_CHEAT_TRIGGER": str(trigger)}
-        for name, trigger in triggers.items()
-    }
-    turncoat = Path(__file__).parents[1] / "ledger" / "turncoat_node.py"
+    scripts, env, triggers = turncoats(tmp_path, NODES, "corrupt=1.0,seed=5")
     with running_market(
         tmp_path / "swarm",
         make_market_checkpoint(tmp_path / "ckpt"),
-        dict.fromkeys(NODES, turncoat),
+        scripts,
         # Every node holds every stage: there is always an arbiter of another operator.
         layout=("--min-stages", "2", "--replicas", "4"),
         coordinator_args=("--canary-interval", "0"),

@@ -18,15 +18,21 @@ import sqlite3
 from collections.abc import Iterator
 from pathlib import Path
 
-import numpy as np
 import pytest
-from support.market import MODEL, make_market_checkpoint, running_market, serves, wait_for
+from support.datasets import counting_dataset
+from support.market import (
+    MODEL,
+    make_market_checkpoint,
+    running_market,
+    serves,
+    turncoats,
+    wait_for,
+)
 
 from client.api import AsyncClient, Client
 from client.datasets import TokenDataset
 from client.jobs import JobEvent, TrainSpec
 from client.local_swarm import LocalSwarm
-from node_agent.failpoints import ENV_VAR
 from protos.tessera.v1 import jobs_pb2, node_pb2
 
 pytestmark = pytest.mark.slow
@@ -40,16 +46,11 @@ SPEC = TrainSpec(
 @pytest.fixture(scope="module")
 def market(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[LocalSwarm, dict]]:
     work = tmp_path_factory.mktemp("backward")
-    triggers = {name: work / f"{name}-cheats" for name in NODES}
-    env = {
-        name: {ENV_VAR: "corrupt_backward=1.0,seed=5", "TESSERA_TEST_CHEAT_TRIGGER": str(path)}
-        for name, path in triggers.items()
-    }
-    turncoat = Path(__file__).parents[1] / "ledger" / "turncoat_node.py"
+    scripts, env, triggers = turncoats(work, NODES, "corrupt_backward=1.0,seed=5")
     with running_market(
         work / "swarm",
         make_market_checkpoint(work / "ckpt"),
-        dict.fromkeys(NODES, turncoat),
+        scripts,
         # Every node holds both stages: each stage has a checker and an arbiter of other
         # operators. A warm-up no node reaches: every step is checked in lockstep.
         layout=("--min-stages", "2", "--replicas", "4"),
@@ -65,10 +66,7 @@ def market(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[LocalSwar
 
 @pytest.fixture(scope="module")
 def dataset() -> TokenDataset:
-    rng = np.random.default_rng(0)
-    starts = rng.integers(3, 60, size=32)
-    tokens = np.concatenate([np.arange(s, s + 17) for s in starts]).astype(np.int32)
-    return TokenDataset("counting", tokens, 17)
+    return counting_dataset()
 
 
 def run_job(

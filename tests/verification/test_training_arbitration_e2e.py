@@ -16,9 +16,9 @@ import asyncio
 import os
 from collections.abc import Iterator
 
-import numpy as np
 import pytest
 from support.checkpoints import make_checkpoint
+from support.datasets import counting_dataset
 from support.waiting import wait_for
 
 from client.api import AsyncClient, Client
@@ -59,10 +59,7 @@ def swarm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalSwarm]:
 
 @pytest.fixture(scope="module")
 def dataset() -> TokenDataset:
-    rng = np.random.default_rng(0)
-    starts = rng.integers(3, 60, size=32)
-    tokens = np.concatenate([np.arange(s, s + 17) for s in starts]).astype(np.int32)
-    return TokenDataset("counting", tokens, 17)
+    return counting_dataset()
 
 
 def ready_replicas(client: Client) -> int:
