@@ -244,6 +244,12 @@ def _add_serve_parser(subparsers: Any) -> None:
         help="KV-cache tokens each shard reserves for its sessions (default: %(default)s)",
     )  # fmt: skip
     serve_parser.add_argument(
+        "--dataset-ttl", type=_non_negative_float, default=24.0, metavar="HOURS",
+        help="delete a training dataset that no job uses this long after it was last "
+        "uploaded or looked up, with its blobs (default: %(default)s; 0 keeps them forever). "
+        "Anyone who can reach the coordinator may upload one",
+    )  # fmt: skip
+    serve_parser.add_argument(
         "--default-price", type=_non_negative_int, default=0, metavar="UNITS",
         help="credit units per 1,000 token-layers for nodes that ask no price of their own "
         "(default: %(default)s = free)",
@@ -311,6 +317,7 @@ def _run_serve(args: argparse.Namespace) -> int:
         max_token_latency_ms=args.max_token_latency,
         max_token_price_units=args.max_token_price,
         kv_tokens_per_shard=args.kv_tokens,
+        dataset_ttl_s=args.dataset_ttl * 3600,
         default_price_units=args.default_price,
         default_training_price_units=args.default_training_price,
         challenge_window_s=args.challenge_window,

@@ -14,10 +14,16 @@ from dataclasses import dataclass
 
 import sqlite_utils
 
+from coordinator.jobs.schema import DATASET_USE_MIGRATION_NAME as JOBS_DATASET_USE_MIGRATION
 from coordinator.jobs.schema import MIGRATION_NAME as JOBS_MIGRATION
 from coordinator.jobs.schema import OWNER_MIGRATION_NAME as JOBS_OWNER_MIGRATION
 from coordinator.jobs.schema import REPLAN_MIGRATION_NAME as JOBS_REPLAN_MIGRATION
-from coordinator.jobs.schema import add_job_owner, add_replan_key, create_jobs_tables
+from coordinator.jobs.schema import (
+    add_dataset_used_ms,
+    add_job_owner,
+    add_replan_key,
+    create_jobs_tables,
+)
 from coordinator.ledger.schema import MIGRATION_NAME as LEDGER_MIGRATION
 from coordinator.ledger.schema import NONCES_MIGRATION_NAME as LEDGER_NONCES_MIGRATION
 from coordinator.ledger.schema import PERIODIC_MIGRATION_NAME as LEDGER_PERIODIC_MIGRATION
@@ -95,6 +101,7 @@ MIGRATIONS: list[Migration] = [
     Migration(8, JOBS_OWNER_MIGRATION, add_job_owner),
     Migration(9, JOBS_REPLAN_MIGRATION, add_replan_key),
     Migration(10, SLASHED_BANS_MIGRATION, create_slashed_bans_table),
+    Migration(11, JOBS_DATASET_USE_MIGRATION, add_dataset_used_ms),
 ]
 
 

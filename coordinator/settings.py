@@ -78,6 +78,9 @@ class Settings:
     canary_interval_s: float = 60.0
     # The corruption rate f the per-session bound 1 - (1 - p*f)^n is stated for.
     assumed_corruption: float = 0.05
+    # Training: a dataset that no job uses is deleted this long after it was last uploaded
+    # or looked up (0: kept forever). Anyone may upload one; the disk is not theirs to fill.
+    dataset_ttl_s: float = 24 * 3600.0
 
     @property
     def offline_after(self) -> float:

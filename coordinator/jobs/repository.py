@@ -133,11 +133,38 @@ class JobRepository:
                 (record.id, record.name, record.num_tokens, record.max_token_id,
                  record.example_len, record.created_ms),
             )  # fmt: skip
+            self.touch_dataset(record.id, record.created_ms)
             self._conn.executemany(
                 "INSERT OR IGNORE INTO dataset_shards (dataset_id, position, sha256, num_tokens) "
                 "VALUES (?, ?, ?, ?)",
                 [(record.id, i, s.sha256, s.num_tokens) for i, s in enumerate(record.shards)],
             )
+
+    def touch_dataset(self, dataset_id: str, now_ms: int) -> None:
+        """The dataset was uploaded or looked up: a job may be about to use it."""
+        self._conn.execute(
+            "UPDATE datasets SET used_ms = MAX(used_ms, ?) WHERE id = ?", (now_ms, dataset_id)
+        )
+
+    def delete_unused_datasets(self, before_ms: int) -> list[str]:
+        """Delete every dataset that no job uses and that was last uploaded or looked up
+        before ``before_ms``; returns their ids. Their blobs go with the next collection."""
+        with _transaction(self._conn):
+            ids = [
+                row[0]
+                for row in self._conn.execute(
+                    "SELECT id FROM datasets WHERE MAX(created_ms, used_ms) < ? "
+                    "AND NOT EXISTS (SELECT 1 FROM jobs WHERE jobs.dataset_id = datasets.id)",
+                    (before_ms,),
+                )
+            ]
+            for batch in (ids[i : i + 500] for i in range(0, len(ids), 500)):
+                marks = ",".join("?" * len(batch))
+                self._conn.execute(
+                    f"DELETE FROM dataset_shards WHERE dataset_id IN ({marks})", batch
+                )
+                self._conn.execute(f"DELETE FROM datasets WHERE id IN ({marks})", batch)
+        return ids
 
     # ---- jobs -------------------------------------------------------------------------
 

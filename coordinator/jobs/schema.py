@@ -15,6 +15,7 @@ from coordinator.model_store.schema import connection_of
 MIGRATION_NAME = "jobs: datasets, jobs, losses and checkpoints"
 OWNER_MIGRATION_NAME = "jobs: the client key that owns a job"
 REPLAN_MIGRATION_NAME = "jobs: the failure the last re-plan answered"
+DATASET_USE_MIGRATION_NAME = "jobs: when each dataset was last uploaded or looked up"
 
 _STATEMENTS = (
     """
@@ -108,3 +109,9 @@ def add_replan_key(db: Any) -> None:
     # Empty for the jobs re-planned before: a repeated report of that re-plan is refused,
     # as before.
     connection_of(db).execute("ALTER TABLE jobs ADD COLUMN replan_key TEXT NOT NULL DEFAULT ''")
+
+
+def add_dataset_used_ms(db: Any) -> None:
+    # A dataset no job uses is deleted some time after it was last uploaded or looked up
+    # (Settings.dataset_ttl_s); those stored before count from their upload.
+    connection_of(db).execute("ALTER TABLE datasets ADD COLUMN used_ms INTEGER NOT NULL DEFAULT 0")

@@ -9,10 +9,12 @@ and downloads with the same ticket metadata as FetchTensors.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import errno
 import json
 import logging
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Any, NoReturn
@@ -48,6 +50,9 @@ from protos.tessera.v1 import (
 )
 
 log = logging.getLogger("tessera.jobs")
+# How often unused datasets are looked for, at most (a quarter of their time to live, if
+# that is shorter).
+DATASET_SWEEP_S = 600.0
 
 TicketCheck = Callable[[str, bytes], "bool | Awaitable[bool]"]
 
@@ -111,13 +116,44 @@ class Jobs:
         self._blob_lock = asyncio.Lock()
         self._exporting: set[str] = set()
         self.watchers = 0  # open WatchJob streams
+        self._pruning: asyncio.Task[None] | None = None
 
     async def start(self) -> None:
         self.blobs.clear_incoming()
         self.manager.restore_reservations()
+        ttl = self.ctx.settings.dataset_ttl_s
+        if ttl > 0:
+            self._pruning = asyncio.get_running_loop().create_task(self._prune_forever(ttl))
 
     async def stop(self) -> None:
-        return None
+        if self._pruning is not None:
+            self._pruning.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._pruning
+
+    async def _prune_forever(self, ttl_s: float) -> None:
+        # Anyone may upload a dataset; one that no job uses must not hold the disk forever.
+        while True:
+            await asyncio.sleep(max(0.05, min(ttl_s / 4, DATASET_SWEEP_S)))
+            try:
+                await self.prune_datasets(int((time.time() - ttl_s) * 1000))
+            except Exception:  # a failed sweep is tried again at the next one
+                log.exception("pruning unused datasets failed")
+
+    async def prune_datasets(self, before_ms: int) -> list[str]:
+        """Delete the datasets no job uses that nobody uploaded or looked up since
+        ``before_ms``, and then their blobs."""
+        async with self._blob_lock:
+            removed = self.repo.delete_unused_datasets(before_ms)
+            if removed:
+                await self._collect_garbage()
+        if removed:
+            log.info(
+                "removed %d dataset(s) that no job used and nobody asked for in %.1f h: %s",
+                len(removed), self.ctx.settings.dataset_ttl_s / 3600,
+                ", ".join(d[:12] for d in removed[:5]) + (" ..." if len(removed) > 5 else ""),
+            )  # fmt: skip
+        return removed
 
     def add_to_server(self, server: grpc.aio.Server) -> None:
         jobs_pb2_grpc.add_JobsServicer_to_server(JobsServicer(self), server)
@@ -177,10 +213,19 @@ class Jobs:
     def get_dataset(self, dataset_id: str) -> jobs_pb2.DatasetInfo:
         record = self.repo.dataset(dataset_id) if is_sha256_hex(dataset_id) else None
         if record is None:
+            ttl_h = self.ctx.settings.dataset_ttl_s / 3600
+            why = (
+                f" (one that no job used is deleted {ttl_h:g} h after it was last uploaded or "
+                "looked up)"
+                if ttl_h > 0
+                else ""
+            )
             raise StoreError(
                 grpc.StatusCode.NOT_FOUND,
-                f"no dataset with id {shown(dataset_id)}; upload it with UploadDataset",
+                f"no dataset with id {shown(dataset_id)}{why}; upload it with UploadDataset",
             )
+        # A client looks a dataset up before it submits a job on it: keep it a while.
+        self.repo.touch_dataset(record.id, int(time.time() * 1000))
         return datasets.to_info(record)
 
     # ---- checkpoints --------------------------------------------------------------------

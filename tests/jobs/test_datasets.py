@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
+import time
 
 import grpc
 import numpy as np
 import pytest
 from jobs.jobs_harness import JobsCoordinator, aiter_of
+from support.coordinator_harness import wait_until
 
 from client.datasets import (
     SHARD_TOKENS,
@@ -147,3 +150,40 @@ def test_upload_messages_split_on_token_boundaries() -> None:
     messages = list(upload_messages(dataset))
     assert messages[0].HasField("header")
     assert all(len(m.data.data) % 4 == 0 for m in messages[1:])
+
+
+async def test_a_dataset_no_job_uses_is_deleted_with_its_blobs_once_nobody_asks_for_it(
+    jc: JobsCoordinator,
+) -> None:
+    unused = await jc.upload(np.arange(3000, dtype=np.int32) % 50)
+    used = await jc.upload(np.arange(4000, dtype=np.int32) % 40)
+    await jc.submit(used.id)
+    asked = await jc.upload(np.arange(5000, dtype=np.int32) % 30)
+    blobs = {info.id: {s.sha256 for s in info.shards} for info in (unused, used, asked)}
+    cutoff = int(time.time() * 1000) + 1
+    await asyncio.sleep(0.01)
+    await jc.stub.GetDataset(jobs_pb2.DatasetRef(id=asked.id))  # a client about to submit
+
+    assert await jc.jobs.prune_datasets(cutoff) == [unused.id]
+    with pytest.raises(grpc.aio.AioRpcError) as caught:
+        await jc.stub.GetDataset(jobs_pb2.DatasetRef(id=unused.id))
+    assert caught.value.code() == grpc.StatusCode.NOT_FOUND
+    assert "no job used is deleted 24 h after" in caught.value.details()
+    assert "upload it with UploadDataset" in caught.value.details()
+    kept = set(jc.jobs.blobs.all_digests())
+    assert not blobs[unused.id] & kept and blobs[used.id] | blobs[asked.id] <= kept
+    chunks = [c async for c in jc.stub.DownloadDataset(jobs_pb2.DatasetRef(id=used.id))]
+    assert np.array_equal(tokens_from_chunks(chunks).tokens, np.arange(4000) % 40)
+    # A job's dataset stays however old it is; uploaded again, a deleted one is back.
+    assert await jc.jobs.prune_datasets(int(time.time() * 1000) + 1) == [asked.id]
+    assert (await jc.upload(np.arange(3000, dtype=np.int32) % 50)).id == unused.id
+    assert blobs[unused.id] <= set(jc.jobs.blobs.all_digests())
+
+
+async def test_the_coordinator_prunes_unused_datasets_by_itself(start_jobs) -> None:
+    jc = await start_jobs(nodes=0, dataset_ttl_s=0.2)
+    info = await jc.upload(np.arange(3000, dtype=np.int32) % 50)
+    await wait_until(
+        lambda: jc.jobs.repo.dataset(info.id) is None, 10.0, "the unused dataset to go"
+    )
+    await wait_until(lambda: not list(jc.jobs.blobs.all_digests()), 10.0, "its blobs to go")
