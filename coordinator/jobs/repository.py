@@ -142,9 +142,11 @@ class JobRepository:
 
     def touch_dataset(self, dataset_id: str, now_ms: int) -> None:
         """The dataset was uploaded or looked up: a job may be about to use it."""
-        self._conn.execute(
-            "UPDATE datasets SET used_ms = MAX(used_ms, ?) WHERE id = ?", (now_ms, dataset_id)
-        )
+        # In a transaction of its own: a bare write would open one that nothing commits.
+        with _transaction(self._conn):
+            self._conn.execute(
+                "UPDATE datasets SET used_ms = MAX(used_ms, ?) WHERE id = ?", (now_ms, dataset_id)
+            )
 
     def delete_unused_datasets(self, before_ms: int) -> list[str]:
         """Delete every dataset that no job uses and that was last uploaded or looked up

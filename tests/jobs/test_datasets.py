@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import sqlite3
 import time
 
 import grpc
@@ -163,6 +164,12 @@ async def test_a_dataset_no_job_uses_is_deleted_with_its_blobs_once_nobody_asks_
     cutoff = int(time.time() * 1000) + 1
     await asyncio.sleep(0.01)
     await jc.stub.GetDataset(jobs_pb2.DatasetRef(id=asked.id))  # a client about to submit
+    # Committed: another connection (the CLI's, a backup) sees it, and every later write.
+    with sqlite3.connect(jc.coordinator.ctx.settings.db_path) as other:
+        (used_ms,) = other.execute(
+            "SELECT used_ms FROM datasets WHERE id = ?", [asked.id]
+        ).fetchone()
+    assert used_ms >= cutoff
 
     assert await jc.jobs.prune_datasets(cutoff) == [unused.id]
     with pytest.raises(grpc.aio.AioRpcError) as caught:
