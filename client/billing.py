@@ -109,10 +109,22 @@ class UsageBook:
     _sent: dict[_Key, int] = field(default_factory=dict)
     _checked: dict[_Key, int] = field(default_factory=dict)
     _receipts: dict[_Key, ledger_pb2.SignedUsage] = field(default_factory=dict)
+    # Where earlier runners of a job worked (``inherited``): a node's count there may hold
+    # work that a runner which died computed after its last settlement.
+    _inherited: set[_Key] = field(default_factory=set)
 
     def sent(self, node_id: str, start: int, end: int, tokens: int) -> None:
         key = (node_id, start, end)
         self._sent[key] = self._sent.get(key, 0) + tokens
+
+    def inherited(self, node_id: str, start: int, end: int, tokens: int) -> None:
+        """Earlier runners of this job settled ``tokens`` there: they count as sent. The
+        node's count may also hold what a runner that died unannounced had it compute
+        after its last settlement, which nobody can check now. Its receipts are signed
+        even so, and pay only what is vouched for (settled and sent since): else the node
+        would go unpaid for the rest of the job."""
+        self.sent(node_id, start, end, tokens)
+        self._inherited.add((node_id, start, end))
 
     def checked(self, node_id: str, start: int, end: int, tokens: int) -> None:
         """The verifier sent `tokens` to this node to check another one's output."""
@@ -157,7 +169,7 @@ class UsageBook:
                 receipt.session_id == session_id
                 and receipt.node_id == node_id == owner
                 and (receipt.layer_start, receipt.layer_end) == (start, end)
-                and receipt.tokens <= sent + checks
+                and (receipt.tokens <= sent + checks or (node_id, start, end) in self._inherited)
                 and identity.verify(
                     receipt.node_public_key,
                     usage.node_signature,

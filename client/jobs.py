@@ -352,10 +352,13 @@ class JobRunner:
         )
         if not self._seeded:
             # A resumed job: what earlier runners settled counts as sent (the nodes'
-            # cumulative receipts include it). Samples computed after the last settlement
-            # by a runner that died unannounced are not signed for (docs/ledger.md).
+            # cumulative receipts include it); samples a runner that died unannounced had
+            # computed after its last settlement are in them too, and not paid
+            # (UsageBook.inherited, docs/ledger.md).
             for usage in self._session.settled:
-                self.usage.sent(usage.node_id, usage.layer_start, usage.layer_end, usage.tokens)
+                self.usage.inherited(
+                    usage.node_id, usage.layer_start, usage.layer_end, usage.tokens
+                )
             self._seeded = True
         return self._session
 
@@ -408,10 +411,7 @@ class JobRunner:
             except grpc.aio.AioRpcError as err:
                 log.warning("training checks not reported: %s: %s", err.code().name, err.details())
             else:
-                self._reported.update(
-                    s.signature for a in batch for s in (a.primary, a.checker)
-                )
-
+                self._reported.update(s.signature for a in batch for s in (a.primary, a.checker))
 
     def _receipts(self) -> list[ledger_pb2.SignedUsage]:
         return self.usage.countersign(self.job_id, self.key) if self.key is not None else []

@@ -8,8 +8,13 @@ steps x batch_size x layers x price moves to each operator (docs/ledger.md, "Job
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
 import sqlite3
+import subprocess
+import sys
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 from support.datasets import counting_dataset
@@ -151,3 +156,56 @@ def test_a_runner_whose_clock_is_hours_behind_still_opens_and_pays_its_job(marke
     assert paid_by_node(market, f"job:{job_id}") == shares
     quote = sum(shares.values())
     assert _hold(market, job_id) == (quote, quote, 0, "settled")
+
+
+# A runner that dies unannounced (kill -9) after the job's step 3: after the checkpoint at
+# step 2 was settled, and after it computed step 2's samples, which it never settles.
+_DIES_AFTER_STEP_3 = """
+import asyncio, os, signal, sys
+from pathlib import Path
+from client import billing
+from client.api import AsyncClient
+from support.datasets import counting_dataset
+
+address, key_path, job_id = sys.argv[1:]
+
+def hook(step):
+    if step == 3:
+        os.kill(os.getpid(), signal.SIGKILL)
+
+async def main():
+    key = billing.load_key(Path(key_path))
+    async with AsyncClient(address, key=key) as client:
+        await client.run_job(job_id, dataset=counting_dataset(), after_step=hook)
+
+asyncio.run(main())
+"""
+
+
+def test_after_a_runner_dies_unannounced_the_next_one_pays_the_nodes_for_its_own_work(market):
+    """The nodes' cumulative receipts then also count what the dead runner had them compute
+    after its last settlement, which the new runner cannot check. It signs them all the
+    same and pays for what it can vouch for (the settled samples and its own): before, it
+    signed none of them, and the nodes were not paid for the rest of the job."""
+    key = funded_client(market)
+    data = counting_dataset()
+    job_id = _submit(market, key, data)
+    tests = Path(__file__).parents[1]
+    died = subprocess.run(
+        [sys.executable, "-c", _DIES_AFTER_STEP_3, market.address,
+         str(market.workdir / "client.key"), job_id],
+        env={**os.environ, "PYTHONPATH": os.pathsep.join([str(tests), str(tests.parent)])},
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert died.returncode == -signal.SIGKILL, died.stderr[-3000:]
+    amount, charged, _, state = _hold(market, job_id)
+    assert state == "open" and charged * 2 == amount, "the checkpoint at step 2 was settled"
+    final = _run(market, key, job_id, data)
+    assert final.step == SPEC.steps
+    # Every sample of the job is paid once: the dead runner's step 2 was redone (and is
+    # paid once), its unsettled computation is not paid.
+    shares = _shares(market, final, SPEC.steps * SPEC.batch_size)
+    assert paid_by_node(market, f"job:{job_id}") == shares
+    assert _hold(market, job_id) == (amount, amount, 0, "settled")
+    audit = audit_cli(market)
+    assert audit.returncode == 0 and "ledger OK" in audit.stdout, audit.stdout
