@@ -265,6 +265,11 @@ async def _shutdown(
     await presence.stop()
     await ctx.registry.stop()
     await ctx.bus.close()
+    if ctx.db.conn.in_transaction:
+        # Every write commits in a transaction of its own; one left open is a bug, and
+        # closing now would lose every write made since it opened.
+        log.error("a database transaction was left open; committing it before closing")
+        ctx.db.conn.commit()
     ctx.db.close()
 
 

@@ -9,7 +9,7 @@ from typing import Any
 
 import grpc
 import pytest
-from support.coordinator_harness import CHANNEL_OPTIONS, Harness, harness_settings
+from support.coordinator_harness import CHANNEL_OPTIONS, Harness, checks_commits, harness_settings
 from support.mosquitto import mosquitto, mosquitto_broker  # noqa: F401 - fixtures
 
 from coordinator.server import running_coordinator
@@ -23,6 +23,7 @@ async def start_harness(tmp_path: Path) -> AsyncIterator[Callable[..., Awaitable
         async def start(**overrides: Any) -> Harness:
             settings = harness_settings(tmp_path, **overrides)
             coordinator = await stack.enter_async_context(running_coordinator(settings))
+            checks_commits(stack, coordinator)
             channel = grpc.aio.insecure_channel(coordinator.address, options=CHANNEL_OPTIONS)
             stack.push_async_callback(channel.close)
             return Harness(coordinator, channel)

@@ -21,6 +21,7 @@ from support.checkpoints import make_checkpoint
 from support.coordinator_harness import (
     CHANNEL_OPTIONS,
     FakeNode,
+    checks_commits,
     good_capabilities,
     harness_settings,
     wait_until,
@@ -218,6 +219,7 @@ async def start_jobs(
             overrides.setdefault("kv_tokens_per_shard", 64)
             settings = harness_settings(tmp_path / "coordinator", **overrides)
             coordinator = await stack.enter_async_context(running_coordinator(settings))
+            checks_commits(stack, coordinator)
             channel = grpc.aio.insecure_channel(coordinator.address, options=CHANNEL_OPTIONS)
             stack.push_async_callback(channel.close)
             served = JobsCoordinator(coordinator, channel)

@@ -17,7 +17,7 @@ from typing import Any
 import grpc
 import pytest
 from support.checkpoints import make_checkpoint
-from support.coordinator_harness import FakeNode, harness_settings
+from support.coordinator_harness import FakeNode, checks_commits, harness_settings
 
 from coordinator.admin_auth import bearer_metadata
 from coordinator.model_store import ModelStore, StoreLimits, open_checkpoint
@@ -114,6 +114,7 @@ async def server_factory(tmp_path: Path):
         stack = contextlib.AsyncExitStack()
         settings = harness_settings(data_dir or tmp_path / "coordinator")
         coordinator = await stack.enter_async_context(running_coordinator(settings))
+        checks_commits(stack, coordinator)
         ctx = coordinator.ctx
         assert isinstance(ctx.model_store, ModelStore), "the server did not build the store"
         if limits is not None or coverage is not None:

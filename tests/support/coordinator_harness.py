@@ -9,6 +9,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import replace
@@ -140,6 +141,19 @@ async def wait_until(
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out after {timeout} s waiting for {what or predicate}")
         await asyncio.sleep(0.01)
+
+
+def checks_commits(stack: contextlib.AsyncExitStack, coordinator: RunningCoordinator) -> None:
+    """When the test ends, before the coordinator stops: no transaction is open. Every
+    write commits in one of its own; a bare write opens one that nothing commits, and no
+    later write reaches the file either (another connection sees none of them)."""
+
+    def committed() -> None:
+        assert not coordinator.ctx.db.conn.in_transaction, (
+            "the coordinator left a database transaction open: some write ran outside one"
+        )
+
+    stack.callback(committed)
 
 
 def state_of(coordinator: RunningCoordinator, node_id: str) -> NodeState | None:

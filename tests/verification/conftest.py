@@ -11,7 +11,7 @@ from typing import Any
 import grpc
 import pytest
 from data_plane.conftest import checkpoint, keys, start_node
-from support.coordinator_harness import CHANNEL_OPTIONS, Harness, harness_settings
+from support.coordinator_harness import CHANNEL_OPTIONS, Harness, checks_commits, harness_settings
 from verification.training_verification_harness import start_train_node, store, train_checkpoint
 
 from coordinator.server import running_coordinator
@@ -35,6 +35,7 @@ async def start_harness(tmp_path: Path) -> AsyncIterator[Callable[..., Awaitable
         async def start(**overrides: Any) -> Harness:
             settings = harness_settings(tmp_path / "coordinator", **overrides)
             coordinator = await stack.enter_async_context(running_coordinator(settings))
+            checks_commits(stack, coordinator)
             channel = grpc.aio.insecure_channel(coordinator.address, options=CHANNEL_OPTIONS)
             stack.push_async_callback(channel.close)
             return Harness(coordinator, channel)
