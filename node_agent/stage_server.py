@@ -46,7 +46,7 @@ import torch
 from node_agent import failpoints
 from node_agent.context import AgentContext
 from node_agent.data_plane import answer_ping
-from node_agent.receipts import UsageMeter
+from node_agent.receipts import UsageMeter, save_usage
 from node_agent.relay import DeliveryHub, RelayLimits, RelayLinks, Subscriber, SubscriptionEnded
 from node_agent.runtime import CacheBudgetError, CacheFullError, StageKVCache
 from node_agent.shard_manager import (
@@ -66,6 +66,8 @@ log = logging.getLogger(__name__)
 
 # End-of-sequence ids a ring may carry: models have one to a few.
 MAX_STOP_IDS = 64
+# Where the usage counts of inference sessions are kept, in the data dir (receipts.py).
+USAGE_FILE = "usage/inference.json"
 
 
 @dataclass(frozen=True)
@@ -174,7 +176,7 @@ class StageServicer(stage_pb2_grpc.StageServicer):
         self._clock = clock or ctx.coordinator_time
         self._cache_locks: dict[str, asyncio.Lock] = {}  # by cache_key(session, start, end)
         self._expiry_task: asyncio.Task[None] | None = None
-        self._usage = UsageMeter(ctx.private_key)
+        self._usage = UsageMeter(ctx.private_key, path=ctx.data_dir / USAGE_FILE)
         # Per session key: digest of the input prefix after each cached position.
         self._input_chains: dict[str, list[bytes]] = {}
         self._failpoints = failpoints.from_env()  # None unless TESSERA_FAILPOINTS is set
@@ -1004,6 +1006,7 @@ class StageServicer(stage_pb2_grpc.StageServicer):
                 self.expire_idle()
             except Exception:  # the sweeper must survive whatever one shard does
                 log.exception("idle session sweep failed")
+            save_usage(self._usage)
 
     async def close(self) -> None:
         for task in list(self._relays_here):
@@ -1014,6 +1017,7 @@ class StageServicer(stage_pb2_grpc.StageServicer):
             self._expiry_task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._expiry_task
+        save_usage(self._usage)
 
 
 @dataclass

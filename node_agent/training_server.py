@@ -40,7 +40,7 @@ import torch
 from node_agent import failpoints
 from node_agent.checkpoint_client import CheckpointClient, CheckpointRef, CheckpointTransferError
 from node_agent.context import AgentContext
-from node_agent.receipts import UsageMeter
+from node_agent.receipts import UsageMeter, save_usage
 from node_agent.runtime import StageModel, tensor_names_for_stage
 from node_agent.runtime.training import (
     NonFiniteGradientError,
@@ -60,6 +60,8 @@ from protos.tessera.v1 import client_api_pb2, common_pb2, training_pb2, training
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
+# Where the usage counts of training jobs are kept, in the data dir (receipts.py).
+USAGE_FILE = "usage/training.json"
 _JOB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,127}$")
 _SHA256_HEX = re.compile(r"^[0-9a-f]{64}$")
 FP32_BYTES = 4
@@ -144,7 +146,7 @@ class TrainingStageServicer(training_pb2_grpc.TrainingStageServicer):
         # Samples computed per (job, layers), signed on every forward reply: what the job's
         # client pays for per sample-layer (docs/ledger.md, "Jobs"). Kept after a job
         # closes, so a resumed job's receipts stay cumulative.
-        self._usage = UsageMeter(ctx.private_key)
+        self._usage = UsageMeter(ctx.private_key, path=ctx.data_dir / USAGE_FILE)
 
     # ---- RPCs -----------------------------------------------------------------------
 
@@ -714,6 +716,7 @@ class TrainingStageServicer(training_pb2_grpc.TrainingStageServicer):
                 await self.expire_idle()
             except Exception:  # the sweeper must survive whatever one job does
                 log.exception("idle training sweep failed")
+            save_usage(self._usage)
 
     async def close(self) -> None:
         if self._expiry_task is not None:
@@ -722,6 +725,7 @@ class TrainingStageServicer(training_pb2_grpc.TrainingStageServicer):
                 await self._expiry_task
         for job_id in list(self._jobs):
             await self._drop_job(job_id)
+        save_usage(self._usage)
 
     # ---- validation -----------------------------------------------------------------
 

@@ -1,0 +1,74 @@
+"""A node's usage counts outlive the node: kept in its data dir, a few seconds apart and
+when it stops, so that a node restarted in the middle of a session counts on from where it
+was, and its receipts still claim more than the coordinator already paid."""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+import pytest
+
+from node_agent.receipts import UsageMeter, save_usage
+from protos import identity
+from protos.tessera.v1 import ledger_pb2
+
+
+def tokens_of(signed: ledger_pb2.SignedUsage, public: bytes) -> tuple[int, int, int]:
+    assert identity.verify(public, signed.node_signature, identity.usage_payload(signed.receipt))
+    receipt = ledger_pb2.UsageReceipt.FromString(signed.receipt)
+    return receipt.tokens, receipt.first_step, receipt.last_step
+
+
+def test_a_restarted_meter_counts_on_from_its_saved_counts(tmp_path: Path) -> None:
+    key = identity.generate_private_key()
+    public = identity.public_key_bytes(key)
+    path = tmp_path / "usage" / "inference.json"
+    meter = UsageMeter(key, path=path)
+    meter.record("s-1", 0, 4, 0, 10)
+    meter.record("s-1", 0, 4, 1, 1)
+    meter.record("s-2", 4, 8, 3, 5)
+    meter.record("s-3", 0, 4, 0, 7)
+    meter.forget("s-3")  # the session ended: its count goes
+    meter.save()
+
+    again = UsageMeter(key, path=path)
+    assert tokens_of(again.record("s-1", 0, 4, 2, 1), public) == (12, 0, 2)
+    assert tokens_of(again.record("s-2", 4, 8, 4, 1), public) == (6, 3, 4)
+    assert tokens_of(again.record("s-3", 0, 4, 5, 1), public) == (1, 5, 5)
+    # Nothing new since the last save: the file is not written again.
+    again.save()
+    written = path.stat().st_mtime_ns
+    again.save()
+    assert path.stat().st_mtime_ns == written and not path.with_suffix(".partial").exists()
+
+
+@pytest.mark.parametrize(
+    "content",
+    ["{not json", '{"s": 1}', '[["s", 0, 4, -3, 0, 0]]', '[["s", 0, 4, 1.5, 0, 0]]', "[[1, 2]]"],
+)
+def test_unreadable_counts_start_again_at_zero_and_are_written_anew(
+    tmp_path: Path, content: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    key = identity.generate_private_key()
+    path = tmp_path / "usage.json"
+    path.write_text(content)
+    with caplog.at_level(logging.WARNING):
+        meter = UsageMeter(key, path=path)
+    assert "unreadable" in caplog.text and "counting from 0" in caplog.text
+    assert tokens_of(meter.record("s", 0, 4, 0, 3), identity.public_key_bytes(key))[0] == 3
+    meter.save()
+    assert json.loads(path.read_text()) == [["s", 0, 4, 3, 0, 0]]
+
+
+def test_a_count_that_cannot_be_saved_is_logged_and_the_node_goes_on(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    blocked = tmp_path / "file"
+    blocked.write_text("")
+    meter = UsageMeter(identity.generate_private_key(), path=blocked / "usage.json")
+    meter.record("s", 0, 4, 0, 3)
+    with caplog.at_level(logging.WARNING):
+        save_usage(meter)  # its directory is a file: OSError, logged, not raised
+    assert "could not keep the usage counts" in caplog.text
