@@ -15,6 +15,7 @@ its count caught up.
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 import os
@@ -32,6 +33,9 @@ log = logging.getLogger(__name__)
 # Counters of sessions that never said EndSession are dropped oldest first past this many;
 # their last receipts are already with the client.
 MAX_TRACKED = 65_536
+# Only the counts of this many sessions, the most recently active, are written to disk: a
+# write every few seconds must stay small. An older session counts from 0 after a restart.
+MAX_SAVED = 4096
 
 
 @dataclass
@@ -98,7 +102,8 @@ class UsageMeter:
         while writing keeps the previous file)."""
         if self._path is None or not self._dirty:
             return
-        rows = [[*key, *astuple(tally)] for key, tally in self._tallies.items()]
+        recent = itertools.islice(reversed(self._tallies.items()), MAX_SAVED)
+        rows = [[*key, *astuple(tally)] for key, tally in recent][::-1]
         self._path.parent.mkdir(parents=True, exist_ok=True)
         partial = self._path.with_suffix(".partial")
         partial.write_text(json.dumps(rows, separators=(",", ":")))

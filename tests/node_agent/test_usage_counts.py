@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from node_agent import receipts
 from node_agent.receipts import UsageMeter, save_usage
 from protos import identity
 from protos.tessera.v1 import ledger_pb2
@@ -72,3 +73,17 @@ def test_a_count_that_cannot_be_saved_is_logged_and_the_node_goes_on(
     with caplog.at_level(logging.WARNING):
         save_usage(meter)  # its directory is a file: OSError, logged, not raised
     assert "could not keep the usage counts" in caplog.text
+
+
+def test_only_the_most_recently_active_counts_are_written(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(receipts, "MAX_SAVED", 2)
+    key = identity.generate_private_key()
+    path = tmp_path / "usage.json"
+    meter = UsageMeter(key, path=path)
+    for session in ("a", "b", "c"):
+        meter.record(session, 0, 4, 0, 1)
+    meter.record("a", 0, 4, 1, 1)  # "a" is active again, "b" the oldest now
+    meter.save()
+    assert json.loads(path.read_text()) == [["c", 0, 4, 1, 0, 0], ["a", 0, 4, 2, 0, 1]]
