@@ -66,6 +66,9 @@ COORDINATOR_ENV = "TESSERA_COORDINATOR"
 
 T = TypeVar("T")
 log = logging.getLogger(__name__)
+# Paid sessions settle every this many generated tokens by default (Client(settle_every=)):
+# one call to the coordinator per 256 tokens, and a crash never loses the nodes more.
+DEFAULT_SETTLE_EVERY = 256
 
 
 def default_coordinator() -> str:
@@ -212,12 +215,13 @@ class AsyncClient:
         key: Ed25519PrivateKey | None = None,
         max_price: int = 0,
         prefer: str = "",
-        settle_every: int = 0,
+        settle_every: int = DEFAULT_SETTLE_EVERY,
     ) -> None:
         self.coordinator = coordinator or default_coordinator()
         self.account = account
-        # Long sessions settle their usage every this many generated tokens (0: at close
-        # only), so operators are paid as the session goes and the escrow shrinks.
+        # Paid sessions settle their usage every this many generated tokens (0: at close
+        # only), so operators are paid as the session goes, the escrow shrinks, and a
+        # client that dies before its close leaves at most this many tokens unpaid.
         self.settle_every = settle_every
         # With a key, sessions are paid: it signs the open and counter-signs usage receipts.
         self.key = key
@@ -714,7 +718,7 @@ class Client:
         key: Ed25519PrivateKey | None = None,
         max_price: int = 0,
         prefer: str = "",
-        settle_every: int = 0,
+        settle_every: int = DEFAULT_SETTLE_EVERY,
     ) -> None:
         self._loop = _LoopThread()
 

@@ -7,15 +7,23 @@ the coordinator inside settlement (failpoints) with a restart on the same databa
 from __future__ import annotations
 
 import json
+import os
 import re
+import signal
 import sqlite3
+import subprocess
+import sys
 from collections.abc import Iterator
+from pathlib import Path
 
 import grpc
 import pytest
 from support.market import (
     GRANT,
+    MODEL,
+    PROMPT,
     audit_cli,
+    available,
     balance_cli,
     earnings_cli,
     expected_shares,
@@ -194,5 +202,55 @@ def test_kill_9_inside_settlement_then_restart_pays_exactly_once(market, client_
     assert int(balance["escrowed"]) == 0
     paid = paid_by_node(market, result.session_id)
     assert paid == shares, "each node paid its share exactly once"
+    audit = audit_cli(market)
+    assert audit.returncode == 0 and "ledger OK" in audit.stdout, audit.stdout
+
+
+# A paying client that dies (kill -9) after its 7th token: it never closes its session.
+_DIES_AFTER_7_TOKENS = """
+import os, signal, sys
+from pathlib import Path
+from client import billing
+from client.api import Client
+
+address, key_path, model, prompt = sys.argv[1:]
+key = billing.load_key(Path(key_path))
+with Client(address, key=key, settle_every=3) as client:
+    tokens = client.generate(model, token_ids=[int(t) for t in prompt.split(",")],
+                             max_new_tokens=8, stop_at_eos=False)
+    for seen, _ in enumerate(tokens, 1):
+        if seen == 1:
+            print(client.last_run.session_id, flush=True)
+        if seen == 7:
+            os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+
+def test_a_paying_client_that_dies_before_its_close_has_paid_for_what_it_settled(
+    market, client_key
+):
+    """Runs last: it leaves its session's hold open, as a dead client does, until it
+    expires. Periodic settlement (on by default, every 256 tokens; every 3 here) paid the
+    nodes for all the client's tokens up to its last settlement; before it, a client that
+    died paid nothing at all."""
+    repo = Path(__file__).parents[2]
+    with Client(market.address) as client:
+        wait_for(lambda: available(client), "the model to be served")
+    died = subprocess.run(
+        [sys.executable, "-c", _DIES_AFTER_7_TOKENS, market.address,
+         str(market.workdir / "client.key"), MODEL, ",".join(map(str, PROMPT))],
+        env={**os.environ, "PYTHONPATH": str(repo)}, capture_output=True, text=True,
+        timeout=300,
+    )  # fmt: skip
+    assert died.returncode == -signal.SIGKILL, died.stderr[-3000:]
+    session_id = died.stdout.split()[0]
+    with sqlite3.connect(market.coordinator_dir / "coordinator.db") as db:
+        amount, charged, state = db.execute(
+            "SELECT amount, charged, state FROM ledger_holds WHERE hold_id = ?", [session_id]
+        ).fetchone()
+    assert state == "open" and 0 < charged < amount
+    paid = paid_by_node(market, session_id)
+    assert paid and all(share > 0 for share in paid.values()), paid  # each node of its route
+    assert sum(paid.values()) == charged
     audit = audit_cli(market)
     assert audit.returncode == 0 and "ledger OK" in audit.stdout, audit.stdout
