@@ -321,7 +321,7 @@ class Jobs:
         garbage = [d for d in self.blobs.all_digests() if d not in referenced]
         if garbage:
             await asyncio.to_thread(lambda: [self.blobs.delete(d) for d in garbage])
-            log.info("removed %d superseded checkpoint blob(s)", len(garbage))
+            log.info("removed %d blob(s) no dataset or kept checkpoint uses", len(garbage))
 
     # ---- finishing ----------------------------------------------------------------------
 
