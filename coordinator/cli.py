@@ -250,6 +250,12 @@ def _add_serve_parser(subparsers: Any) -> None:
         "Anyone who can reach the coordinator may upload one",
     )  # fmt: skip
     serve_parser.add_argument(
+        "--job-retention", type=_non_negative_float, default=30.0, metavar="DAYS",
+        help="delete a training job that is done or failed, with its losses and checkpoints, "
+        "this long after it ended (default: %(default)s; 0 keeps them forever); the model "
+        "it exported stays",
+    )  # fmt: skip
+    serve_parser.add_argument(
         "--default-price", type=_non_negative_int, default=0, metavar="UNITS",
         help="credit units per 1,000 token-layers for nodes that ask no price of their own "
         "(default: %(default)s = free)",
@@ -318,6 +324,7 @@ def _run_serve(args: argparse.Namespace) -> int:
         max_token_price_units=args.max_token_price,
         kv_tokens_per_shard=args.kv_tokens,
         dataset_ttl_s=args.dataset_ttl * 3600,
+        job_retention_s=args.job_retention * 86400,
         default_price_units=args.default_price,
         default_training_price_units=args.default_training_price,
         challenge_window_s=args.challenge_window,

@@ -81,6 +81,9 @@ class Settings:
     # Training: a dataset that no job uses is deleted this long after it was last uploaded
     # or looked up (0: kept forever). Anyone may upload one; the disk is not theirs to fill.
     dataset_ttl_s: float = 24 * 3600.0
+    # A job that is done or failed is deleted, with its losses and checkpoints, this long
+    # after it ended (0: kept forever). Its output model stays in the model store.
+    job_retention_s: float = 30 * 24 * 3600.0
 
     @property
     def offline_after(self) -> float:

@@ -202,6 +202,14 @@ class JobManager:
         self._publish(job, "state")
         return job
 
+    def delete_finished(self, before_ms: int) -> list[str]:
+        """Delete the jobs that ended before ``before_ms`` (JobRepository), and what this
+        manager still keeps of them."""
+        removed = self.repo.delete_finished_jobs(before_ms)
+        for job_id in removed:
+            self._checkers.pop(job_id, None)
+        return removed
+
     def require_job(self, job_id: str) -> JobRecord:
         job = self.repo.job(job_id) if job_id and len(job_id) <= 64 else None
         if job is None:

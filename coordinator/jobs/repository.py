@@ -170,6 +170,25 @@ class JobRepository:
 
     # ---- jobs -------------------------------------------------------------------------
 
+    def delete_finished_jobs(self, before_ms: int) -> list[str]:
+        """Delete every job that is done or failed and was last updated before
+        ``before_ms``, with its losses and checkpoint records; returns their ids. The
+        blobs go with the next collection, the datasets with the next dataset sweep."""
+        with _transaction(self._conn):
+            ids = [
+                row[0]
+                for row in self._conn.execute(
+                    "SELECT id FROM jobs WHERE state IN ('done', 'failed') AND updated_ms < ?",
+                    (before_ms,),
+                )
+            ]
+            for batch in (ids[i : i + 500] for i in range(0, len(ids), 500)):
+                marks = ",".join("?" * len(batch))
+                for table in ("job_losses", "job_checkpoints"):
+                    self._conn.execute(f"DELETE FROM {table} WHERE job_id IN ({marks})", batch)
+                self._conn.execute(f"DELETE FROM jobs WHERE id IN ({marks})", batch)
+        return ids
+
     def job(self, job_id: str) -> JobRecord | None:
         row = self._conn.execute(
             f"SELECT {', '.join(_JOB_COLUMNS)} FROM jobs WHERE id = ?", (job_id,)

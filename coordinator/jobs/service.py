@@ -50,9 +50,9 @@ from protos.tessera.v1 import (
 )
 
 log = logging.getLogger("tessera.jobs")
-# How often unused datasets are looked for, at most (a quarter of their time to live, if
-# that is shorter).
-DATASET_SWEEP_S = 600.0
+# How often old jobs and unused datasets are looked for, at most (a quarter of the shorter
+# of their times to live, if that is shorter).
+PRUNE_EVERY_S = 600.0
 
 TicketCheck = Callable[[str, bytes], "bool | Awaitable[bool]"]
 
@@ -121,9 +121,11 @@ class Jobs:
     async def start(self) -> None:
         self.blobs.clear_incoming()
         self.manager.restore_reservations()
-        ttl = self.ctx.settings.dataset_ttl_s
-        if ttl > 0:
-            self._pruning = asyncio.get_running_loop().create_task(self._prune_forever(ttl))
+        settings = self.ctx.settings
+        ages = [t for t in (settings.dataset_ttl_s, settings.job_retention_s) if t > 0]
+        if ages:
+            every = max(0.05, min(min(ages) / 4, PRUNE_EVERY_S))
+            self._pruning = asyncio.get_running_loop().create_task(self._prune_forever(every))
 
     async def stop(self) -> None:
         if self._pruning is not None:
@@ -131,28 +133,46 @@ class Jobs:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._pruning
 
-    async def _prune_forever(self, ttl_s: float) -> None:
-        # Anyone may upload a dataset; one that no job uses must not hold the disk forever.
+    async def _prune_forever(self, every_s: float) -> None:
+        # Anyone may upload a dataset or submit a job: neither may hold the disk forever.
+        settings = self.ctx.settings
         while True:
-            await asyncio.sleep(max(0.05, min(ttl_s / 4, DATASET_SWEEP_S)))
+            await asyncio.sleep(every_s)
             try:
-                await self.prune_datasets(int((time.time() - ttl_s) * 1000))
+                now = time.time()
+                if settings.job_retention_s > 0:
+                    await self.prune_jobs(int((now - settings.job_retention_s) * 1000))
+                if settings.dataset_ttl_s > 0:
+                    await self.prune_datasets(int((now - settings.dataset_ttl_s) * 1000))
             except Exception:  # a failed sweep is tried again at the next one
-                log.exception("pruning unused datasets failed")
+                log.exception("pruning old jobs and unused datasets failed")
+
+    async def prune_jobs(self, before_ms: int) -> list[str]:
+        """Delete the jobs that ended before ``before_ms``, and then their blobs."""
+        days = self.ctx.settings.job_retention_s / 86400
+        return await self._prune(
+            lambda: self.manager.delete_finished(before_ms),
+            f"job(s) that ended {days:.1f} days ago or more",
+        )
 
     async def prune_datasets(self, before_ms: int) -> list[str]:
         """Delete the datasets no job uses that nobody uploaded or looked up since
         ``before_ms``, and then their blobs."""
+        hours = self.ctx.settings.dataset_ttl_s / 3600
+        return await self._prune(
+            lambda: self.repo.delete_unused_datasets(before_ms),
+            f"dataset(s) that no job used and nobody asked for in {hours:.1f} h",
+        )
+
+    async def _prune(self, delete: Callable[[], list[str]], what: str) -> list[str]:
         async with self._blob_lock:
-            removed = self.repo.delete_unused_datasets(before_ms)
+            removed = delete()
             if removed:
                 await self._collect_garbage()
         if removed:
-            log.info(
-                "removed %d dataset(s) that no job used and nobody asked for in %.1f h: %s",
-                len(removed), self.ctx.settings.dataset_ttl_s / 3600,
-                ", ".join(d[:12] for d in removed[:5]) + (" ..." if len(removed) > 5 else ""),
-            )  # fmt: skip
+            shown_ids = ", ".join(i[:16] for i in removed[:5])
+            log.info("removed %d %s: %s%s", len(removed), what, shown_ids,
+                     " ..." if len(removed) > 5 else "")  # fmt: skip
         return removed
 
     def add_to_server(self, server: grpc.aio.Server) -> None:

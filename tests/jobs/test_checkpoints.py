@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import json
+import time
 from pathlib import Path
 
 import grpc
@@ -23,7 +24,7 @@ from jobs.jobs_harness import (
     model_messages,
 )
 from safetensors.numpy import load_file
-from support.coordinator_harness import harness_settings
+from support.coordinator_harness import harness_settings, wait_until
 
 from coordinator.model_store import open_checkpoint
 from coordinator.server import running_coordinator
@@ -310,3 +311,57 @@ async def test_jobs_datasets_and_checkpoints_survive_a_coordinator_restart(
                     job_id=session.job_id, capability=session.capability, step=2, loss=0.5
                 )
             )
+
+
+async def test_a_job_that_ended_long_ago_goes_with_its_checkpoints_and_then_its_dataset(
+    jc: JobsCoordinator,
+) -> None:
+    ended = await _running_job(jc, steps=2)
+    await _advance(jc, ended, 2)
+    for index, hop in enumerate(ended.hops):
+        data = f"state of stage {index} at step 2".encode() * 100
+        chunks = _chunks(ended.job_id, 2, hop.layers.start, hop.layers.end, data)
+        await upload(jc, chunks, jc.node(hop.node_id).metadata)
+    finish = jobs_pb2.FinishJobRequest(
+        job_id=ended.job_id, capability=ended.capability, state=jobs_pb2.JOB_STATE_DONE
+    )
+    await jc.stub.FinishJob(finish)
+    ended_info = await jc.stub.GetJob(jobs_pb2.JobRef(job_id=ended.job_id))
+    other_data = await jc.upload(np.arange(500, dtype=np.int32) % 50)
+    running = await jc.submit(other_data.id)
+    await jc.stub.OpenTrainingSession(jobs_pb2.OpenTrainingSessionRequest(job_id=running.job_id))
+    before = set(jc.jobs.blobs.all_digests())
+    record = jc.jobs.repo.dataset(ended_info.dataset_id)
+    assert record is not None
+    dataset_blobs = {shard.sha256 for shard in record.shards}
+    later = int(time.time() * 1000) + 1
+
+    assert await jc.jobs.prune_jobs(later) == [ended.job_id]  # not the running one
+    with pytest.raises(grpc.aio.AioRpcError) as caught:
+        await jc.stub.GetJob(jobs_pb2.JobRef(job_id=ended.job_id))
+    assert caught.value.code() == grpc.StatusCode.NOT_FOUND
+    listed = await jc.stub.ListJobs(jobs_pb2.ListJobsRequest())
+    assert [j.job_id for j in listed.jobs] == [running.job_id]
+    # Its checkpoints' blobs are gone, its dataset's stay until the dataset sweep.
+    left = set(jc.jobs.blobs.all_digests())
+    assert len(before - left) == len(ended.hops) and dataset_blobs <= left
+    assert await jc.jobs.prune_datasets(later) == [ended_info.dataset_id]
+    assert not dataset_blobs & set(jc.jobs.blobs.all_digests())
+    assert (await jc.stub.GetJob(jobs_pb2.JobRef(job_id=running.job_id))).state == (
+        jobs_pb2.JOB_STATE_RUNNING
+    )
+
+
+async def test_the_coordinator_deletes_ended_jobs_by_itself(start_jobs) -> None:
+    jc = await start_jobs(job_retention_s=0.2, dataset_ttl_s=0)
+    await jc.ready(replicas=2)
+    session = await _running_job(jc, steps=1)
+    await _advance(jc, session, 1)
+    await jc.stub.FinishJob(
+        jobs_pb2.FinishJobRequest(
+            job_id=session.job_id, capability=session.capability, state=jobs_pb2.JOB_STATE_DONE
+        )
+    )
+    await wait_until(lambda: jc.jobs.repo.job(session.job_id) is None, 10.0, "the ended job to go")
+    # With the dataset TTL off, its dataset stays.
+    assert jc.jobs.repo.dataset(session.job.dataset_id) is not None
