@@ -252,8 +252,8 @@ def _add_serve_parser(subparsers: Any) -> None:
     serve_parser.add_argument(
         "--job-retention", type=_non_negative_float, default=30.0, metavar="DAYS",
         help="delete a training job that is done or failed, with its losses and checkpoints, "
-        "this long after it ended (default: %(default)s; 0 keeps them forever); the model "
-        "it exported stays",
+        "this long after it ended, and one still queued this long after it was submitted "
+        "(default: %(default)s; 0 keeps them forever); the model it exported stays",
     )  # fmt: skip
     serve_parser.add_argument(
         "--default-price", type=_non_negative_int, default=0, metavar="UNITS",

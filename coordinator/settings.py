@@ -82,7 +82,8 @@ class Settings:
     # or looked up (0: kept forever). Anyone may upload one; the disk is not theirs to fill.
     dataset_ttl_s: float = 24 * 3600.0
     # A job that is done or failed is deleted, with its losses and checkpoints, this long
-    # after it ended (0: kept forever). Its output model stays in the model store.
+    # after it ended, and one still queued this long after it was submitted (0: kept
+    # forever). Its output model stays in the model store.
     job_retention_s: float = 30 * 24 * 3600.0
 
     @property

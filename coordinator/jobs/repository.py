@@ -171,14 +171,16 @@ class JobRepository:
     # ---- jobs -------------------------------------------------------------------------
 
     def delete_finished_jobs(self, before_ms: int) -> list[str]:
-        """Delete every job that is done or failed and was last updated before
-        ``before_ms``, with its losses and checkpoint records; returns their ids. The
-        blobs go with the next collection, the datasets with the next dataset sweep."""
+        """Delete every job that is done or failed, or queued and never opened, and was
+        last updated before ``before_ms``, with its losses and checkpoint records; returns
+        their ids. The blobs go with the next collection, the datasets with the next
+        dataset sweep."""
         with _transaction(self._conn):
             ids = [
                 row[0]
                 for row in self._conn.execute(
-                    "SELECT id FROM jobs WHERE state IN ('done', 'failed') AND updated_ms < ?",
+                    "SELECT id FROM jobs WHERE state IN ('done', 'failed', 'queued') "
+                    "AND updated_ms < ?",
                     (before_ms,),
                 )
             ]

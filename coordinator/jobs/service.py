@@ -152,7 +152,7 @@ class Jobs:
         days = self.ctx.settings.job_retention_s / 86400
         return await self._prune(
             lambda: self.manager.delete_finished(before_ms),
-            f"job(s) that ended {days:.1f} days ago or more",
+            f"job(s) that ended, or were submitted and never opened, {days:.1f} days ago or more",
         )
 
     async def prune_datasets(self, before_ms: int) -> list[str]:
