@@ -103,8 +103,10 @@ class JobManager:
         limits: JobLimits | None = None,
         hop_details: Callable[[client_api_pb2.Hop], None] | None = None,
         billing: JobBilling | None = None,
+        retention_s: float = 0.0,
     ) -> None:
         self.repo = repo
+        self._retention_s = retention_s  # how long an ended job is kept (0: forever)
         self.billing = billing  # None: no ledger installed, every job is free
         # Fills each hop's public_key (and trust facts) so the driver can check the
         # signatures of training replies; the verifier component provides it.
@@ -206,14 +208,23 @@ class JobManager:
         """Delete the jobs that ended before ``before_ms`` (JobRepository), and what this
         manager still keeps of them."""
         removed = self.repo.delete_finished_jobs(before_ms)
+        gone = set(removed)
         for job_id in removed:
             self._checkers.pop(job_id, None)
+        for table in (self._reserved, self._failed, self._assigning):
+            for key in [k for k in table if k[0] in gone]:
+                del table[key]
         return removed
 
     def require_job(self, job_id: str) -> JobRecord:
         job = self.repo.job(job_id) if job_id and len(job_id) <= 64 else None
         if job is None:
-            raise not_found(f"no job with id {shown(job_id)}; `tessera jobs` lists them")
+            kept = (
+                f" (a job is deleted {self._retention_s / 86400:g} days after it ended)"
+                if self._retention_s > 0
+                else ""
+            )
+            raise not_found(f"no job with id {shown(job_id)}{kept}; `tessera jobs` lists them")
         return job
 
     def jobs(self, limit: int) -> list[JobRecord]:

@@ -110,6 +110,7 @@ class Jobs:
             limits=self.limits,
             hop_details=self._hop_details,
             billing=_billing(ctx),
+            retention_s=ctx.settings.job_retention_s,
         )
         # Publishing a blob and recording the row that references it happen under this
         # lock, and so does collecting unreferenced blobs: neither can undo the other.

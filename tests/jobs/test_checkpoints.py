@@ -342,6 +342,7 @@ async def test_a_job_that_ended_long_ago_goes_with_its_checkpoints_and_then_its_
     with pytest.raises(grpc.aio.AioRpcError) as caught:
         await jc.stub.GetJob(jobs_pb2.JobRef(job_id=ended.job_id))
     assert caught.value.code() == grpc.StatusCode.NOT_FOUND
+    assert "a job is deleted 30 days after it ended" in caught.value.details()
     listed = await jc.stub.ListJobs(jobs_pb2.ListJobsRequest())
     assert [j.job_id for j in listed.jobs] == [running.job_id]
     # Its checkpoints' blobs are gone, its dataset's stay until the dataset sweep.
