@@ -76,7 +76,8 @@ class TrainingLimits:
     # A job no call touched for this long is dropped: its driver is gone, and a resumed
     # driver re-opens every stage from a checkpoint anyway.
     idle_ttl_s: float = 1800.0
-    expiry_interval_s: float = 60.0
+    # The idle sweep, which also writes the usage counts to disk: what a kill -9 can lose.
+    expiry_interval_s: float = 5.0
 
 
 @dataclass
