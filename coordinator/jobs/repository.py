@@ -13,7 +13,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from coordinator.model_store.schema import connection_of
+from coordinator.model_store.schema import batches, connection_of
 
 
 @dataclass(frozen=True)
@@ -160,13 +160,15 @@ class JobRepository:
                     (before_ms,),
                 )
             ]
-            for batch in (ids[i : i + 500] for i in range(0, len(ids), 500)):
-                marks = ",".join("?" * len(batch))
-                self._conn.execute(
-                    f"DELETE FROM dataset_shards WHERE dataset_id IN ({marks})", batch
-                )
-                self._conn.execute(f"DELETE FROM datasets WHERE id IN ({marks})", batch)
+            self._delete(ids, [("dataset_shards", "dataset_id"), ("datasets", "id")])
         return ids
+
+    def _delete(self, ids: list[str], rows: list[tuple[str, str]]) -> None:
+        """Delete the rows whose (table, column) holds one of ``ids``, in that order."""
+        for batch in batches(ids):
+            marks = ",".join("?" * len(batch))
+            for table, column in rows:
+                self._conn.execute(f"DELETE FROM {table} WHERE {column} IN ({marks})", batch)
 
     # ---- jobs -------------------------------------------------------------------------
 
@@ -184,11 +186,9 @@ class JobRepository:
                     (before_ms,),
                 )
             ]
-            for batch in (ids[i : i + 500] for i in range(0, len(ids), 500)):
-                marks = ",".join("?" * len(batch))
-                for table in ("job_losses", "job_checkpoints"):
-                    self._conn.execute(f"DELETE FROM {table} WHERE job_id IN ({marks})", batch)
-                self._conn.execute(f"DELETE FROM jobs WHERE id IN ({marks})", batch)
+            self._delete(
+                ids, [("job_losses", "job_id"), ("job_checkpoints", "job_id"), ("jobs", "id")]
+            )
         return ids
 
     def job(self, job_id: str) -> JobRecord | None:

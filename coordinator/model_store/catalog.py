@@ -15,7 +15,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
-from coordinator.model_store.schema import connection_of
+from coordinator.model_store.schema import batches, connection_of
 from protos.model_family import declared_max_positions
 
 _MODEL_COLUMNS = (
@@ -92,7 +92,7 @@ class ModelCatalog:
         """The subset of `digests` that belong to model `name`, with their sizes."""
         wanted = list(dict.fromkeys(digests))
         found: dict[str, int] = {}
-        for batch in _batches(wanted, 500):
+        for batch in batches(wanted):
             marks = ",".join("?" * len(batch))
             rows = self._conn.execute(
                 f"SELECT DISTINCT sha256, nbytes FROM model_tensors "
@@ -106,7 +106,7 @@ class ModelCatalog:
         """Which of `digests` some model still uses."""
         wanted = list(dict.fromkeys(digests))
         used: set[str] = set()
-        for batch in _batches(wanted, 500):
+        for batch in batches(wanted):
             marks = ",".join("?" * len(batch))
             rows = self._conn.execute(
                 f"SELECT DISTINCT sha256 FROM model_tensors WHERE sha256 IN ({marks})", batch
@@ -193,8 +193,3 @@ def _transaction(conn: sqlite3.Connection) -> Iterator[None]:
 
 def _model(row: tuple[Any, ...]) -> ModelRecord:
     return ModelRecord(*row[:9], has_tokenizer=bool(row[9]))
-
-
-def _batches(items: list[str], size: int) -> Iterator[list[str]]:
-    for start in range(0, len(items), size):
-        yield items[start : start + size]

@@ -8,6 +8,7 @@ content address. Blobs need no refcount table: a blob is referenced while some r
 from __future__ import annotations
 
 import sqlite3
+from collections.abc import Iterator
 from typing import Any
 
 MIGRATION_NAME = "model store: models and model_tensors"
@@ -43,6 +44,12 @@ _STATEMENTS = (
     "CREATE INDEX IF NOT EXISTS model_tensors_by_sha256 ON model_tensors(sha256)",
     "CREATE UNIQUE INDEX IF NOT EXISTS model_tensors_by_position ON model_tensors(model, position)",
 )
+
+
+def batches(items: list[str], size: int = 500) -> Iterator[list[str]]:
+    """``items`` in lists of at most ``size``: SQLite caps the parameters of a statement."""
+    for start in range(0, len(items), size):
+        yield items[start : start + size]
 
 
 def connection_of(db: Any) -> sqlite3.Connection:

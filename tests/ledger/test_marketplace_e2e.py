@@ -7,14 +7,9 @@ the coordinator inside settlement (failpoints) with a restart on the same databa
 from __future__ import annotations
 
 import json
-import os
 import re
-import signal
 import sqlite3
-import subprocess
-import sys
 from collections.abc import Iterator
-from pathlib import Path
 
 import grpc
 import pytest
@@ -35,6 +30,7 @@ from support.market import (
     running_market,
     wait_for,
 )
+from support.procs import run_until_killed
 from support.wrong_clock import set_clock_off
 
 from client import cli as client_cli
@@ -233,17 +229,13 @@ def test_a_paying_client_that_dies_before_its_close_has_paid_for_what_it_settled
     expires. Periodic settlement (on by default, every 256 tokens; every 3 here) paid the
     nodes for all the client's tokens up to its last settlement; before it, a client that
     died paid nothing at all."""
-    repo = Path(__file__).parents[2]
     with Client(market.address) as client:
         wait_for(lambda: available(client), "the model to be served")
-    died = subprocess.run(
-        [sys.executable, "-c", _DIES_AFTER_7_TOKENS, market.address,
-         str(market.workdir / "client.key"), MODEL, ",".join(map(str, PROMPT))],
-        env={**os.environ, "PYTHONPATH": str(repo)}, capture_output=True, text=True,
-        timeout=300,
+    printed = run_until_killed(
+        _DIES_AFTER_7_TOKENS, market.address, market.workdir / "client.key", MODEL,
+        ",".join(map(str, PROMPT)),
     )  # fmt: skip
-    assert died.returncode == -signal.SIGKILL, died.stderr[-3000:]
-    session_id = died.stdout.split()[0]
+    session_id = printed.split()[0]
     with sqlite3.connect(market.coordinator_dir / "coordinator.db") as db:
         amount, charged, state = db.execute(
             "SELECT amount, charged, state FROM ledger_holds WHERE hold_id = ?", [session_id]

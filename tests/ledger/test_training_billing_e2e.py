@@ -8,13 +8,8 @@ steps x batch_size x layers x price moves to each operator (docs/ledger.md, "Job
 from __future__ import annotations
 
 import asyncio
-import os
-import signal
 import sqlite3
-import subprocess
-import sys
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 from support.datasets import counting_dataset
@@ -27,6 +22,7 @@ from support.market import (
     paid_by_node,
     running_market,
 )
+from support.procs import run_until_killed
 from support.wrong_clock import set_clock_off
 
 from client.api import AsyncClient
@@ -190,14 +186,7 @@ def test_after_a_runner_dies_unannounced_the_next_one_pays_the_nodes_for_its_own
     key = funded_client(market)
     data = counting_dataset()
     job_id = _submit(market, key, data)
-    tests = Path(__file__).parents[1]
-    died = subprocess.run(
-        [sys.executable, "-c", _DIES_AFTER_STEP_3, market.address,
-         str(market.workdir / "client.key"), job_id],
-        env={**os.environ, "PYTHONPATH": os.pathsep.join([str(tests), str(tests.parent)])},
-        capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
-    assert died.returncode == -signal.SIGKILL, died.stderr[-3000:]
+    run_until_killed(_DIES_AFTER_STEP_3, market.address, market.workdir / "client.key", job_id)
     amount, charged, _, state = _hold(market, job_id)
     assert state == "open" and charged * 2 == amount, "the checkpoint at step 2 was settled"
     final = _run(market, key, job_id, data)

@@ -327,3 +327,16 @@ def start_node(
             process.kill()
             raise
     return NodeProcess(process, data_dir, name, node_id)
+
+
+def run_until_killed(script: str, *args: object, timeout_s: float = 300.0) -> str:
+    """Run ``script`` (python -c) with the repository and tests/ importable, expect it to
+    kill itself with SIGKILL (a client or runner dying unannounced); returns its stdout."""
+    tests = Path(__file__).resolve().parents[1]
+    done = subprocess.run(
+        [sys.executable, "-c", script, *map(str, args)],
+        env={**os.environ, "PYTHONPATH": os.pathsep.join([str(tests.parent), str(tests)])},
+        capture_output=True, text=True, timeout=timeout_s,
+    )  # fmt: skip
+    assert done.returncode == -signal.SIGKILL, done.stderr[-3000:]
+    return done.stdout
