@@ -31,6 +31,7 @@ from client.datasets import TokenDataset, upload_messages
 from coordinator.jobs.limits import JobLimits
 from coordinator.jobs.service import Jobs
 from coordinator.model_store import open_checkpoint
+from coordinator.planner import Shard
 from coordinator.server import RunningCoordinator, running_coordinator
 from protos.tessera.v1 import (
     admin_pb2,
@@ -131,11 +132,21 @@ class JobsCoordinator:
     async def ready(self, replicas: int = 1) -> None:
         placement = self.coordinator.ctx.planner
 
-        def covered() -> bool:
+        async def covered() -> bool:
             # READY holders only: coverage also counts shards still being confirmed, and a
-            # job's first layout picks among READY holders (one node per stage).
+            # job's first layout picks among READY holders (one node per stage). And only
+            # once the plan has settled: while the nodes join one by one, the plans made for
+            # fewer nodes cut the model into fewer, wider stages, and a job opened while
+            # such a shard is still READY may lay its stages out over it.
+            await placement.settled()
+            plan = placement.plan_of(MODEL)
+            holders = placement.ready_holders(MODEL)
+            if plan is None or any(
+                plan.holders.get(h.node_id) != Shard(MODEL, h.start, h.end) for h in holders
+            ):
+                return False
             counts = [0] * NUM_LAYERS
-            for holder in placement.ready_holders(MODEL):
+            for holder in holders:
                 for layer in range(holder.start, min(holder.end, NUM_LAYERS)):
                     counts[layer] += 1
             return min(counts) >= replicas
