@@ -366,6 +366,7 @@ class AsyncClient:
             # it depends on has settled (DriverConfig.defer_checks).
             held: deque[_Held] = deque()
             finished = False
+            hedges_routed = 0
 
             def last_one(token: int) -> bool:
                 return len(result.token_ids) + len(held) >= max_new_tokens or (
@@ -427,7 +428,9 @@ class AsyncClient:
                     if result.text is not None:
                         result.text += piece
                     failovers = tuple(driver.failovers[ready.seen_failovers : ready.failovers_end])
-                    if failovers:
+                    if failovers or len(driver.hedges) != hedges_routed:
+                        # A fail-over, or a hedge that the alternate won, moved a hop.
+                        hedges_routed = len(driver.hedges)
                         result.route = driver.route
                     result.wall_s = time.monotonic() - began
                     yield GeneratedToken(

@@ -21,10 +21,13 @@ from data_plane.stage_harness import (
     StageNode,
     reference_greedy,
 )
+from data_plane.test_hedging import SlowServicer
 
 from client import Client, CoordinatorError, ModelNotFound
 from client import cli as tessera_cli
+from client.driver import DriverConfig
 from client.tokenizer import TextTokenizer
+from node_agent.stage_server import StageServicer
 from protos.tessera.v1 import node_pb2
 
 PROMPT_TEXT = "hello world the quick brown fox"
@@ -54,9 +57,16 @@ def swarm(checkpoint: Path, tmp_path: Path) -> Iterator[Swarm]:
     keys = CoordinatorKeys()
 
     async def start() -> Swarm:
+        # b answers as fast as the others until a test sets its delay (a straggler).
         nodes = [
-            await StageNode.start(checkpoint, keys.public, shards, data_dir=tmp_path / name)
-            for name, shards in (("a", [(0, 2)]), ("b", [(2, 4)]), ("b_alt", [(2, 4)]))
+            await StageNode.start(
+                checkpoint, keys.public, shards, data_dir=tmp_path / name, servicer_class=cls
+            )
+            for name, shards, cls in (
+                ("a", [(0, 2)], StageServicer),
+                ("b", [(2, 4)], SlowServicer),
+                ("b_alt", [(2, 4)], StageServicer),
+            )
         ]
         a, b, b_alt = nodes
         coordinator = FakeCoordinator(keys, checkpoint, [(0, 2, a, []), (2, 4, b, [b_alt])])
@@ -119,6 +129,29 @@ def test_a_node_dying_mid_generation_changes_nothing_in_the_output(swarm: Swarm)
     summary = result.to_json()
     assert summary["failovers"][0]["via"] == "alternate"
     assert [s["node_id"] for s in summary["stages"]] == [swarm.a.node_id, swarm.b_alt.node_id]
+
+
+def test_the_record_shows_the_hop_a_won_hedge_moved_while_it_generates(swarm: Swarm) -> None:
+    prompt = [1, 9, 17, 25]
+    config = DriverConfig(hedge_factor=3.0, hedge_floor_s=0.1, min_samples=2, deadline_floor_s=5.0)
+    routes = []
+    with Client(swarm.address, driver_config=config) as client:
+        stream = client.generate(
+            MODEL, token_ids=prompt, max_new_tokens=10, stop_at_eos=False, run_ahead=False
+        )
+        for token in stream:
+            assert client.last_run is not None
+            routes.append([h.node_id for h in client.last_run.route])
+            if token.index == 3:
+                assert isinstance(swarm.b.servicer, SlowServicer)
+                swarm.b.servicer.delay_s = 1.0
+        result = client.last_run
+    assert result.token_ids == reference_greedy(swarm.checkpoint, prompt, 10)
+    assert not result.failovers and [h.winner for h in result.hedges][:1] == ["alternate"]
+    # Stepped on demand, the generation was still running at its last token: the route the
+    # record showed then already named the alternate that won the hedge.
+    assert routes[0] == [swarm.a.node_id, swarm.b.node_id]
+    assert routes[-1] == [swarm.a.node_id, swarm.b_alt.node_id]
 
 
 def test_stopping_early_still_closes_the_session(swarm: Swarm) -> None:
