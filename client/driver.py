@@ -192,6 +192,11 @@ class RingMissed(HopFailure):
     client sends it itself, and blames no node."""
 
 
+class _StaleReroute(Exception):
+    """The coordinator routed a span back to the node that had just refused it: its view
+    is from before that node's shard moved."""
+
+
 @dataclass
 class _Slot:
     """One position of the route: a span, the node serving it, and its spare nodes."""
@@ -1552,6 +1557,18 @@ class PipelineDriver:
             slot.hop, slot.alternates = spare[0], spare[1:]
             self._used.setdefault(slot.hop.node_id, slot.hop)
             return "alternate", [slot.hop.node_id]
+        if failure.code == grpc.StatusCode.NOT_FOUND and self._rerouter is not None:
+            # "No READY shard covers these layers": a re-plan moved the node's shard under
+            # the session. The node did no wrong and may hold part of the span still (its
+            # new shard), so the coordinator, which knows what it holds now, may route
+            # over it again; only not for the very span it refused (a view from before
+            # the move), which is then routed without it.
+            refused = slot.hop
+            self._excluded.discard(refused.node_id)
+            try:
+                return "reroute", await self._reroute(index, failure, refused=refused)
+            except _StaleReroute:
+                self._excluded.add(refused.node_id)
         return "reroute", await self._reroute(index, failure)
 
     async def _split(self, index: int, failure: HopFailure) -> tuple[str, list[str]]:
@@ -1586,7 +1603,9 @@ class PipelineDriver:
             replacements[:0] = nodes
         return "reroute" if "reroute" in how else "alternate", replacements
 
-    async def _reroute(self, index: int, failure: HopFailure) -> list[str]:
+    async def _reroute(
+        self, index: int, failure: HopFailure, refused: HopRecord | None = None
+    ) -> list[str]:
         span = self._slots[index].span
         if self._rerouter is None:
             raise PipelineError(
@@ -1609,6 +1628,11 @@ class PipelineDriver:
             ) from err
         hops = [_hop_record(h) for h in response.hops]
         chain = [Span(h.start, h.end) for h in hops]
+        if refused is not None and any(
+            h.node_id == refused.node_id and h.start <= span.start and span.end <= h.end
+            for h in hops
+        ):
+            raise _StaleReroute(refused.node_id)
         if not covers(chain, span.start, span.end):
             raise PipelineError(
                 f"the coordinator rerouted layers {span} to hops "

@@ -21,7 +21,14 @@ from support.link_emulator import LinkEmulator
 from client.driver import DriverConfig, PipelineDriver
 from client.errors import PipelineError, RequestRejected
 from node_agent.stage_server import StageServicer
-from protos.tessera.v1 import client_api_pb2, client_api_pb2_grpc, stage_pb2, stage_pb2_grpc
+from protos.tessera.v1 import (
+    client_api_pb2,
+    client_api_pb2_grpc,
+    common_pb2,
+    coordinator_pb2,
+    stage_pb2,
+    stage_pb2_grpc,
+)
 
 PROMPT = [1, 5, 9, 13, 20, 7]
 NEW_TOKENS = 10
@@ -360,3 +367,84 @@ async def test_end_session_reaches_every_node_used(start_node, keys) -> None:
     async with grpc.aio.insecure_channel(a.address, options=OPTIONS) as channel:
         reply = await stage_pb2_grpc.StageStub(channel).Ping(stage_pb2.PingRequest(payload=b"1"))
     assert reply.node_id == a.node_id
+
+
+async def test_a_node_whose_shard_a_replan_narrowed_keeps_the_part_it_still_holds(
+    start_node, keys, checkpoint
+) -> None:
+    # a served [0, 3) with no alternate; a re-plan moves it to [0, 2) mid-generation, so
+    # its next call is refused (NOT_FOUND). The node did no wrong: the coordinator routes
+    # [0, 3) again, over a's new shard and x.
+    a = await start_node([(0, 3)])
+    b = await start_node([(3, 4)])
+    x = await start_node([(2, 3)])
+    coordinator = FakeCoordinator(
+        keys, checkpoint, [(0, 3, a, []), (3, 4, b, [])], spares=[(0, 2, a), (2, 3, x)]
+    )
+    address = await coordinator.start()
+    channel = grpc.aio.insecure_channel(address, options=OPTIONS)
+    stub = client_api_pb2_grpc.ClientApiStub(channel)
+    driver = PipelineDriver(
+        session_grant(keys, [(0, 3, a, []), (3, 4, b, [])]), MODEL, rerouter=stub.Reroute
+    )
+
+    async def narrow() -> None:
+        await a.assign(0, 2)
+        await a.manager.drop(
+            coordinator_pb2.DropShard(model=MODEL, layers=common_pb2.LayerRange(start=0, end=3))
+        )
+
+    tokens = await greedy(driver, PROMPT, NEW_TOKENS, after_step={3: narrow})
+
+    assert tokens == reference_greedy(checkpoint, PROMPT, NEW_TOKENS)
+    [event] = driver.failovers
+    assert (event.failed_node_id, event.via) == (a.node_id, "reroute")
+    assert event.replacement_node_ids == (a.node_id, x.node_id)
+    [reroute] = coordinator.reroutes
+    assert list(reroute.exclude_node_ids) == []
+    assert [(h.node_id, h.start, h.end) for h in driver.route] == [
+        (a.node_id, 0, 2), (x.node_id, 2, 3), (b.node_id, 3, 4)
+    ]  # fmt: skip
+    await driver.close()
+    await channel.close()
+    await coordinator.stop()
+
+
+async def test_a_reroute_back_to_the_node_that_refused_the_span_is_not_taken(
+    start_node, keys, checkpoint
+) -> None:
+    # The coordinator has not heard of a's move yet and offers a for [0, 3) again: the
+    # driver asks once more without a, and y takes the span.
+    a = await start_node([(0, 3)])
+    b = await start_node([(3, 4)])
+    y = await start_node([(0, 3)])
+    coordinator = FakeCoordinator(
+        keys, checkpoint, [(0, 3, a, []), (3, 4, b, [])], spares=[(0, 3, a), (0, 3, y)]
+    )
+    address = await coordinator.start()
+    channel = grpc.aio.insecure_channel(address, options=OPTIONS)
+    stub = client_api_pb2_grpc.ClientApiStub(channel)
+    driver = PipelineDriver(
+        session_grant(keys, [(0, 3, a, []), (3, 4, b, [])]), MODEL, rerouter=stub.Reroute
+    )
+
+    async def narrow() -> None:
+        await a.assign(0, 2)
+        await a.manager.drop(
+            coordinator_pb2.DropShard(model=MODEL, layers=common_pb2.LayerRange(start=0, end=3))
+        )
+
+    tokens = await greedy(driver, PROMPT, NEW_TOKENS, after_step={3: narrow})
+
+    assert tokens == reference_greedy(checkpoint, PROMPT, NEW_TOKENS)
+    [event] = driver.failovers
+    assert (event.failed_node_id, event.via, event.replacement_node_ids) == (
+        a.node_id, "reroute", (y.node_id,)
+    )  # fmt: skip
+    assert [list(r.exclude_node_ids) for r in coordinator.reroutes] == [[], [a.node_id]]
+    assert [(h.node_id, h.start, h.end) for h in driver.route] == [
+        (y.node_id, 0, 3), (b.node_id, 3, 4)
+    ]  # fmt: skip
+    await driver.close()
+    await channel.close()
+    await coordinator.stop()
