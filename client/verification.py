@@ -504,7 +504,10 @@ class StageVerifier:
         except Exception as err:  # a broken stream surfaces in several shapes
             # An unusable checker says nothing about the primary; don't ask it again.
             log.warning("checker %s could not check %s: %s", checker.node_id, hop.node_id, err)
-            self._close_stream(checker.node_id)
+            if checker.node_id not in self._running:
+                # Work on a stream closes it itself when it fails; the stream there now may
+                # be newer work's, which this would break under it.
+                self._close_stream(checker.node_id)
             self._unfit_checkers.add(checker.node_id)
             return
         if checked.input_digest != response.input_digest:
@@ -723,8 +726,16 @@ class StageVerifier:
             if self.on_check_sent is not None:
                 self.on_check_sent(checker.node_id, layers.start, layers.end,
                                    int(shape[0]) * int(shape[1]))  # fmt: skip
-            await stream.call.write(message)
-            read = await stream.call.read()
+            try:
+                await stream.call.write(message)
+                read = await stream.call.read()
+            except asyncio.CancelledError:
+                task = asyncio.current_task()
+                if task is not None and task.cancelling():
+                    raise
+                # The call was cancelled, not this task: the stream was closed under this
+                # work. The checker's answer is lost, not the generation.
+                raise NodeRejected(f"the stream to checker {checker.node_id} was closed") from None
             if read is grpc.aio.EOF:
                 raise NodeRejected(f"checker {checker.node_id} ended the stream")
             answers.append(read)

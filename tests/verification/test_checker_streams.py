@@ -12,10 +12,19 @@ from __future__ import annotations
 
 import asyncio
 
+import pytest
+
 from client.channels import ChannelPool
 from client.records import HopRecord
 from client.route_history import Span
-from client.verification import CheckerServes, StageVerifier, _CheckerStream
+from client.verification import (
+    CheckerServes,
+    NodeRejected,
+    PendingCheck,
+    StageVerifier,
+    _CheckerStream,
+)
+from protos.tessera.v1 import common_pb2, stage_pb2
 
 CHECKER = HopRecord("checker-1", "127.0.0.1:1", 0, 2)
 SPAN = Span(0, 2)
@@ -114,3 +123,65 @@ async def test_work_for_a_span_its_checker_now_serves_is_dropped_once_the_runnin
     outcomes = await asyncio.gather(a, same, other, return_exceptions=True)
     assert isinstance(outcomes[1], CheckerServes)
     assert order == ["running starts", "running ends", "other span"]
+
+
+class ReadingCall(FakeCall):
+    """A call whose answer never comes; cancelled, its read raises CancelledError as a
+    grpc.aio call cancelled locally does (though no task was cancelled)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._gone = asyncio.Event()
+
+    def cancel(self) -> None:
+        super().cancel()
+        self._gone.set()
+
+    async def write(self, message: object) -> None:
+        pass
+
+    async def read(self) -> object:
+        await self._gone.wait()
+        raise asyncio.CancelledError()
+
+
+async def test_a_stream_closed_under_running_work_fails_that_check_not_the_generation() -> None:
+    verifier = StageVerifier("s-4", ChannelPool())
+    call = ReadingCall()
+    verifier._streams[CHECKER.node_id] = _CheckerStream(CHECKER.address, call)  # type: ignore[arg-type]
+    message = stage_pb2.ForwardRequest(
+        input=common_pb2.Tensor(dtype="float32", shape=[1, 1, 8]),
+        layers=common_pb2.LayerRange(start=0, end=2),
+    )
+    work = verifier._queue(CHECKER, SPAN, lambda: verifier._send(CHECKER, [message], checks=1))
+    await asyncio.sleep(0.05)
+    verifier._close_stream(CHECKER.node_id)  # what another check's failure does
+    with pytest.raises(NodeRejected, match="was closed"):
+        await work
+    assert not work.cancelled()
+
+
+async def test_a_failed_checks_late_cleanup_leaves_the_stream_of_newer_work_alone() -> None:
+    # A check failed and its work ended; newer work for the same checker has opened a new
+    # stream by the time the driver settles the failed check.
+    verifier = StageVerifier("s-5", ChannelPool())
+    failed = asyncio.get_running_loop().create_future()
+    failed.set_exception(NodeRejected("checker checker-1 did not answer"))
+    started = asyncio.Event()
+
+    async def newer() -> None:
+        verifier._streams[CHECKER.node_id] = _CheckerStream(CHECKER.address, ReadingCall())  # type: ignore[arg-type]
+        started.set()
+        await asyncio.sleep(60)
+
+    running = verifier._queue(CHECKER, Span(2, 4), newer)
+    await started.wait()
+    hop = HopRecord("primary-1", "127.0.0.1:2", 0, 2)
+    pending = PendingCheck(verifier, CHECKER, failed)  # type: ignore[arg-type]
+    await verifier.settle(
+        hop, stage_pb2.ForwardRequest(), stage_pb2.ForwardResponse(), None, pending
+    )  # type: ignore[arg-type]
+    assert CHECKER.node_id in verifier._streams  # the newer work still has its stream
+    running.cancel()
+    await asyncio.sleep(0.05)
+    assert CHECKER.node_id not in verifier._streams
