@@ -19,6 +19,7 @@ from support.swarms import three_stage_swarm
 from support.waiting import wait_for
 
 from client.api import Client, GenerationResult
+from client.driver import DriverConfig
 from client.errors import CoordinatorUnavailable
 from client.local_swarm import LocalSwarm
 
@@ -88,7 +89,10 @@ def test_a_generation_outlives_its_coordinator_and_a_node_dying_while_it_is_down
 ) -> None:
     (reference,) = transformers_greedy(checkpoint, [PROMPT], NEW_TOKENS)
     address = swarm.address
-    with Client(address) as client:
+    # Checks settle before each token is yielded: with deferred checks the driver steps on
+    # while tokens wait for theirs, and on a busy machine it could finish the generation
+    # before the kills below, which must land between two steps.
+    with Client(address, driver_config=DriverConfig(defer_checks=False)) as client:
         wait_for(lambda: serving(client, 2), "two ready replicas of every layer", 90)
         result, victim = generate_through_the_outage(swarm, client)
         assert not swarm.coordinator.alive()
