@@ -234,11 +234,14 @@ async def start_jobs(
             channel = grpc.aio.insecure_channel(coordinator.address, options=CHANNEL_OPTIONS)
             stack.push_async_callback(channel.close)
             served = JobsCoordinator(coordinator, channel)
+            # Every node first, then the model: its first plan sees them all. A --min-stages
+            # layout is kept across re-plans, so one cut while only the first nodes had
+            # joined (which a busy machine's debounced re-plan may do) would stay shallower.
+            for index in range(nodes):
+                await served.add_node(f"n{index}", *([accounts[index]] if accounts else []))
             await coordinator.ctx.model_store.import_model(
                 aiter_of(model_messages(tiny_model, MODEL))
             )
-            for index in range(nodes):
-                await served.add_node(f"n{index}", *([accounts[index]] if accounts else []))
 
             async def leave_all() -> None:
                 for node in served.nodes:
