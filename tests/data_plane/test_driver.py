@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
+from collections.abc import AsyncIterator
 from types import SimpleNamespace
+from typing import Any
 
 import grpc
 import numpy as np
@@ -369,17 +372,19 @@ async def test_end_session_reaches_every_node_used(start_node, keys) -> None:
     assert reply.node_id == a.node_id
 
 
-async def test_a_node_whose_shard_a_replan_narrowed_keeps_the_part_it_still_holds(
-    start_node, keys, checkpoint
-) -> None:
-    # a served [0, 3) with no alternate; a re-plan moves it to [0, 2) mid-generation, so
-    # its next call is refused (NOT_FOUND). The node did no wrong: the coordinator routes
-    # [0, 3) again, over a's new shard and x.
+@contextlib.asynccontextmanager
+async def _narrowed_mid_generation(
+    start_node, keys, checkpoint, offered_a: tuple[int, int], spare: tuple[int, int]
+) -> AsyncIterator[tuple[Any, Any, Any, FakeCoordinator, PipelineDriver]]:
+    """a serves [0, 3) with no alternate and b [3, 4); after step 3 a re-plan moves a to
+    [0, 2), so a's next call is refused (NOT_FOUND). The coordinator's reroute offers a
+    for `offered_a` and a third node holding `spare`. Yields after a greedy generation
+    that equals the whole model's."""
     a = await start_node([(0, 3)])
     b = await start_node([(3, 4)])
-    x = await start_node([(2, 3)])
+    third = await start_node([spare])
     coordinator = FakeCoordinator(
-        keys, checkpoint, [(0, 3, a, []), (3, 4, b, [])], spares=[(0, 2, a), (2, 3, x)]
+        keys, checkpoint, [(0, 3, a, []), (3, 4, b, [])], spares=[(*offered_a, a), (*spare, third)]
     )
     address = await coordinator.start()
     channel = grpc.aio.insecure_channel(address, options=OPTIONS)
@@ -395,19 +400,30 @@ async def test_a_node_whose_shard_a_replan_narrowed_keeps_the_part_it_still_hold
         )
 
     tokens = await greedy(driver, PROMPT, NEW_TOKENS, after_step={3: narrow})
-
     assert tokens == reference_greedy(checkpoint, PROMPT, NEW_TOKENS)
-    [event] = driver.failovers
-    assert (event.failed_node_id, event.via) == (a.node_id, "reroute")
-    assert event.replacement_node_ids == (a.node_id, x.node_id)
-    [reroute] = coordinator.reroutes
-    assert list(reroute.exclude_node_ids) == []
-    assert [(h.node_id, h.start, h.end) for h in driver.route] == [
-        (a.node_id, 0, 2), (x.node_id, 2, 3), (b.node_id, 3, 4)
-    ]  # fmt: skip
-    await driver.close()
-    await channel.close()
-    await coordinator.stop()
+    try:
+        yield a, b, third, coordinator, driver
+    finally:
+        await driver.close()
+        await channel.close()
+        await coordinator.stop()
+
+
+async def test_a_node_whose_shard_a_replan_narrowed_keeps_the_part_it_still_holds(
+    start_node, keys, checkpoint
+) -> None:
+    # The node did no wrong: the coordinator routes [0, 3) again, over a's new shard and x.
+    async with _narrowed_mid_generation(start_node, keys, checkpoint, (0, 2), (2, 3)) as (
+        a, b, x, coordinator, driver,
+    ):  # fmt: skip
+        [event] = driver.failovers
+        assert (event.failed_node_id, event.via) == (a.node_id, "reroute")
+        assert event.replacement_node_ids == (a.node_id, x.node_id)
+        [reroute] = coordinator.reroutes
+        assert list(reroute.exclude_node_ids) == []
+        assert [(h.node_id, h.start, h.end) for h in driver.route] == [
+            (a.node_id, 0, 2), (x.node_id, 2, 3), (b.node_id, 3, 4)
+        ]  # fmt: skip
 
 
 async def test_a_reroute_back_to_the_node_that_refused_the_span_is_not_taken(
@@ -415,36 +431,14 @@ async def test_a_reroute_back_to_the_node_that_refused_the_span_is_not_taken(
 ) -> None:
     # The coordinator has not heard of a's move yet and offers a for [0, 3) again: the
     # driver asks once more without a, and y takes the span.
-    a = await start_node([(0, 3)])
-    b = await start_node([(3, 4)])
-    y = await start_node([(0, 3)])
-    coordinator = FakeCoordinator(
-        keys, checkpoint, [(0, 3, a, []), (3, 4, b, [])], spares=[(0, 3, a), (0, 3, y)]
-    )
-    address = await coordinator.start()
-    channel = grpc.aio.insecure_channel(address, options=OPTIONS)
-    stub = client_api_pb2_grpc.ClientApiStub(channel)
-    driver = PipelineDriver(
-        session_grant(keys, [(0, 3, a, []), (3, 4, b, [])]), MODEL, rerouter=stub.Reroute
-    )
-
-    async def narrow() -> None:
-        await a.assign(0, 2)
-        await a.manager.drop(
-            coordinator_pb2.DropShard(model=MODEL, layers=common_pb2.LayerRange(start=0, end=3))
-        )
-
-    tokens = await greedy(driver, PROMPT, NEW_TOKENS, after_step={3: narrow})
-
-    assert tokens == reference_greedy(checkpoint, PROMPT, NEW_TOKENS)
-    [event] = driver.failovers
-    assert (event.failed_node_id, event.via, event.replacement_node_ids) == (
-        a.node_id, "reroute", (y.node_id,)
-    )  # fmt: skip
-    assert [list(r.exclude_node_ids) for r in coordinator.reroutes] == [[], [a.node_id]]
-    assert [(h.node_id, h.start, h.end) for h in driver.route] == [
-        (y.node_id, 0, 3), (b.node_id, 3, 4)
-    ]  # fmt: skip
-    await driver.close()
-    await channel.close()
-    await coordinator.stop()
+    async with _narrowed_mid_generation(start_node, keys, checkpoint, (0, 3), (0, 3)) as (
+        a, b, y, coordinator, driver,
+    ):  # fmt: skip
+        [event] = driver.failovers
+        assert (event.failed_node_id, event.via, event.replacement_node_ids) == (
+            a.node_id, "reroute", (y.node_id,)
+        )  # fmt: skip
+        assert [list(r.exclude_node_ids) for r in coordinator.reroutes] == [[], [a.node_id]]
+        assert [(h.node_id, h.start, h.end) for h in driver.route] == [
+            (y.node_id, 0, 3), (b.node_id, 3, 4)
+        ]  # fmt: skip
