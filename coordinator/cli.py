@@ -228,6 +228,13 @@ def _add_serve_parser(subparsers: Any) -> None:
         "hold more (default: %(default)s: as few stages as memory allows)",
     )  # fmt: skip
     serve_parser.add_argument(
+        "--reattach-grace", type=_non_negative_float, default=45.0, metavar="S",
+        help="after a restart, wait up to S seconds for the nodes that were online before it "
+        "to come back before moving any shard, so a restart re-downloads nothing (nodes "
+        "reconnect within 30 s; sessions are served from what they hold meanwhile; "
+        "default: %(default)s)",
+    )  # fmt: skip
+    serve_parser.add_argument(
         "--max-token-latency", type=_non_negative_float, default=0.0, metavar="MS",
         help="plan for served tokens/s within this time per token: pipelines the planner "
         "estimates slower are not formed, their nodes become replicas (default: 0, no "
@@ -319,6 +326,7 @@ def _run_serve(args: argparse.Namespace) -> int:
         heartbeat_ack_every=args.heartbeat_ack_every,
         replicas=args.replicas,
         min_stages=args.min_stages,
+        reattach_grace_s=args.reattach_grace,
         min_agent_version=args.min_agent_version,
         max_token_latency_ms=args.max_token_latency,
         max_token_price_units=args.max_token_price,

@@ -18,6 +18,7 @@ import grpc
 from coordinator.context import CoordinatorContext
 from coordinator.node_state import NodeState
 from coordinator.placement import Placement, PlacementNode, model_spec
+from coordinator.plan_store import PlanStore
 from coordinator.refusal import Refusal
 from coordinator.registry import (
     NodeStateChanged,
@@ -90,6 +91,16 @@ class SessionRpc:
         )
 
     async def start(self) -> None:
+        # Whom the saved plans place (the registry's record of who was connected lags by
+        # a flush, and a coordinator may die moments after its nodes re-attached).
+        registry = self._ctx.registry
+        expected = {*registry.returning, *self._placement.planned_nodes()}
+        returning = [
+            node_id
+            for node_id in sorted(expected)
+            if (view := registry.node(node_id)) is not None and view.state is not NodeState.BANNED
+        ]
+        self._placement.await_returning(returning, self._ctx.settings.reattach_grace_s)
         self._refresh_models()
         for view in self._ctx.registry.nodes([NodeState.ONLINE]):
             self._node_up(view)
@@ -231,6 +242,7 @@ class SessionRpc:
         elif isinstance(event, ShardStatusReported):
             self._spawn(self._placement.shard_status(event.node_id, event.status))
         elif isinstance(event, TelemetryReported):
+            self._placement.node_reported(event.node_id)
             t = event.telemetry
             self._placement.update_load(event.node_id, float(t.active_sessions + t.queue_length))
             if t.rtt_ms:
@@ -268,6 +280,7 @@ class SessionRpc:
 
 def build(ctx: CoordinatorContext) -> SessionRpc:
     settings = ctx.settings
+    plans = PlanStore(ctx.db)
     placement = Placement(
         ctx.registry.send_command,
         replicas=settings.replicas,
@@ -275,6 +288,9 @@ def build(ctx: CoordinatorContext) -> SessionRpc:
         kv_tokens=settings.kv_tokens_per_shard,
         max_token_latency_s=settings.max_token_latency_ms / 1000.0,
         max_token_price=settings.max_token_price_units,
+        on_plans=plans.save,
     )
+    # A restarted coordinator starts from its last plans: shards stay where they are.
+    placement.restore(plans.load())
     ctx.planner = placement
     return SessionRpc(ctx, placement)

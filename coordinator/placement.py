@@ -2,7 +2,8 @@
 
 It re-plans (debounced) whenever a node comes, goes, drains or is banned, and whenever a
 model is added or removed. New shards are loaded before superseded ones are dropped, so a
-node growing its range keeps serving while it fetches.
+node growing its range keeps serving while it fetches. After a restart it starts from the
+saved plans (`restore`) and holds re-plans until their nodes are back (`await_returning`).
 """
 
 from __future__ import annotations
@@ -149,6 +150,7 @@ class Placement:
         debounce_s: float = 0.2,
         on_change: Callable[[str], None] | None = None,
         measurements: Measurements | None = None,
+        on_plans: Callable[[Mapping[str, ModelPlan]], None] | None = None,
     ) -> None:
         self._send = send_command
         # Fed by the lead's wiring (driver step reports, telemetry RTTs); read at re-plan
@@ -162,6 +164,7 @@ class Placement:
         self.max_token_price = max_token_price  # and its price bound (0: none)
         self._debounce_s = debounce_s
         self._on_change = on_change
+        self._on_plans = on_plans  # gets every plan made (the coordinator saves them)
         self._models: dict[str, ModelSpec] = {}
         self._nodes: dict[str, PlacementNode] = {}
         self._plans: dict[str, ModelPlan] = {}
@@ -196,8 +199,61 @@ class Placement:
         self._planned_speed: dict[str, tuple[float, float]] = {}
         # node -> (side of the band, observations in a row there): see SPEED_SHIFT_HOLD
         self._speed_shift: dict[str, tuple[int, int]] = {}
+        # After a restart: nodes expected back that have not re-attached and reported their
+        # shards yet, and until when re-plans wait for them (monotonic s).
+        self._returning: set[str] = set()
+        self._returning_until = 0.0
+        self._returned = asyncio.Event()
+        self._returned.set()
 
     # ---- inputs -------------------------------------------------------------------------
+
+    def restore(self, plans: Mapping[str, ModelPlan]) -> None:
+        """The plans an earlier run of this coordinator made: re-plans start from them, so
+        a restart moves no shard that is still where they put it."""
+        self._plans = dict(plans)
+
+    def await_returning(self, node_ids: Iterable[str], grace_s: float) -> None:
+        """Hold re-plans until these nodes (online when the coordinator stopped, or placed
+        by the restored plans) have re-attached and reported their shards, for at most
+        `grace_s`.
+
+        A plan made while only some of them were back would re-cut the layout around them
+        and move shards the others still hold; their agents retry with back-off, so they
+        come back over seconds, not at once. Sessions route over the shards nodes report
+        meanwhile, and nothing moves."""
+        self._returning = set(node_ids)
+        self._returning_until = time.monotonic() + grace_s
+        if self._returning:
+            self._returned.clear()
+            log.info("waiting up to %.0f s for %d node(s) that were online or placed before "
+                     "the restart to re-attach before placing shards", grace_s,
+                     len(self._returning))  # fmt: skip
+        else:
+            self._returned.set()
+
+    def node_reported(self, node_id: str) -> None:
+        """The node's first telemetry on its Attach stream arrived: the shard reports it
+        sends first on a new stream are in."""
+        if node_id in self._returning:
+            self._returning.discard(node_id)
+            if not self._returning:
+                log.info("every node that was online before the restart is back")
+                self._returned.set()
+
+    async def _wait_for_returning(self) -> None:
+        if self._returned.is_set():
+            return
+        try:
+            await asyncio.wait_for(
+                self._returned.wait(), max(0.0, self._returning_until - time.monotonic())
+            )
+        except TimeoutError:
+            log.warning("%d node(s) online before the restart did not come back in time "
+                        "(%s): placing shards without them", len(self._returning),
+                        ", ".join(sorted(self._returning)))  # fmt: skip
+            self._returning.clear()
+            self._returned.set()
 
     def set_models(self, models: Iterable[ModelSpec]) -> None:
         self._models = {
@@ -387,6 +443,10 @@ class Placement:
     def node_ids(self) -> list[str]:
         return list(self._nodes)
 
+    def planned_nodes(self) -> set[str]:
+        """Every node some plan gives a shard, online or not."""
+        return {node_id for p in self._plans.values() for node_id in p.holders}
+
     async def assign_extra(
         self, node_id: str, model: str, start: int, end: int, reserve: int = 0
     ) -> Shard | None:
@@ -416,6 +476,7 @@ class Placement:
             if current is not None and current != shard:
                 self._superseded[(node_id, model)] = current
             model_plan.holders[node_id] = shard
+            self._plans_changed()
         return shard
 
     # ---- outputs ------------------------------------------------------------------------
@@ -438,7 +499,12 @@ class Placement:
 
     def boundaries(self, model: str) -> list[int] | None:
         p = self._plans.get(model)
-        return list(p.boundaries) if p else None
+        if p is not None:
+            return list(p.boundaries)
+        # Not planned yet: a restarted coordinator with no saved plan, waiting for its
+        # nodes to come back. Routes may chain whatever shards they report.
+        spec = self._models.get(model)
+        return [0, spec.num_layers] if spec else None
 
     def ready_holders(self, model: str) -> list[Holder]:
         """Ready replicas for the router: measured per-layer time (the claim until there
@@ -532,6 +598,7 @@ class Placement:
     async def _debounced_replan(self) -> None:
         while self._replan_wanted:
             await asyncio.sleep(self._debounce_s)
+            await self._wait_for_returning()
             self._replan_wanted = False
             try:
                 await self.replan()
@@ -568,7 +635,15 @@ class Placement:
                 replicas=self.replicas,
                 min_stages=self.min_stages,
             )
+            self._plans_changed()
             await self._apply()
+
+    def _plans_changed(self) -> None:
+        if self._on_plans is not None:
+            try:
+                self._on_plans(self._plans)
+            except Exception:  # the plan stands; only a restart would forget it
+                log.exception("saving the placement plans failed")
 
     async def _apply(self) -> None:
         wanted: dict[tuple[str, str], Shard] = {}

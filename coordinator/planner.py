@@ -1268,6 +1268,8 @@ def _plan_layout(
 ) -> ModelPlan:
     if old is not None and old.pipelines:
         old = None  # a pipeline plan has no layout to keep
+    if old is not None and _deepens(old, model, node_list, used, min_stages):
+        old = None
     before = dict(used)
     model_plan = _surviving(old, model, by_id, used) if old else None
     if model_plan is not None:
@@ -1284,6 +1286,19 @@ def _plan_layout(
             return ModelPlan(model.name, [0, model.num_layers])
         _fill_replicas(model_plan, model, node_list, used, replicas)
     return model_plan
+
+
+def _deepens(
+    old: ModelPlan, model: ModelSpec, nodes: list[NodeSpec], used: dict[str, int], min_stages: int
+) -> bool:
+    """Whether a fresh layout would have more stages than `old` while `old` has fewer than
+    the operator asked for. A layout is kept across re-plans so shards stay put, but one cut
+    while few nodes were online (the first node to join alone cuts a single stage) would
+    otherwise stay that shallow however many nodes join after it."""
+    if len(old.boundaries) - 1 >= min(min_stages, model.num_layers):
+        return False
+    deeper = _fresh_layout(model, nodes, dict(used), min_stages)
+    return deeper is not None and len(deeper.boundaries) > len(old.boundaries)
 
 
 def _surviving(

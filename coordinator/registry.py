@@ -281,6 +281,9 @@ class Registry:
         self._tasks: list[asyncio.Task[None]] = []
         self._state_flush: asyncio.TimerHandle | None = None
         self.heartbeats = 0
+        # Nodes that were connected when this coordinator last stopped (found at start):
+        # placement waits a while for them to re-attach before it re-plans.
+        self.returning: list[str] = []
 
     # -- lifecycle ------------------------------------------------------------------------------
     async def start(self) -> None:
@@ -295,6 +298,7 @@ class Registry:
         for node in self._nodes.values():
             if node.state in CONNECTED:
                 self._set_state(node, NodeState.OFFLINE, RESTART_REASON)
+                self.returning.append(node.node_id)
         self.flush()
         log.info("registry loaded %d known nodes", len(self._nodes))
         self._tasks = [

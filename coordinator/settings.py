@@ -59,6 +59,10 @@ class Settings:
     # ... and within this price per 1,000 tokens through the whole model, in credit units
     # (0: no bound). Dearer pipelines are dissolved into replicas too.
     max_token_price_units: float = 0.0
+    # After a restart, placement waits at most this long for the nodes that were online
+    # before it to re-attach, so the first re-plan keeps their shards where they are (node
+    # agents reconnect with jittered back-off capped at 30 s).
+    reattach_grace_s: float = 45.0
     # KV cache tokens each assigned shard reserves across its sessions.
     kv_tokens_per_shard: int = 4096
     # Ledger: the price of a node that asks 0 (credit units per 1,000 token-layers; 0 =

@@ -42,7 +42,10 @@ def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def swarm(tmp_path_factory: pytest.TempPathFactory, checkpoint: Path) -> Iterator[LocalSwarm]:
-    with three_stage_swarm(tmp_path_factory.mktemp("swarm"), checkpoint, MODEL, NODES) as s:
+    # The node killed during the outage never re-attaches: the restarted coordinator waits
+    # this long for it before it re-plans around it (45 s by default).
+    grace = ["--reattach-grace", "5"]
+    with three_stage_swarm(tmp_path_factory.mktemp("swarm"), checkpoint, MODEL, NODES, grace) as s:
         yield s
 
 

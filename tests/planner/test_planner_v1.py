@@ -173,3 +173,16 @@ def test_spare_nodes_add_replicas_beyond_the_floor():
     nodes = [node(i, 1.0) for i in range(5)]
     p = plan([MODEL], nodes, replicas=2)["m"]
     assert len(p.holders) == 5
+
+
+def test_a_layout_cut_for_fewer_nodes_deepens_once_more_join():
+    # The first node to join alone can only make one stage; the layout is kept across
+    # re-plans, but not below the depth the operator asked for once more nodes allow it.
+    alone = plan([MODEL], [node(0, 1.0)], replicas=2, min_stages=3)["m"]
+    assert alone.stages() == [(0, MODEL.num_layers)]
+    nodes = [node(i, 1.0) for i in range(6)]
+    grown = plan([MODEL], nodes, previous={"m": alone}, replicas=2, min_stages=3)["m"]
+    assert len(grown.stages()) == 3 and grown.replicas_per_stage() == [2, 2, 2]
+    # At the asked depth the layout stays put, whoever joins.
+    more = plan([MODEL], [*nodes, node(6, 1.0, speed=5.0)], previous={"m": grown}, min_stages=3)
+    assert more["m"].boundaries == grown.boundaries
