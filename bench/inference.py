@@ -86,7 +86,6 @@ import gc
 import logging
 import multiprocessing
 import os
-import shutil
 import statistics
 import sys
 import tempfile
@@ -110,7 +109,7 @@ from text_table import table  # noqa: E402  (bench/text_table.py)
 from client.api import Client, GenerationResult  # noqa: E402
 from client.demo_checkpoint import DemoShape, write_demo_checkpoint  # noqa: E402
 from client.driver import DriverConfig  # noqa: E402
-from client.local_swarm import LocalSwarm, wait_for_replicas  # noqa: E402
+from client.local_swarm import LocalSwarm, clear_state, wait_for_replicas  # noqa: E402
 from client.records import HopRecord  # noqa: E402
 from client.tokenizer import load_tokenizer  # noqa: E402
 from coordinator.settings import Settings  # noqa: E402
@@ -459,8 +458,7 @@ def bench(args: argparse.Namespace, workdir: Path) -> int:
     t0 = time.monotonic()
     load_at_start = os.getloadavg()[0]
     shape: DemoShape = args.shape
-    for stale in ("coordinator", "nodes", "logs"):
-        shutil.rmtree(workdir / stale, ignore_errors=True)
+    clear_state(workdir)
     checkpoint = write_demo_checkpoint(workdir / "checkpoint", shape)
     tokenizer = load_tokenizer((checkpoint / "tokenizer.json").read_bytes())
     assert tokenizer is not None

@@ -37,7 +37,13 @@ from client.api import Client, GeneratedToken, GenerationResult
 from client.demo_checkpoint import write_demo_checkpoint
 from client.demo_training import layers_text, run_training_demo
 from client.errors import TesseraError
-from client.local_swarm import LocalProcess, LocalSwarm, SwarmError, wait_for_replicas
+from client.local_swarm import (
+    LocalProcess,
+    LocalSwarm,
+    SwarmError,
+    clear_state,
+    wait_for_replicas,
+)
 from client.records import HopRecord, StageTiming
 
 MODEL = "demo-llama"
@@ -72,7 +78,8 @@ def add_parser(subparsers: Any) -> None:
         "--workdir",
         type=Path,
         metavar="DIR",
-        help="keep logs and state here (default: a temporary folder, removed at the end)",
+        help="keep logs and state here; an earlier demo's state there is cleared first "
+        "(default: a temporary folder, removed at the end)",
     )
     parser.add_argument(
         "--no-training", action="store_true", help="only the inference part (skip step 6)"
@@ -145,6 +152,9 @@ def run(args: argparse.Namespace) -> int:
 
 def _demo(workdir: Path, tokens: int, kill_after: int, args: argparse.Namespace) -> int:
     t0 = time.monotonic()
+    if clear_state(workdir):
+        # Its coordinator's database would already hold the model.
+        _say(f"0. cleared an earlier demo's coordinator, nodes and logs from {workdir}")
     checkpoint = write_demo_checkpoint(workdir / "checkpoint")
     _say(f"1. wrote a small Llama-style checkpoint to {checkpoint}")
     # Three stages even though the model is small, so the pipeline is visible.

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -23,6 +24,8 @@ if TYPE_CHECKING:
     from client.api import Client
 
 _REGISTERED = re.compile(r"registered as (\w+)")
+# What a LocalSwarm keeps under its work directory.
+STATE_DIRS = ("coordinator", "nodes", "logs")
 
 
 class SwarmError(RuntimeError):
@@ -208,6 +211,17 @@ class LocalSwarm:
         raise SwarmError(
             f"timed out waiting for {what}; see {proc.log_path}:\n{_tail(proc.log_text())}"
         )
+
+
+def clear_state(workdir: Path) -> bool:
+    """Remove an earlier swarm's state from ``workdir`` (its coordinator's database, which
+    already holds the models it imported; the nodes' keys and caches; the logs), so a
+    swarm started there begins afresh. Whatever else is in the folder stays. Returns
+    whether there was any."""
+    stale = [workdir / name for name in STATE_DIRS if (workdir / name).exists()]
+    for path in stale:
+        shutil.rmtree(path)
+    return bool(stale)
 
 
 def _tail(text: str, lines: int = 15) -> str:

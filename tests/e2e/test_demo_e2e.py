@@ -87,7 +87,7 @@ def test_the_demo_runs_end_to_end_and_stops_everything(tmp_path: Path) -> None:
         stop_all(demo, workdir)
 
 
-def test_ctrl_c_half_way_stops_every_process_the_demo_started(tmp_path: Path) -> None:
+def test_ctrl_c_half_way_stops_everything_and_a_rerun_there_starts_afresh(tmp_path: Path) -> None:
     workdir = tmp_path / "demo"
     demo = ManagedProcess(demo_command(workdir), tmp_path / "demo.log", name="demo").start()
     try:
@@ -101,3 +101,17 @@ def test_ctrl_c_half_way_stops_every_process_the_demo_started(tmp_path: Path) ->
         assert_nothing_left(workdir, log)
     finally:
         stop_all(demo, workdir)
+    # The same --workdir again: its coordinator's database already holds the model, which
+    # the demo imports anew (it failed with ALREADY_EXISTS before it cleared that state).
+    short = ("--no-training", "--tokens", "6", "--kill-after", "2")
+    again = ManagedProcess(demo_command(workdir, *short), tmp_path / "again.log", name="again")
+    again.start()
+    try:
+        code = again.wait(timeout=300)
+        log = again.log_text()
+        assert code == 0, log[-3000:]
+        assert "cleared an earlier demo's coordinator, nodes and logs" in log
+        assert "identical to the run without a failure: yes" in log
+        assert_nothing_left(workdir, log)
+    finally:
+        stop_all(again, workdir)
