@@ -290,7 +290,9 @@ def build(ctx: CoordinatorContext) -> SessionRpc:
         max_token_price=settings.max_token_price_units,
         on_plans=plans.save,
     )
-    # A restarted coordinator starts from its last plans: shards stay where they are.
+    # A restarted coordinator starts from its last plans, and the measurements they were
+    # made with: shards stay where they are.
     placement.restore(plans.load())
+    plans.load_measurements(placement.measurements)
     ctx.planner = placement
     return SessionRpc(ctx, placement)

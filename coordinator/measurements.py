@@ -39,6 +39,7 @@ from __future__ import annotations
 import statistics
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import Any
 
 ALPHA = 0.3  # weight of the newest sample: a changed node is tracked within ~5 samples
 MIN_SAMPLES = 8  # observations after which measurements replace the self-reported claim
@@ -260,6 +261,63 @@ class Measurements:
 
     def known(self) -> Iterable[str]:
         return set(self._layer) | set(self._rtt)
+
+    # ---- persistence --------------------------------------------------------------------
+
+    def snapshot(self, node_id: str) -> dict[str, Any]:
+        """What is known about the node, as plain JSON-able data (`restore` reads it)."""
+        state: dict[str, Any] = {}
+        if (layer := self._layer.get(node_id)) is not None:
+            state["layer"] = [layer.value, layer.samples]
+        if (work := self._work.get(node_id)) is not None:
+            state["work"] = [work.value, work.samples]
+        if (fit := self._fit.get(node_id)) is not None:
+            state["fit"] = [fit.weight, fit.x, fit.y, fit.xx, fit.xy, fit.samples]
+        if node_id in self._call:
+            state["call"] = self._call[node_id]
+        if peers := self._rtt.get(node_id):
+            state["rtt"] = {p: [e.value, e.samples] for p, e in sorted(peers.items())}
+        return state
+
+    def restore(self, node_id: str, state: Any) -> None:
+        """Take back what `snapshot` gave (from a coordinator's database). ValueError, and
+        nothing kept, unless every value is a finite non-negative number in its place."""
+
+        def ewma(pair: Any) -> Ewma:
+            value, samples = pair
+            if not _finite_non_negative(value) or type(samples) is not int or samples < 0:
+                raise ValueError(f"not an average: {pair!r}")
+            return Ewma(float(value), samples)
+
+        try:
+            layer = ewma(state["layer"]) if "layer" in state else None
+            work = ewma(state["work"]) if "work" in state else None
+            fit = None
+            if "fit" in state:
+                weight, x, y, xx, xy, samples = state["fit"]
+                if not _finite_non_negative(weight, x, y, xx, xy) or type(samples) is not int:
+                    raise ValueError(f"not a line fit: {state['fit']!r}")
+                fit = LineFit(weight, x, y, xx, xy, samples)
+            call = state.get("call")
+            if call is not None and not (
+                isinstance(call, int | float) and call == call and abs(call) < float("inf")
+            ):
+                raise ValueError(f"not a fixed part: {call!r}")
+            rtt = {str(p): ewma(e) for p, e in list(state.get("rtt", {}).items())[:MAX_PEERS]}
+        except (TypeError, KeyError, AttributeError) as exc:
+            raise ValueError(f"not a measurement snapshot: {exc!r}") from exc
+        if (layer is None) != (work is None):
+            raise ValueError("a per-layer time and a work average come together")
+        for own in (self._layer, self._work, self._fit, self._call, self._rtt):
+            own.pop(node_id, None)  # not `forget`: others' round trips to it stay
+        if layer is not None and work is not None:
+            self._layer[node_id], self._work[node_id] = layer, work
+        if fit is not None:
+            self._fit[node_id] = fit
+        if call is not None:
+            self._call[node_id] = float(call)
+        if rtt:
+            self._rtt[node_id] = rtt
 
 
 def _finite_non_negative(*values: float) -> bool:

@@ -34,8 +34,9 @@ from coordinator.ledger.schema import (
 )
 from coordinator.model_store.schema import MIGRATION_NAME as MODEL_STORE_MIGRATION
 from coordinator.model_store.schema import create_model_store_tables
+from coordinator.plan_store import MEASUREMENTS_MIGRATION_NAME as MEASUREMENTS_MIGRATION
 from coordinator.plan_store import MIGRATION_NAME as PLAN_STORE_MIGRATION
-from coordinator.plan_store import create_plan_table
+from coordinator.plan_store import create_measurements_table, create_plan_table
 from coordinator.verifier.reputation import SLASHED_BANS_MIGRATION, create_slashed_bans_table
 from coordinator.verifier.reputation import create_tables as create_verifier_tables
 
@@ -105,6 +106,7 @@ MIGRATIONS: list[Migration] = [
     Migration(10, SLASHED_BANS_MIGRATION, create_slashed_bans_table),
     Migration(11, JOBS_DATASET_USE_MIGRATION, add_dataset_used_ms),
     Migration(12, PLAN_STORE_MIGRATION, create_plan_table),
+    Migration(13, MEASUREMENTS_MIGRATION, create_measurements_table),
 ]
 
 

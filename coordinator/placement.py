@@ -150,7 +150,7 @@ class Placement:
         debounce_s: float = 0.2,
         on_change: Callable[[str], None] | None = None,
         measurements: Measurements | None = None,
-        on_plans: Callable[[Mapping[str, ModelPlan]], None] | None = None,
+        on_plans: Callable[[Mapping[str, ModelPlan], Measurements], None] | None = None,
     ) -> None:
         self._send = send_command
         # Fed by the lead's wiring (driver step reports, telemetry RTTs); read at re-plan
@@ -164,7 +164,8 @@ class Placement:
         self.max_token_price = max_token_price  # and its price bound (0: none)
         self._debounce_s = debounce_s
         self._on_change = on_change
-        self._on_plans = on_plans  # gets every plan made (the coordinator saves them)
+        # Gets every plan made and the measurements behind it (the coordinator saves them).
+        self._on_plans = on_plans
         self._models: dict[str, ModelSpec] = {}
         self._nodes: dict[str, PlacementNode] = {}
         self._plans: dict[str, ModelPlan] = {}
@@ -641,7 +642,7 @@ class Placement:
     def _plans_changed(self) -> None:
         if self._on_plans is not None:
             try:
-                self._on_plans(self._plans)
+                self._on_plans(self._plans, self.measurements)
             except Exception:  # the plan stands; only a restart would forget it
                 log.exception("saving the placement plans failed")
 

@@ -1,4 +1,5 @@
-"""The placement plans, kept in the coordinator's database so that a restart keeps them.
+"""The placement plans, and the measurements they were made with, kept in the
+coordinator's database so that a restart keeps them.
 
 A restarted coordinator that planned from scratch cut a new layout from whichever node
 re-attached first, and moved shards between nodes that held them a moment before: each
@@ -10,6 +11,10 @@ every shard where it was.
 A plan is a row per model: its JSON (boundaries, holders, pipelines, share). A row that
 does not parse (a hand-edited database, a newer coordinator's format) is skipped with a
 warning: the model is then planned afresh, as before this store existed.
+
+The nodes' measured speeds and round trips (coordinator/measurements.py) are saved with
+each plan, a row per node: planned again with the nodes' claims instead, a layout sized by
+what was measured could look worse than a fresh one by more than the hysteresis, and move.
 """
 
 from __future__ import annotations
@@ -22,17 +27,26 @@ from typing import Any
 
 import sqlite_utils
 
+from coordinator.measurements import Measurements
 from coordinator.planner import ModelPlan, Shard
 
 log = logging.getLogger("tessera.placement")
 
 MIGRATION_NAME = "placement plans"
+MEASUREMENTS_MIGRATION_NAME = "node measurements"
 
 
 def create_plan_table(db: sqlite_utils.Database) -> None:
     db.execute(
         "CREATE TABLE IF NOT EXISTS placement_plans ("
         "model TEXT PRIMARY KEY, plan_json TEXT NOT NULL, saved_ms INTEGER NOT NULL)"
+    )
+
+
+def create_measurements_table(db: sqlite_utils.Database) -> None:
+    db.execute(
+        "CREATE TABLE IF NOT EXISTS node_measurements ("
+        "node_id TEXT PRIMARY KEY, state_json TEXT NOT NULL, saved_ms INTEGER NOT NULL)"
     )
 
 
@@ -72,18 +86,20 @@ def plan_from_json(model: str, text: str) -> ModelPlan:
 
 
 class PlanStore:
-    """Reads and writes the `placement_plans` table; only this class knows its SQL."""
+    """Reads and writes the `placement_plans` and `node_measurements` tables; only this
+    class knows their SQL."""
 
     def __init__(self, db: sqlite_utils.Database) -> None:
         self._db = db
-        self._saved: dict[str, str] = {}  # what the table holds, by model
+        self._plans: dict[str, str] = {}  # what placement_plans holds, by model
+        self._measured: dict[str, str] = {}  # what node_measurements holds, by node
 
     def load(self) -> dict[str, ModelPlan]:
         plans: dict[str, ModelPlan] = {}
         for model, text in self._db.execute(
             "SELECT model, plan_json FROM placement_plans ORDER BY model"
         ).fetchall():
-            self._saved[model] = text
+            self._plans[model] = text
             try:
                 plans[model] = plan_from_json(model, text)
             except ValueError as exc:
@@ -91,21 +107,47 @@ class PlanStore:
                             model, exc)  # fmt: skip
         return plans
 
-    def save(self, plans: Mapping[str, ModelPlan]) -> None:
-        """Make the table hold exactly `plans`; writes nothing when they did not change."""
-        texts = {name: plan_to_json(p) for name, p in plans.items()}
-        if texts == self._saved:
-            return
+    def load_measurements(self, into: Measurements) -> None:
+        """Put the saved measurements back into `into`; a node whose row does not parse is
+        skipped with a warning (its claim stands until it is measured again)."""
+        for node_id, text in self._db.execute(
+            "SELECT node_id, state_json FROM node_measurements ORDER BY node_id"
+        ).fetchall():
+            self._measured[node_id] = text
+            try:
+                into.restore(node_id, json.loads(text))
+            except (ValueError, TypeError) as exc:  # JSONDecodeError is a ValueError
+                log.warning("the saved measurements of node %s are unusable (%s); it is "
+                            "measured again", node_id, exc)  # fmt: skip
+
+    def save(self, plans: Mapping[str, ModelPlan], measurements: Measurements) -> None:
+        """Make the tables hold exactly `plans` and what `measurements` knows; writes
+        nothing that did not change."""
+        self._plans = self._sync(
+            "placement_plans", "model", "plan_json", self._plans,
+            {name: plan_to_json(p) for name, p in plans.items()},
+        )  # fmt: skip
+        self._measured = self._sync(
+            "node_measurements", "node_id", "state_json", self._measured,
+            {n: json.dumps(measurements.snapshot(n), sort_keys=True)
+             for n in sorted(measurements.known())},
+        )  # fmt: skip
+
+    def _sync(
+        self, table: str, key: str, column: str, held: dict[str, str], texts: dict[str, str]
+    ) -> dict[str, str]:
+        """Make `table` (which holds `held`) hold `texts`; returns what it holds now."""
+        if texts == held:
+            return held
         now_ms = int(time.time() * 1000)
         with self._db.atomic():
-            gone = [m for m in self._saved if m not in texts]
             self._db.conn.executemany(
-                "DELETE FROM placement_plans WHERE model = ?", [(m,) for m in gone]
+                f"DELETE FROM {table} WHERE {key} = ?", [(k,) for k in held if k not in texts]
             )
             self._db.conn.executemany(
-                "INSERT INTO placement_plans (model, plan_json, saved_ms) VALUES (?, ?, ?) "
-                "ON CONFLICT(model) DO UPDATE SET plan_json = excluded.plan_json, "
+                f"INSERT INTO {table} ({key}, {column}, saved_ms) VALUES (?, ?, ?) "
+                f"ON CONFLICT({key}) DO UPDATE SET {column} = excluded.{column}, "
                 "saved_ms = excluded.saved_ms",
-                [(m, t, now_ms) for m, t in texts.items() if self._saved.get(m) != t],
+                [(k, t, now_ms) for k, t in texts.items() if held.get(k) != t],
             )
-        self._saved = texts
+        return texts

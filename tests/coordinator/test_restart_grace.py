@@ -1,6 +1,7 @@
-"""A restarted coordinator waits for the nodes its saved plans place before it re-plans,
-even when its database has them offline (a coordinator that died moments after they
-re-attached, before the registry recorded them)."""
+"""A restarted coordinator takes back its saved plans and measurements, and waits for the
+nodes its plans place before it re-plans, even when its database has them offline (a
+coordinator that died moments after they re-attached, before the registry recorded
+them)."""
 
 import asyncio
 from pathlib import Path
@@ -9,6 +10,7 @@ import grpc
 from support.coordinator_harness import CHANNEL_OPTIONS, FakeNode, harness_settings, wait_until
 
 from coordinator.db import open_database
+from coordinator.measurements import Measurements
 from coordinator.plan_store import PlanStore
 from coordinator.planner import ModelPlan, Shard
 from coordinator.server import running_coordinator
@@ -33,12 +35,17 @@ async def test_a_restart_waits_for_every_node_its_saved_plans_place(tmp_path: Pa
         await channel.close()
     a, b = (n.node_id for n in nodes)
     plan = ModelPlan("m", [0, 4], {a: Shard("m", 0, 2), b: Shard("m", 2, 4)}, [(a, b)])
+    measured = Measurements()
+    for _ in range(10):
+        measured.observe_step(a, layers=2, params_per_layer=10**8, tokens=1, compute_ms=4.0)
     db = open_database(settings.db_path)
-    PlanStore(db).save({"m": plan})
+    PlanStore(db).save({"m": plan}, measured)
     db.close()
 
     async with running_coordinator(settings) as second:
         assert second.ctx.registry.returning == [], "the database has no one online"
+        # The speeds the plan was made with came back too.
+        assert second.ctx.planner.measurements.snapshot(a) == measured.snapshot(a)
         await asyncio.sleep(0.5)
         # A re-plan now would see no node and no model (none was imported here), and
         # replace the saved plan with nothing.

@@ -10,7 +10,7 @@ from planner.test_placement_and_sessions import CONFIG, Swarm, caps
 from coordinator.db import open_database
 from coordinator.placement import Placement, PlacementNode, model_spec, node_spec
 from coordinator.plan_store import PlanStore
-from coordinator.planner import plan
+from coordinator.planner import ModelSpec, plan
 from coordinator.sessions import Sessions
 from protos import identity
 from protos.tessera.v1 import client_api_pb2, common_pb2, node_pb2
@@ -132,3 +132,51 @@ async def test_a_coordinator_with_no_one_to_wait_for_plans_at_once():
         placement.node_up(node(node_id))
     await asyncio.wait_for(placement.settled(), 1)
     assert set(assigned(swarm)) == set(NODES[:3])
+
+
+async def test_a_layout_sized_by_measured_speeds_survives_with_its_measurements(tmp_path):
+    # n0 claims a fifth of n1's speed (a benchmark that undersold it) but was measured 5x
+    # faster, so the plan gave it most layers. Planned again with the claims alone, that
+    # layout looks 1.8x slower than a fresh one, which moves 4 of these 1B-parameter
+    # layers each way (the planner reckons half an hour of downloads) and is chosen.
+    spec = ModelSpec("m", num_layers=6, params_per_layer=10**9, embed_params=5 * 10**8,
+                     head_params=5 * 10**8, kv_values_per_token_per_layer=1024)  # fmt: skip
+    claims = {"n0": caps(gb=26, tflops=0.2), "n1": caps(gb=26, tflops=1.0)}  # 5 layers each
+    measured_ms_per_gparam = {"n0": 0.4, "n1": 2.0}
+    db_path = tmp_path / "coordinator.db"
+    store = PlanStore(open_database(db_path))
+
+    def started(swarm: Swarm, store: PlanStore | None = None) -> Placement:
+        p = Placement(swarm.send, replicas=1, min_stages=1, debounce_s=0,
+                      on_plans=store.save if store else None)  # fmt: skip
+        p.set_models([spec])
+        for i, (node_id, c) in enumerate(claims.items()):
+            p.node_up(PlacementNode(node_id, f"127.0.0.1:{9000 + i}", c))
+        return p
+
+    first_swarm = Swarm()
+    first = started(first_swarm, store)
+    for _ in range(10):
+        for node_id, ms in measured_ms_per_gparam.items():
+            first.measurements.observe_step(node_id, layers=1, params_per_layer=10**9,
+                                            tokens=1, compute_ms=ms)  # fmt: skip
+    await first.replan()
+    served = assigned(first_swarm)
+    assert served["n0"][1] - served["n0"][0] == 5, f"the fast node holds most layers: {served}"
+
+    async def restarted(with_measurements: bool) -> dict[str, tuple[int, int]]:
+        swarm = Swarm()
+        again = started(swarm)
+        saved = PlanStore(open_database(db_path))
+        again.restore(saved.load())
+        if with_measurements:
+            saved.load_measurements(again.measurements)
+        for node_id, shard in served.items():
+            await report(again, node_id, *shard)
+        await again.replan()
+        return assigned(swarm)
+
+    assert await restarted(with_measurements=False) != served, (
+        "the test needs a layout that the claims alone would move"
+    )
+    assert await restarted(with_measurements=True) == served
