@@ -24,8 +24,9 @@ if TYPE_CHECKING:
     from client.api import Client
 
 _REGISTERED = re.compile(r"registered as (\w+)")
-# What a LocalSwarm keeps under its work directory.
+# What a LocalSwarm keeps under its work directory, and the file that says one ran there.
 STATE_DIRS = ("coordinator", "nodes", "logs")
+MARKER = ".tessera-local-swarm"
 
 
 class SwarmError(RuntimeError):
@@ -95,6 +96,7 @@ class LocalSwarm:
     def start_coordinator(self, timeout_s: float = 60.0, listen: str = "127.0.0.1:0") -> str:
         """Start (or restart, on the same database) the coordinator; returns its address."""
         self.coordinator_dir.mkdir(parents=True, exist_ok=True)
+        (self.workdir / MARKER).touch()  # clear_state may clear this folder's state
         addr_file = self.coordinator_dir / "coordinator.addr"
         addr_file.unlink(missing_ok=True)
         proc = self._spawn(
@@ -216,8 +218,11 @@ class LocalSwarm:
 def clear_state(workdir: Path) -> bool:
     """Remove an earlier swarm's state from ``workdir`` (its coordinator's database, which
     already holds the models it imported; the nodes' keys and caches; the logs), so a
-    swarm started there begins afresh. Whatever else is in the folder stays. Returns
-    whether there was any."""
+    swarm started there begins afresh. Only a folder a LocalSwarm marked as its own is
+    touched (a user's own ``logs`` folder in a --workdir they picked stays), and nothing
+    else in it. Returns whether there was anything to clear."""
+    if not (workdir / MARKER).exists():
+        return False
     stale = [workdir / name for name in STATE_DIRS if (workdir / name).exists()]
     for path in stale:
         shutil.rmtree(path)

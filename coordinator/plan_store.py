@@ -66,9 +66,9 @@ def plan_from_json(model: str, text: str) -> ModelPlan:
     """The plan `plan_to_json` wrote; ValueError when `text` is not one."""
     try:
         data: Any = json.loads(text)
-        boundaries = [int(b) for b in data["boundaries"]]
+        boundaries = [_layer(b) for b in data["boundaries"]]
         holders = {
-            str(node_id): Shard(model, int(span[0]), int(span[1]))
+            str(node_id): Shard(model, *(_layer(x) for x in span))
             for node_id, span in data["holders"].items()
         }
         pipelines = [tuple(str(n) for n in p) for p in data["pipelines"]]
@@ -83,6 +83,12 @@ def plan_from_json(model: str, text: str) -> ModelPlan:
     if any(n not in holders for p in pipelines for n in p):
         raise ValueError("a pipeline names a node that holds nothing")
     return ModelPlan(model, boundaries, holders, pipelines, share_bytes)
+
+
+def _layer(value: Any) -> int:
+    if type(value) is not int:  # not a float to truncate, nor a bool
+        raise ValueError(f"not a layer index: {value!r}")
+    return value
 
 
 class PlanStore:

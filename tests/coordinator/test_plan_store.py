@@ -70,6 +70,15 @@ HOSTILE = {
     "a shard that is not a pair": json.dumps(
         {"boundaries": [0, 6], "holders": {"a": 5}, "pipelines": [], "share_bytes": 0}
     ),
+    "a fractional layer": json.dumps(
+        {"boundaries": [0, 2.5, 6], "holders": {}, "pipelines": [], "share_bytes": 0}
+    ),
+    "a shard of three ends": json.dumps(
+        {"boundaries": [0, 6], "holders": {"a": [0, 3, 6]}, "pipelines": [], "share_bytes": 0}
+    ),
+    "a shard as text": json.dumps(
+        {"boundaries": [0, 6], "holders": {"a": "05"}, "pipelines": [], "share_bytes": 0}
+    ),
     "a pipeline of strangers": json.dumps(
         {"boundaries": [0, 6], "holders": {"a": [0, 6]}, "pipelines": [["z"]], "share_bytes": 0}
     ),
