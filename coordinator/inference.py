@@ -91,8 +91,8 @@ class SessionRpc:
         )
 
     async def start(self) -> None:
-        # Whom the saved plans place (the registry's record of who was connected lags by
-        # a flush, and a coordinator may die moments after its nodes re-attached).
+        # Whom the saved plans place, too: the registry's record of who was connected falls
+        # short after a coordinator was killed while its nodes were still coming back.
         registry = self._ctx.registry
         expected = {*registry.returning, *self._placement.planned_nodes()}
         returning = [
