@@ -32,7 +32,6 @@ from node_agent.matmul_benchmark import (
 )
 from node_agent.mqtt_presence import MqttPresence, parse_broker_url
 from node_agent.plugins import load_plugin
-from node_agent.runtime.dtypes import pin_full_fp32
 from node_agent.shard_handler import ShardHandler
 from node_agent.telemetry import ProcessTelemetry
 from protos import identity as wire_identity
@@ -336,6 +335,10 @@ def _join(args: argparse.Namespace) -> int:
         node_id = wire_identity.node_id(wire_identity.public_key_bytes(key))
         hw = hardware_probe.probe(args.device, args.max_memory_gb)
         if hw.device_kind == "cuda":
+            # Imported here: the runtime loads torch (2-3 s), which --help, probe's parsing
+            # and the stake and earnings commands never need.
+            from node_agent.runtime.dtypes import pin_full_fp32
+
             pin_full_fp32()  # before the benchmark: torch reads the override at its first matmul
         log.info(
             "node %s on %s (%s): %.1f GiB usable of %.1f GiB, dtypes %s",

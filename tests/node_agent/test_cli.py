@@ -28,6 +28,17 @@ def test_help_runs_as_a_module_and_shows_examples() -> None:
     assert "--backoff" not in result.stdout
 
 
+def test_the_cli_loads_torch_only_to_serve() -> None:
+    # --help and the stake and earnings commands answer in a blink: torch takes seconds to
+    # load, and `join` (the runtime) is the only command that needs it.
+    code = "import sys, node_agent.cli; print('torch' in sys.modules)"
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "False"
+
+
 def test_top_level_help_lists_the_commands(capsys) -> None:
     with pytest.raises(SystemExit) as exit_info:
         cli.main(["--help"])

@@ -29,6 +29,7 @@ from training.training_harness import (
     training_capability,
 )
 
+from node_agent import checkpoint_client
 from node_agent.runtime import load_model_config
 from node_agent.runtime.training import training_memory
 from node_agent.training_server import TrainingLimits
@@ -696,7 +697,12 @@ async def test_checkpoint_restore_and_close(pair: Pair, store, keys: Coordinator
     await refused(save(pair.sb, 2), grpc.StatusCode.NOT_FOUND)
 
 
-async def test_save_with_the_store_unreachable_is_unavailable(pair: Pair, store) -> None:
+async def test_save_with_the_store_unreachable_is_unavailable(
+    pair: Pair, store, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The node tries an unreachable store again for a minute (a coordinator restart);
+    # the retries themselves are tested in tests/node_agent/test_checkpoint_patience.py.
+    monkeypatch.setattr(checkpoint_client, "UPSTREAM_PATIENCE_S", 1.0)
     await full_step(pair, 0)
     await store.stop()
     await refused(
@@ -709,7 +715,12 @@ async def test_save_with_the_store_unreachable_is_unavailable(pair: Pair, store)
     await full_step(pair, 1)  # the job is fine
 
 
-async def test_node_without_ticket_is_refused_by_the_store(pair: Pair, store) -> None:
+async def test_node_without_ticket_is_refused_by_the_store(
+    pair: Pair, store, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A refused ticket waits 15 s for the agent to register again (a restarted
+    # coordinator); this node never does.
+    monkeypatch.setattr(checkpoint_client, "NEW_TICKET_WAIT_S", 0.5)
     await full_step(pair, 0)
     pair.a.ctx.attach_ticket = b"stale"
     await refused(
