@@ -47,7 +47,7 @@ from protos.tessera.v1 import ledger_pb2, verification_pb2
 pytestmark = pytest.mark.slow
 
 CHEATER = "bravo"
-WINDOW_S = 30.0  # long enough that the second session's earnings are pending at the fraud
+WINDOW_S = 12.0  # the second session's earnings are pending at the fraud (1.5 s after it here)
 LAYERS = 6
 TOKENS = len(PROMPT) + NEW_TOKENS - 1  # what one primary computes for one generation
 STAKE = 150
