@@ -329,7 +329,11 @@ class AsyncClient:
             return open_request
 
         grant = await self._call_stamped("opening a session", self._stub.OpenSession, signed)
-        verifier = StageVerifier(grant.session_id, self._stage_channels, self._report)
+        verifier = StageVerifier(
+            grant.session_id, self._stage_channels, self._report,
+            patience_floor_s=self.driver_config.check_patience_floor_s,
+            patience_factor=self.driver_config.check_patience_factor,
+        )  # fmt: skip
         driver = PipelineDriver(
             grant,
             model,

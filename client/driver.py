@@ -145,6 +145,12 @@ class DriverConfig:
     # rolls the generation back to that step): a checker slower than the primary no
     # longer holds up the pipeline. False settles every step's checks before the next.
     defer_checks: bool = True
+    # Once a call's primary has answered, its sampled check gets max(floor, factor x the
+    # primary's time for the same work) more before the call goes unchecked and that
+    # checker checks no more in the session (client/verification.py, ``_patience``): a
+    # starved or hung checker costs a token seconds, not the 120 s check timeout.
+    check_patience_floor_s: float = 10.0
+    check_patience_factor: float = 8.0
     # Let the node that ends the model sample and start the next step (module docstring).
     ring: bool = True
     # How long the client waits for the first answer of a step a ring started before it
@@ -483,7 +489,7 @@ class PipelineDriver:
         ``Rollback`` says where the caller must start over."""
         while self._deferred:
             entry = self._deferred[0]
-            if not wait and not all(c.pending.task.done() for c in entry.checks):
+            if not wait and not all(c.pending.ready() for c in entry.checks):
                 return None
             self._deferred.popleft()
             self._unsettled = entry.checks
@@ -1349,7 +1355,7 @@ class PipelineDriver:
             try:
                 pending = self.verifier.check_reply(
                     self._capability, slot.hop, request, response, replay=replay,
-                    pending=call.pending, history=self._history,
+                    pending=call.pending, history=self._history, wall_s=wall,
                 )  # fmt: skip
             except NodeRejected as err:
                 slot.close_stream()

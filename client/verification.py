@@ -45,7 +45,9 @@ import bisect
 import hashlib
 import itertools
 import logging
+import math
 import random
+import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import TypeVar
@@ -97,7 +99,11 @@ class _CheckerStream:
 
 
 class PendingCheck:
-    """A redundant check under way: the checker runs the primary's call meanwhile."""
+    """A redundant check under way: the checker runs the primary's call meanwhile.
+
+    ``deadline`` (monotonic seconds) is how long the client waits for the checker once the
+    primary has answered (``StageVerifier.check_reply``): past it the call goes unchecked
+    instead of holding its token back."""
 
     def __init__(
         self,
@@ -108,6 +114,11 @@ class PendingCheck:
         self._verifier = verifier
         self.checker = checker
         self.task = task
+        self.deadline = math.inf
+
+    def ready(self) -> bool:
+        """Settling it waits for nothing: the checker answered, or it is too late to."""
+        return self.task.done() or time.monotonic() >= self.deadline
 
     def cancel(self) -> None:
         """The primary's call failed: its check is moot. A check cancelled mid-call closes
@@ -181,6 +192,9 @@ class VerificationStats:
     calls: dict[str, int] = field(default_factory=dict)
     checked: dict[str, int] = field(default_factory=dict)
     mismatches: int = 0
+    # Per checker: checks given up on because it answered too long after the primary
+    # (a starved or hung machine); its calls went unchecked and it checked no more.
+    late: dict[str, int] = field(default_factory=dict)
     verdicts: list[verification_pb2.Verdict] = field(default_factory=list)
     risk: verification_pb2.SessionRisk | None = None
     # (primary, checker) pairs that were compared: two nodes of one operator never appear.
@@ -207,6 +221,8 @@ class VerificationStats:
             "calls": sum(self.calls.values()),
             "checked": sum(self.checked.values()),
             "mismatches": self.mismatches,
+            # Checks given up on, by checker: it answered too long after the primary.
+            "late_checks": dict(self.late),
             "verdicts": [verification_pb2.Verdict.Outcome.Name(v.outcome) for v in self.verdicts],
             # The coordinator's figures: P(a node corrupting f of its outputs got through).
             "detection_probability": risk.detection_probability if risk else None,
@@ -232,8 +248,14 @@ class StageVerifier:
         rng: random.Random | None = None,
         report_every: int = 32,
         timeout_s: float = 120.0,
+        patience_floor_s: float = 10.0,
+        patience_factor: float = 8.0,
     ) -> None:
         self.session_id = session_id
+        # Once the primary has answered, its checker gets max(floor, factor x the
+        # primary's time for the same work) more, up to ``timeout_s`` (``_patience``).
+        self._patience_floor_s = patience_floor_s
+        self._patience_factor = patience_factor
         self._channels = channels
         self._reporter = reporter
         self._rng = rng or random.Random()
@@ -408,9 +430,11 @@ class StageVerifier:
         replay: bool = False,
         pending: PendingCheck | None = None,
         history: RouteHistory | None = None,
+        wall_s: float | None = None,
     ) -> PendingCheck | None:
         """Check the reply's signature now, before its output is used; raises
-        NodeRejected when it must not be used.
+        NodeRejected when it must not be used. ``wall_s``: how long the primary took, from
+        which the check's deadline is set (``_patience``).
 
         Returns the redundant check still to be settled (``pending``, None when there is
         none): the driver passes the output on and settles the check with ``settle``
@@ -437,7 +461,25 @@ class StageVerifier:
             return None
         self.stats.calls[hop.node_id] = self.stats.calls.get(hop.node_id, 0) + 1
         self._keep_signed(hop.node_id, request, response, output_sha256)
+        if pending is not None and wall_s is not None:
+            pending.deadline = time.monotonic() + self._patience(pending.checker, request, wall_s)
         return pending
+
+    def _patience(
+        self, checker: HopRecord, request: stage_pb2.ForwardRequest, wall_s: float
+    ) -> float:
+        """How long to wait for a check once its primary answered in ``wall_s``: the
+        factor times the primary's time, scaled by what the checker computes for it (the
+        call, and the positions its cache still lacks, counted as if each cost as much as
+        the call's: a catch-up is batched, so that is generous), never under the floor
+        nor over the check timeout. A checker starved or hung by its machine then costs a
+        token seconds, not the whole timeout; the call goes unchecked."""
+        span = Span(request.layers.start, request.layers.end)
+        positions = max(1, int(request.input.shape[1]))
+        end = request.start_pos + positions
+        behind = max(positions, end - self._synced.get((checker.node_id, span), 0))
+        wanted = self._patience_factor * wall_s * behind / positions
+        return min(self._timeout_s, max(self._patience_floor_s, wanted))
 
     def _keep_signed(
         self,
@@ -491,6 +533,12 @@ class StageVerifier:
         ``check_reply`` accepted); raises NodeRejected when the primary must not be
         trusted. An unusable checker says nothing about the primary: it returns."""
         checker = pending.checker
+        if not pending.task.done():
+            left = pending.deadline - time.monotonic()
+            await asyncio.wait({pending.task}, timeout=None if math.isinf(left) else max(0, left))
+        if not pending.task.done():
+            self._given_up(hop, pending)
+            return
         try:
             checked = await pending.task
             if list(checked.output.shape) != list(response.output.shape):
@@ -516,6 +564,17 @@ class StageVerifier:
             log.info("checker %s holds another input history; not compared", checker.node_id)
             return
         await self._compare(hop, checker, request, response, checked, history)
+
+    def _given_up(self, hop: HopRecord, pending: PendingCheck) -> None:
+        checker = pending.checker.node_id
+        log.warning(
+            "checker %s did not answer in time (its deadline passed); the call of %s goes "
+            "unchecked, and %s checks nothing more in this session",
+            checker, hop.node_id, checker,
+        )  # fmt: skip
+        pending.cancel()  # mid-call, that closes its stream: the answer would be stale
+        self._unfit_checkers.add(checker)
+        self.stats.late[checker] = self.stats.late.get(checker, 0) + 1
 
     async def serving(self, node_id: str, span: Span, *, wait: bool = True) -> None:
         """``node_id`` serves ``span`` in the pipeline from now on (a fail-over's or a

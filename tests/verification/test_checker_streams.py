@@ -16,7 +16,7 @@ import pytest
 
 from client.channels import ChannelPool
 from client.records import HopRecord
-from client.route_history import Span
+from client.route_history import RouteHistory, Span
 from client.verification import (
     CheckerServes,
     NodeRejected,
@@ -28,6 +28,7 @@ from protos.tessera.v1 import common_pb2, stage_pb2
 
 CHECKER = HopRecord("checker-1", "127.0.0.1:1", 0, 2)
 SPAN = Span(0, 2)
+HISTORY = RouteHistory([SPAN])
 
 
 class FakeCall:
@@ -185,3 +186,46 @@ async def test_a_failed_checks_late_cleanup_leaves_the_stream_of_newer_work_alon
     running.cancel()
     await asyncio.sleep(0.05)
     assert CHECKER.node_id not in verifier._streams
+
+
+def decode_call(position: int) -> stage_pb2.ForwardRequest:
+    request = stage_pb2.ForwardRequest(start_pos=position)
+    request.layers.start, request.layers.end = SPAN.start, SPAN.end
+    request.input.shape.extend([1, 1])
+    return request
+
+
+def test_a_checks_patience_scales_with_the_primarys_time_and_the_checkers_catch_up() -> None:
+    verifier = StageVerifier("s-6", ChannelPool(), patience_floor_s=1.0, patience_factor=8.0)
+    call = decode_call(99)  # position 99: the checker needs 100 positions to check it
+    verifier._synced[(CHECKER.node_id, SPAN)] = 99
+    # In step with the call: the factor times the primary's time, or the floor.
+    assert verifier._patience(CHECKER, call, wall_s=0.5) == pytest.approx(4.0)
+    assert verifier._patience(CHECKER, call, wall_s=0.01) == pytest.approx(1.0)
+    # 9 positions behind: each counted as costly as the call itself.
+    verifier._synced[(CHECKER.node_id, SPAN)] = 90
+    assert verifier._patience(CHECKER, call, wall_s=0.05) == pytest.approx(8 * 0.05 * 10)
+    # A checker with no cache yet catches up on the whole history, within the timeout.
+    del verifier._synced[(CHECKER.node_id, SPAN)]
+    assert verifier._patience(CHECKER, call, wall_s=0.05) == pytest.approx(40.0)
+    assert verifier._patience(CHECKER, call, wall_s=0.5) == pytest.approx(120.0)
+
+
+async def test_settling_a_check_past_its_deadline_gives_its_checker_up() -> None:
+    verifier = StageVerifier("s-7", ChannelPool())
+    never = asyncio.Event()
+
+    async def hung() -> stage_pb2.ForwardResponse:
+        await never.wait()
+        raise AssertionError("unreachable")
+
+    pending = PendingCheck(verifier, CHECKER, verifier._queue(CHECKER, SPAN, hung))
+    assert not pending.ready()  # no deadline yet: settling would wait for the answer
+    pending.deadline = 0.0
+    assert pending.ready()
+    primary = HopRecord("primary-1", "127.0.0.1:2", 0, 2)
+    await verifier.settle(primary, decode_call(5), stage_pb2.ForwardResponse(), HISTORY, pending)
+    await asyncio.sleep(0)
+    assert pending.task.cancelled()
+    assert verifier.stats.late == {CHECKER.node_id: 1}
+    assert CHECKER.node_id in verifier._unfit_checkers  # drawn no more in the session

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -73,6 +74,20 @@ class Swarm:
     checkpoint: Path
 
 
+class HangsAfterTwoChecks(StageServicer):
+    """Honest, but after its first two calls as a checker its machine starves it: no
+    later check or catch-up is ever answered (the stream stays open)."""
+
+    checks = 0
+
+    async def _forward_one(self, request, stream):
+        if request.background:
+            self.checks += 1
+            if self.checks > 2:
+                await asyncio.Event().wait()
+        return await super()._forward_one(request, stream)
+
+
 class DiesAfterItsCalls(StageServicer):
     """Answers its first ``lives`` pipeline calls, then it is gone: every later pipeline
     call is refused as by a node that went away."""
@@ -103,6 +118,7 @@ def start_swarm(
     *,
     corrupt: str = "0.3",
     cheater_class: type[StageServicer] = StageServicer,
+    checker_class: type[StageServicer] = SlowChecker,
 ) -> Iterator[Swarm]:
     loop = BackgroundLoop()
     keys = CoordinatorKeys()
@@ -118,8 +134,9 @@ def start_swarm(
         monkeypatch.setenv(failpoints.ENV_VAR, f"corrupt={corrupt},seed=1")
         cheater = await node("cheater", [(0, 2)], servicer_class=cheater_class)
         monkeypatch.delenv(failpoints.ENV_VAR)
-        honest = [await node(f"honest{i}", [(0, 2)], servicer_class=SlowChecker) for i in (1, 2)]
-        last = [await node(f"last{i}", [(2, NUM_LAYERS)], servicer_class=SlowChecker)
+        honest = [await node(f"honest{i}", [(0, 2)], servicer_class=checker_class)
+                  for i in (1, 2)]  # fmt: skip
+        last = [await node(f"last{i}", [(2, NUM_LAYERS)], servicer_class=checker_class)
                 for i in (1, 2)]  # fmt: skip
         layout = [(0, 2, cheater, honest), (2, NUM_LAYERS, last[0], [last[1]])]
         coordinator = CheckedCoordinator(keys, checkpoint, layout, [cheater, *honest, *last])
@@ -287,3 +304,34 @@ def test_a_fail_over_is_reported_by_the_token_whose_step_went_through_it(
         assert failover.failed_node_id == swarm.cheater.node_id
         assert [len(t.failovers) for t in tokens] == [0, 0, 0, 1, 0, 0]
         assert tokens[3].failovers == (failover,)
+
+
+def test_a_hung_checker_costs_its_token_seconds_not_the_check_timeout(
+    checkpoint: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Every call is checked, and every checker hangs after two checks. A check it never
+    # answers is given up once the patience after its primary's answer has passed (1 s
+    # here): the call goes unchecked and that checker is drawn no more. Before, the first
+    # such check held its token for the whole 120 s check timeout.
+    config = DriverConfig(check_patience_floor_s=1.0)
+    with running_swarm(
+        checkpoint, tmp_path, monkeypatch, corrupt="0", checker_class=HangsAfterTwoChecks
+    ) as swarm:
+        with Client(swarm.address, timeout_s=60, driver_config=config) as client:
+            started = time.monotonic()
+            result = client.generate_all(
+                MODEL, token_ids=PROMPT, max_new_tokens=NEW_TOKENS, stop_at_eos=False
+            )
+            elapsed = time.monotonic() - started
+    assert result.token_ids == reference_greedy(checkpoint, PROMPT, NEW_TOKENS)
+    assert result.verification is not None
+    late = result.verification.late
+    primaries = {hop.node_id for hop in result.route}
+    # Checks of later steps may already be queued on a checker when its first is given
+    # up (the pipeline runs ahead): each of those is given up too, none waits longer.
+    assert late and all(count >= 1 for count in late.values()), late
+    assert result.to_json()["verification"]["late_checks"] == late  # what --json prints
+    assert not primaries & set(late), "a primary's check was given up, not a checker's"
+    assert sum(result.verification.checked.values()) >= 2  # the checks before the hang
+    assert not result.rollbacks and not result.failovers
+    assert elapsed < 60, f"the generation waited {elapsed:.0f} s for hung checkers"
