@@ -105,9 +105,16 @@ class DriverConfig:
     # Straggler deadline for a decode step: max(floor, factor x p95 of recent steps).
     deadline_floor_s: float = 5.0
     deadline_factor: float = 4.0
-    # Prefill chunks, replays and the first decode steps have no reference time yet.
+    # Prefill chunks and replays have no reference time yet.
     cold_timeout_s: float = 120.0
     min_samples: int = 3
+    # A decode step before min_samples ones were timed: max(this, deadline_factor x the
+    # slowest prefill chunk or replay the node ran for the hop), at most cold_timeout_s.
+    # A decode step does less than those (one position against many); the floor is wider
+    # than deadline_floor_s for what a node's first steps may still set up (e.g. kernels
+    # for a new shape). A node that hangs right after the prefill (a PC gone to sleep)
+    # then costs this, not the cold timeout.
+    first_decode_floor_s: float = 15.0
     window: int = 32
     max_failovers_per_step: int = 6
     # A decode step whose stream to a node broke (UNAVAILABLE) after the node had answered
@@ -215,6 +222,9 @@ class _Slot:
     call: grpc.aio.StreamStreamCall | None = None
     capability_version_sent: int = -1
     decode_seconds: deque[float] = field(default_factory=lambda: deque(maxlen=32))
+    # The slowest multi-position call (a prefill chunk, a replay) the node answered for
+    # this slot: the reference for its first decode steps' deadline (0: none yet).
+    bulk_seconds: float = 0.0
     # The route's stages this slot runs as one hop (empty: the slot is one stage).
     parts: tuple[_Slot, ...] = ()
 
@@ -1363,6 +1373,8 @@ class PipelineDriver:
             if pending is not None:
                 self._unsettled.append(_Unsettled(slot.span, slot.hop, call, response, pending))
         self._answered.add((slot.hop.node_id, slot.span))
+        if tokens > 1:
+            slot.bulk_seconds = max(slot.bulk_seconds, wall)
         if tokens == 1 and not replay:
             slot.decode_seconds.append(wall)
             if self._reporter is not None:
@@ -1495,6 +1507,7 @@ class PipelineDriver:
             slot.capability_version_sent = shadow.capability_version_sent
             slot.alternates = [h for h in slot.alternates if h != alternate] + [slow]
             slot.decode_seconds.clear()
+            slot.bulk_seconds = 0.0
             self._demoted.add(slow.node_id)
             if self.verifier is not None:  # its cache is the pipeline's (see _fail_over)
                 await self.verifier.serving(alternate.node_id, slot.span, wait=False)
@@ -1558,6 +1571,7 @@ class PipelineDriver:
         slot = self._slots[index]
         slot.close_stream()
         slot.decode_seconds.clear()
+        slot.bulk_seconds = 0.0
         spare = [h for h in slot.alternates if h.node_id not in self._excluded]
         if spare:
             slot.hop, slot.alternates = spare[0], spare[1:]
@@ -1663,8 +1677,13 @@ class PipelineDriver:
 
     def _deadline(self, slot: _Slot, tokens: int, replay: bool) -> float:
         samples = slot.decode_seconds
-        if tokens != 1 or replay or len(samples) < self.config.min_samples:
+        if tokens != 1 or replay:
             return self.config.cold_timeout_s
+        if len(samples) < self.config.min_samples:
+            if not slot.bulk_seconds:
+                return self.config.cold_timeout_s
+            first = self.config.deadline_factor * slot.bulk_seconds
+            return min(self.config.cold_timeout_s, max(self.config.first_decode_floor_s, first))
         p95 = percentile(samples, 95.0)
         return max(self.config.deadline_floor_s, self.config.deadline_factor * p95)
 

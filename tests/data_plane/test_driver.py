@@ -274,6 +274,29 @@ async def test_a_straggler_is_replaced_after_its_deadline(start_node, keys, chec
     await driver.close()
 
 
+async def test_a_node_hung_right_after_the_prefill_is_replaced_without_the_cold_timeout(
+    start_node, keys, checkpoint
+) -> None:
+    # No decode step was timed yet, so the first one's deadline comes from the prefill
+    # (here its 1.5 s floor), not the 120 s cold timeout: a PC gone to sleep after the
+    # prompt costs seconds.
+    a = await start_node([(0, 2)])
+    slow = await start_node([(2, 4)], servicer_class=HangingServicer)
+    spare = await start_node([(2, 4)])
+    slow.servicer.hang_after = 1  # answers the prefill (one call), then never again
+    grant = session_grant(keys, [(0, 2, a, []), (2, 4, slow, [spare])])
+    config = DriverConfig(first_decode_floor_s=1.5, hedge_factor=0.0)
+    driver = PipelineDriver(grant, MODEL, config=config)
+
+    tokens = await greedy(driver, PROMPT, NEW_TOKENS)
+
+    assert tokens == reference_greedy(checkpoint, PROMPT, NEW_TOKENS)
+    [event] = [e for e in driver.failovers if e.failed_node_id == slow.node_id]
+    assert event.via == "alternate" and event.replacement_node_ids == (spare.node_id,)
+    assert "straggler: no answer within 1.5 s" in event.reason
+    await driver.close()
+
+
 async def test_without_alternates_the_coordinator_reroutes_over_a_new_chain(
     start_node, keys, checkpoint
 ) -> None:
