@@ -335,8 +335,8 @@ def _join(args: argparse.Namespace) -> int:
         node_id = wire_identity.node_id(wire_identity.public_key_bytes(key))
         hw = hardware_probe.probe(args.device, args.max_memory_gb)
         if hw.device_kind == "cuda":
-            # Imported here: the runtime loads torch (2-3 s), which --help, probe's parsing
-            # and the stake and earnings commands never need.
+            # Imported here: the runtime loads torch (2-3 s), which --help and the stake
+            # and earnings commands never need.
             from node_agent.runtime.dtypes import pin_full_fp32
 
             pin_full_fp32()  # before the benchmark: torch reads the override at its first matmul
