@@ -191,7 +191,9 @@ def test_an_idle_spare_repairs_a_broken_pipeline_without_other_moves(nodes):
 
 
 def test_plan_takes_under_a_second_for_ten_thousand_nodes():
-    # CPU time of this process: other work on a shared box must not make it flaky.
+    # CPU time of this process, the least of 3 plans as bench/placement.py takes it: on a
+    # shared 2-core box one plan took 0.74-1.09 s (cache and frequency noise), the least
+    # of 3 stays near the low end.
     big = ModelSpec("big", 80, 856_000_000, 262_000_000, 262_000_000, 2048)
     sizes = [8, 10, 12, 12, 16, 24]
     nodes = [
@@ -206,11 +208,13 @@ def test_plan_takes_under_a_second_for_ten_thousand_nodes():
         )
         for i in range(10_000)
     ]
-    started = time.process_time()
-    first = plan([big], nodes)["big"]
-    elapsed = time.process_time() - started
+    times = []
+    for _ in range(3):
+        started = time.process_time()
+        first = plan([big], nodes)["big"]
+        times.append(time.process_time() - started)
     assert len(first.pipelines) > 100
-    assert elapsed < 1.0, f"{elapsed:.2f} s"
+    assert min(times) < 1.0, f"{min(times):.2f} s, the least of {times}"
     started = time.process_time()
     plan([big], nodes[1:], {"big": first})
     assert time.process_time() - started < 2.0
