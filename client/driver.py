@@ -228,6 +228,11 @@ class _Slot:
     # The route's stages this slot runs as one hop (empty: the slot is one stage).
     parts: tuple[_Slot, ...] = ()
 
+    def forget_timings(self) -> None:
+        """Another node serves the slot now: what its deadlines were based on was not it."""
+        self.decode_seconds.clear()
+        self.bulk_seconds = 0.0
+
     def close_stream(self) -> None:
         if self.call is not None:
             self.call.cancel()
@@ -1506,8 +1511,7 @@ class PipelineDriver:
             slot.hop, slot.call = alternate, shadow.call
             slot.capability_version_sent = shadow.capability_version_sent
             slot.alternates = [h for h in slot.alternates if h != alternate] + [slow]
-            slot.decode_seconds.clear()
-            slot.bulk_seconds = 0.0
+            slot.forget_timings()
             self._demoted.add(slow.node_id)
             if self.verifier is not None:  # its cache is the pipeline's (see _fail_over)
                 await self.verifier.serving(alternate.node_id, slot.span, wait=False)
@@ -1570,8 +1574,7 @@ class PipelineDriver:
         """Move slot ``index`` to its next alternate that is not excluded, or reroute it."""
         slot = self._slots[index]
         slot.close_stream()
-        slot.decode_seconds.clear()
-        slot.bulk_seconds = 0.0
+        slot.forget_timings()
         spare = [h for h in slot.alternates if h.node_id not in self._excluded]
         if spare:
             slot.hop, slot.alternates = spare[0], spare[1:]
