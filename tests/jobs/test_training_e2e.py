@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import queue
 import re
 import sqlite3
 import subprocess
@@ -24,6 +25,7 @@ import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import IO
 
 import numpy as np
 import pytest
@@ -160,6 +162,33 @@ def test_kill_9_of_a_stage_node_resumes_from_the_last_consistent_checkpoint(
         assert loss == pytest.approx(reference[step], rel=1e-5), step
 
 
+JOB_ID = re.compile(r"tessera train --resume (\S+) continues it")
+
+
+def lines_until(stream: IO[bytes], marker: str, timeout_s: float = 120.0) -> str:
+    """What ``stream`` said up to its first line holding ``marker``; a reader thread, so
+    that a process that falls silent fails the test instead of hanging it."""
+    lines: queue.Queue[bytes] = queue.Queue()
+
+    def read() -> None:
+        for line in iter(stream.readline, b""):
+            lines.put(line)
+        lines.put(b"")  # the stream ended
+
+    threading.Thread(target=read, daemon=True).start()
+    said = ""
+    deadline = time.monotonic() + timeout_s
+    while marker not in said:
+        try:
+            line = lines.get(timeout=max(0.0, deadline - time.monotonic()))
+        except queue.Empty:
+            raise AssertionError(f"no {marker!r} within {timeout_s:.0f} s; said:\n{said}") from None
+        if not line:
+            raise AssertionError(f"the stream ended before {marker!r}; said:\n{said}")
+        said += line.decode()
+    return said
+
+
 def test_a_killed_runner_is_resumed_with_tessera_train_resume(
     swarm, dataset, reference, tmp_path, monkeypatch
 ) -> None:
@@ -176,15 +205,14 @@ def test_a_killed_runner_is_resumed_with_tessera_train_resume(
     )  # fmt: skip
     try:
         with Client(swarm.address) as client:
-
-            def mine():
-                return [j for j in client.jobs() if j.checkpoint_step >= 4 and j.state == 2]
-
-            wait_for(lambda: bool(mine()) or runner.poll() is not None, "checkpoint at step 4")
-            assert runner.poll() is None, runner.stderr.read().decode()[-2000:]
-            job_id = mine()[0].job_id
-            runner.kill()  # kill -9 of the driver mid-job
+            # kill -9 of the driver mid-job, as soon as it says the step-4 checkpoint is
+            # taken: polling the coordinator instead missed the whole job on a fast box.
+            said = lines_until(runner.stderr, "checkpoint at step 4")
+            runner.kill()
             runner.wait(10)
+            job_id = JOB_ID.search(said).group(1)
+            job = client.job(job_id)
+            assert job.state == 2 and job.checkpoint_step >= 4, (job.state, said)  # RUNNING
             resumed = subprocess.run(
                 [*cli, "--resume", job_id, "--json"], capture_output=True, text=True, timeout=300
             )
