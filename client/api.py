@@ -46,6 +46,7 @@ from client.jobs import JobEvent, JobRunner, JobsApi, TrainingJob, TrainSpec
 from client.records import FailoverEvent, HopRecord, RollbackEvent, StageTiming
 from client.sampling import Sampler, SamplingParams
 from client.tokenizer import TextTokenizer, load_tokenizer
+from client.training_driver import TrainingDriverConfig
 from client.verification import StageVerifier, VerificationStats
 from protos import identity
 from protos.coordinator_clock import StampClock
@@ -506,11 +507,14 @@ class AsyncClient:
         dataset: TokenDataset | None = None,
         on_event: Callable[[JobEvent], None] | None = None,
         after_step: Callable[[int], Any] | None = None,
+        driver_config: TrainingDriverConfig | None = None,
     ) -> jobs_pb2.JobInfo:
-        """Drive the job to the end from its last consistent checkpoint (also --resume)."""
+        """Drive the job to the end from its last consistent checkpoint (also --resume).
+        ``driver_config``: the stage calls' timeouts and deadlines (defaults: a node that
+        hangs mid-job is re-planned after max(30 s, 8x its recent calls))."""
         runner = JobRunner(self.jobs_api, job_id, self._stage_channels, dataset=dataset,
-                           after_step=after_step, key=self.key,
-                           max_price=self.max_price)  # fmt: skip
+                           after_step=after_step, key=self.key, max_price=self.max_price,
+                           driver_config=driver_config)  # fmt: skip
         if on_event is not None:
             runner.on_event = on_event
         return await runner.run()

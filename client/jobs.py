@@ -43,6 +43,7 @@ from client.training_driver import (
     StageOutOfSync,
     StepResult,
     TrainingDriver,
+    TrainingDriverConfig,
     TrainingHop,
 )
 from protos.coordinator_clock import StampClock
@@ -207,6 +208,7 @@ class JobRunner:
     # at every checkpoint and at the end (docs/ledger.md, "Jobs").
     key: Ed25519PrivateKey | None = None
     max_price: int = 0
+    driver_config: TrainingDriverConfig | None = None  # timeouts and step deadlines
     usage: UsageBook = field(default_factory=UsageBook, init=False)
     _seeded: bool = field(default=False, init=False)
     _session: jobs_pb2.TrainingSession | None = field(default=None, init=False)
@@ -230,6 +232,7 @@ class JobRunner:
             capability=session.capability,
             hyper=job.hyper,
             channels=self.channels,
+            config=self.driver_config,
             usage=self.usage,
             # Independent checkers the coordinator granted; each interval is checked with
             # the primary's own trust-based probability (docs/verification.md).

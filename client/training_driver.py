@@ -40,6 +40,7 @@ from client.billing import UsageBook
 from client.channels import ChannelPool
 from client.driver import CLIENT_FAULT_CODES
 from client.errors import RequestRejected, TesseraError
+from client.training_deadlines import StepDeadlines
 from client.training_verification import (
     KIND,
     BadTrainingSignature,
@@ -120,8 +121,15 @@ class NonFiniteGradients(TesseraError):
 
 @dataclass(frozen=True)
 class TrainingDriverConfig:
-    rpc_timeout_s: float = 300.0  # a cold first step may compile kernels or load weights
+    # The cold timeout: a node's first calls may compile kernels or load weights, and a
+    # restore downloads a checkpoint. It also caps the deadlines below.
+    rpc_timeout_s: float = 300.0
     close_timeout_s: float = 5.0
+    # Once a node has answered a kind of step call twice, the next such call gets
+    # max(floor, factor x its slowest recent answer): a node that hangs with its connection
+    # open costs a re-plan within seconds, not the cold timeout (client/training_deadlines.py).
+    step_deadline_floor_s: float = 30.0
+    step_deadline_factor: float = 8.0
 
 
 class TrainingDriver:
@@ -159,6 +167,11 @@ class TrainingDriver:
         self.hops = list(hops)
         self.hyper = hyper
         self.config = config or TrainingDriverConfig()
+        self.deadlines = StepDeadlines(
+            self.config.rpc_timeout_s,
+            self.config.step_deadline_floor_s,
+            self.config.step_deadline_factor,
+        )
         self._capability = capability
         # Samples sent to each (node, layers) and the nodes' signed receipts: the job runner
         # counter-signs them for the coordinator (client/billing.py). Shared across the
@@ -480,10 +493,25 @@ class TrainingDriver:
         same request at the same time. Returns (primary reply, shadow reply or None)."""
         if self.shadows.active(index, step, kind) is None:
             return await self._call(index, method, request), None
-        primary, checked = await _all_or_cancel(
-            [self._call(index, method, request), self._shadow_call(index, method, request)]
-        )
-        return primary, checked
+        shadow = asyncio.ensure_future(self._shadow_call(index, method, request))
+        began = time.monotonic()
+        try:
+            primary = await self._call(index, method, request)
+        except BaseException:
+            await _cancelled(shadow)
+            raise
+        # A shadow that lags far behind the primary stops checking rather than hold the job.
+        patience = self.deadlines.patience(time.monotonic() - began)
+        done, _ = await asyncio.wait({shadow}, timeout=patience)
+        if not done:
+            await _cancelled(shadow)
+            checker = self._checkers[index].node_id
+            self.shadows.drop(
+                index, f"checker {checker} did not answer {method} within {patience:.1f} s "
+                "of the primary"
+            )  # fmt: skip
+            return primary, None
+        return primary, shadow.result()
 
     async def _shadow_call(self, index: int, method: str, request: Any) -> Any:
         """The shadow's answer, or None when it failed (then it stops checking: a checker
@@ -597,15 +625,21 @@ class TrainingDriver:
 
     async def _call_hop(self, index: int, hop: TrainingHop, method: str, request: object) -> Any:
         stub = training_pb2_grpc.TrainingStageStub(self._channels.get(hop.address))
+        timeout = self.deadlines.timeout(hop.node_id, method)
+        began = time.monotonic()
         try:
-            return await getattr(stub, method)(request, timeout=self.config.rpc_timeout_s)
+            reply = await getattr(stub, method)(request, timeout=timeout)
         except grpc.aio.AioRpcError as err:
             code, details = err.code(), err.details() or ""
+            if code == grpc.StatusCode.DEADLINE_EXCEEDED:
+                details = f"no answer within {timeout:.1f} s ({details})"
             if code in CLIENT_FAULT_CODES:
                 raise RequestRejected(hop.node_id, hop.span, code, details) from err
             if code == grpc.StatusCode.FAILED_PRECONDITION:
                 raise StageOutOfSync(index, hop.node_id, f"{method}: {details}") from err
             raise StageFailed(index, hop.node_id, f"{method}: {code.name}: {details}") from err
+        self.deadlines.answered(hop.node_id, method, time.monotonic() - began)
+        return reply
 
     def _split(
         self, input_ids: np.ndarray, labels: np.ndarray
@@ -656,6 +690,11 @@ async def _all_or_cancel(coros: list[Awaitable[T]]) -> list[T]:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
         raise
+
+
+async def _cancelled(task: asyncio.Future[Any]) -> None:
+    task.cancel()
+    await asyncio.gather(task, return_exceptions=True)
 
 
 def _checker_stages(hops: list[TrainingHop], checkers: list[TrainingHop]) -> dict[int, TrainingHop]:

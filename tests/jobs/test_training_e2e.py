@@ -18,6 +18,7 @@ import asyncio
 import json
 import queue
 import re
+import signal
 import sqlite3
 import subprocess
 import sys
@@ -25,7 +26,7 @@ import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import IO
+from typing import IO, Any
 
 import numpy as np
 import pytest
@@ -39,6 +40,7 @@ from client.api import AsyncClient, Client
 from client.datasets import TokenDataset
 from client.jobs import JobEvent, TrainSpec
 from client.local_swarm import LocalSwarm
+from client.training_driver import TrainingDriverConfig
 from coordinator.model_store.catalog import ModelCatalog
 
 pytestmark = pytest.mark.slow
@@ -86,7 +88,13 @@ def heal(swarm: LocalSwarm) -> None:
         wait_for(lambda: replicated(client, MODEL), "two ready replicas of every layer")
 
 
-def run_job(swarm: LocalSwarm, data: TokenDataset, spec: TrainSpec = SPEC, hook=None):
+def run_job(
+    swarm: LocalSwarm,
+    data: TokenDataset,
+    spec: TrainSpec = SPEC,
+    hook=None,
+    driver_config: TrainingDriverConfig | None = None,
+):
     """Submit and run one job in this process; returns (job info, runner events)."""
     events: list[JobEvent] = []
 
@@ -96,6 +104,7 @@ def run_job(swarm: LocalSwarm, data: TokenDataset, spec: TrainSpec = SPEC, hook=
             final = await client.run_job(
                 info.job_id, dataset=data, on_event=events.append,
                 after_step=(lambda step: hook(client, info.job_id, step)) if hook else None,
+                driver_config=driver_config,
             )  # fmt: skip
             return final
 
@@ -126,6 +135,21 @@ def ready_ranges(swarm: LocalSwarm, model: str) -> dict[str, tuple[int, int]]:
     return ranges
 
 
+async def stage_a_spare_can_take(swarm: LocalSwarm, client: AsyncClient, job_id: str) -> str:
+    """The node of a stage that some node outside the job can take over (its READY shard
+    covers the layers)."""
+    job = await client.job(job_id)
+    in_job = {s.node_id for s in job.stages}
+    ranges = ready_ranges(swarm, MODEL)
+    alive = {p.node_id for p in swarm.processes if p.alive() and p.node_id}
+    spares = [n for n in ranges if n not in in_job and n in alive]
+    stage = next(
+        s for s in job.stages
+        if any(ranges[n][0] <= s.layers.start and s.layers.end <= ranges[n][1] for n in spares)
+    )  # fmt: skip
+    return stage.node_id
+
+
 def test_kill_9_of_a_stage_node_resumes_from_the_last_consistent_checkpoint(
     swarm, dataset, reference
 ) -> None:
@@ -135,22 +159,16 @@ def test_kill_9_of_a_stage_node_resumes_from_the_last_consistent_checkpoint(
     async def kill_a_stage(client: AsyncClient, job_id: str, step: int) -> None:
         if step != KILL_AFTER_STEP or killed:  # once: step 5 comes again after the resume
             return
-        job = await client.job(job_id)
-        in_job = {s.node_id for s in job.stages}
-        ranges = ready_ranges(swarm, MODEL)
-        alive = {p.node_id for p in swarm.processes if p.alive() and p.node_id}
-        spares = [n for n in ranges if n not in in_job and n in alive]
-        # A stage some spare node can take over (its READY shard covers the layers).
-        stage = next(
-            s for s in job.stages
-            if any(ranges[n][0] <= s.layers.start and s.layers.end <= ranges[n][1] for n in spares)
-        )  # fmt: skip
-        killed["node"] = stage.node_id
-        swarm.node(stage.node_id).kill9()
+        killed["node"] = await stage_a_spare_can_take(swarm, client, job_id)
+        swarm.node(killed["node"]).kill9()
 
     info, events = run_job(swarm, dataset[0], hook=kill_a_stage)
+    assert_one_replan_from_the_step_4_checkpoint(info, events, killed["node"], reference)
+
+
+def assert_one_replan_from_the_step_4_checkpoint(info, events, failed: str, reference) -> None:
     assert info.step == SPEC.steps and info.state == 5  # JOB_STATE_DONE
-    assert info.replans == 1 and killed["node"] not in {s.node_id for s in info.stages}
+    assert info.replans == 1 and failed not in {s.node_id for s in info.stages}
     replans = [e for e in events if e.kind == "replan"]
     assert len(replans) == 1 and replans[0].step == 4, "rolled back to the step-4 checkpoint"
     trained = step_losses(events)
@@ -160,6 +178,37 @@ def test_kill_9_of_a_stage_node_resumes_from_the_last_consistent_checkpoint(
     assert [s for s, _ in after] == list(range(4, SPEC.steps)), "steps 4.. redone once"
     for step, loss in trained:
         assert loss == pytest.approx(reference[step], rel=1e-5), step
+
+
+def test_a_stage_node_that_freezes_mid_job_is_replanned_at_its_step_deadline(
+    swarm, dataset, reference
+) -> None:
+    """SIGSTOP of a stage node: its process stops with every socket open, as a PC that went
+    to sleep, so no call fails and no connection closes. Its calls had taken milliseconds,
+    so the runner gives up on it after the deadline's floor (3 s here, 30 s by default)
+    instead of the 300 s RPC timeout, and the job resumes elsewhere with the same losses."""
+    heal(swarm)
+    frozen: dict[str, Any] = {}
+
+    async def freeze_a_stage(client: AsyncClient, job_id: str, step: int) -> None:
+        if step != KILL_AFTER_STEP or frozen:
+            return
+        frozen["node"] = await stage_a_spare_can_take(swarm, client, job_id)
+        frozen["at"] = time.monotonic()
+        swarm.node(frozen["node"]).popen.send_signal(signal.SIGSTOP)
+
+    config = TrainingDriverConfig(step_deadline_floor_s=3.0)
+    try:
+        info, events = run_job(swarm, dataset[0], hook=freeze_a_stage, driver_config=config)
+        finished = time.monotonic()
+    finally:
+        if frozen:
+            swarm.node(frozen["node"]).kill9()  # heal() starts it again for the next test
+    assert_one_replan_from_the_step_4_checkpoint(info, events, frozen["node"], reference)
+    replan = next(e for e in events if e.kind == "replan")
+    assert "DEADLINE_EXCEEDED: no answer within 3.0 s" in replan.detail, replan.detail
+    # The rest of the job (restore, 4 steps) takes seconds here; 300 s would be the cold wait.
+    assert finished - frozen["at"] < 120.0
 
 
 JOB_ID = re.compile(r"tessera train --resume (\S+) continues it")

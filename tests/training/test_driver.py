@@ -6,19 +6,28 @@ stands in for the coordinator's TrainingStore: it really stores, hashes and serv
 
 from __future__ import annotations
 
+import time
+
 import grpc
 import numpy as np
 import pytest
 from data_plane.stage_harness import CoordinatorKeys, node_context
 from training.training_harness import (
     SPLIT,
+    HangsAfterForwards,
     counting_batch,
     hyper,
     training_capability,
 )
 
 from client.errors import RequestRejected
-from client.training_driver import StageFailed, StageOutOfSync, TrainingDriver, TrainingHop
+from client.training_driver import (
+    StageFailed,
+    StageOutOfSync,
+    TrainingDriver,
+    TrainingDriverConfig,
+    TrainingHop,
+)
 from node_agent.data_plane import start_server
 from node_agent.shard_manager import DirectorySource, ShardManager
 from node_agent.stage_server import StageServicer
@@ -44,8 +53,22 @@ class RecordingServicer(TrainingStageServicer):
         return await super().BackwardTrain(request, context)
 
 
-async def pipeline(start_node, keys, h, *, spare: bool = False, **options):
-    nodes = [await start_node([span], **options) for span in SPLIT]
+async def pipeline(
+    start_node,
+    keys,
+    h,
+    *,
+    spare: bool = False,
+    middle: type[TrainingStageServicer] | None = None,
+    config: TrainingDriverConfig | None = None,
+    **options,
+):
+    nodes = []
+    for index, span in enumerate(SPLIT):
+        if index == 1 and middle is not None:
+            nodes.append(await start_node([span], servicer_class=middle, **options))
+        else:
+            nodes.append(await start_node([span], **options))
     extra = await start_node([SPLIT[1]]) if spare else None
     grants = [(n, s, e) for n, (s, e) in zip(nodes, SPLIT, strict=True)]
     if extra is not None:
@@ -57,6 +80,7 @@ async def pipeline(start_node, keys, h, *, spare: bool = False, **options):
         hops=[n.hop(s, e) for n, (s, e) in zip(nodes, SPLIT, strict=True)],
         capability=cap,
         hyper=h,
+        config=config,
     )
     return driver, nodes, extra, cap
 
@@ -112,6 +136,52 @@ async def test_stage_failure_then_replan_and_restore_matches_an_unfailed_run(
         driver.replace_hop(1, spare.hop(*SPLIT[1]), cap)
         assert await driver.open(restore_step=2, restore_sha256=digests) == 2
         resumed = [(await driver.train_step(s, *counting_batch(s))).loss for s in (2, 3)]
+    finally:
+        await driver.close()
+    assert resumed == pytest.approx(unfailed, rel=1e-6)
+
+
+async def test_a_stage_that_hangs_mid_job_fails_at_its_step_deadline_not_the_rpc_timeout(
+    start_node, keys: CoordinatorKeys, store
+) -> None:
+    """The middle node stops answering at step 4 with its connection open. Its calls had
+    taken milliseconds, so the driver gives up after the 1 s floor instead of the 300 s
+    RPC timeout, names the node, and the job resumes on the spare with the losses of a run
+    that never failed."""
+    h = hyper("lora")
+    store.stages[JOB] = set(SPLIT)
+    config = TrainingDriverConfig(rpc_timeout_s=300.0, step_deadline_floor_s=1.0)
+    driver, nodes, spare, cap = await pipeline(
+        start_node, keys, h, spare=True, middle=HangsAfterForwards, config=config
+    )
+    try:
+        await driver.open()
+        for step in range(2):
+            await driver.train_step(step, *counting_batch(step))
+        digests = await driver.save_checkpoint(2)
+        unfailed = [(await driver.train_step(s, *counting_batch(s))).loss for s in (2, 3)]
+        assert nodes[1].training.forwards == HangsAfterForwards.answers  # 2 per step
+
+        began = time.monotonic()
+        with pytest.raises(
+            StageFailed, match=r"ForwardTrain: DEADLINE_EXCEEDED: no answer"
+        ) as info:
+            await driver.train_step(4, *counting_batch(4))
+        waited = time.monotonic() - began
+        assert info.value.index == 1 and info.value.node_id == nodes[1].node_id
+        assert not isinstance(info.value, StageOutOfSync)
+        # max(1 s, 8x a few ms): far below the cold 300 s, with room for a loaded box.
+        assert waited < 30.0, waited
+        assert driver.deadlines.timeout(nodes[1].node_id, "ForwardTrain") == pytest.approx(
+            1.0, abs=0.5
+        )
+
+        driver.replace_hop(1, spare.hop(*SPLIT[1]), cap)
+        assert await driver.open(restore_step=2, restore_sha256=digests) == 2
+        # The spare's first calls wait the cold timeout; once answered, they have a deadline.
+        assert driver.deadlines.timeout(spare.node_id, "ForwardTrain") == 300.0
+        resumed = [(await driver.train_step(s, *counting_batch(s))).loss for s in (2, 3)]
+        assert driver.deadlines.timeout(spare.node_id, "ForwardTrain") < 30.0
     finally:
         await driver.close()
     assert resumed == pytest.approx(unfailed, rel=1e-6)

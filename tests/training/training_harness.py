@@ -14,6 +14,7 @@ expected stage of the job uploaded it.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import dataclasses
 import hashlib
@@ -190,6 +191,23 @@ class StandInTrainingStore(training_pb2_grpc.TrainingStoreServicer):
             if offset == 0:
                 chunk.header.CopyFrom(header)
             yield chunk
+
+
+class HangsAfterForwards(TrainingStageServicer):
+    """Answers ``answers`` ForwardTrain calls, then never answers one again and keeps its
+    connection open: a node whose PC went to sleep mid-job."""
+
+    answers = 8
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.forwards = 0
+
+    async def ForwardTrain(self, request, context):  # noqa: N802
+        self.forwards += 1
+        if self.forwards > self.answers:
+            await asyncio.Event().wait()
+        return await super().ForwardTrain(request, context)
 
 
 # ---- nodes ------------------------------------------------------------------------------------

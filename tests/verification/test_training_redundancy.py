@@ -11,11 +11,18 @@ loopback.
 
 from __future__ import annotations
 
+import time
+
 import pytest
-from training.training_harness import SPLIT, counting_batch, hyper
+from training.training_harness import SPLIT, HangsAfterForwards, counting_batch, hyper
 from verification.training_verification_harness import JOB, keyed_capability
 
-from client.training_driver import StageFailed, StageOutOfSync, TrainingDriver
+from client.training_driver import (
+    StageFailed,
+    StageOutOfSync,
+    TrainingDriver,
+    TrainingDriverConfig,
+)
 from client.training_verification import ShadowChecks, ShadowMismatch
 from node_agent import failpoints
 from protos.tessera.v1 import training_pb2
@@ -36,7 +43,14 @@ async def honest_losses(start_train_node, keys) -> list[float]:
 
 
 def make_driver(
-    keys, nodes, checkers, *, spares=(), probability: float | None = 1.0, trust=None
+    keys,
+    nodes,
+    checkers,
+    *,
+    spares=(),
+    probability: float | None = 1.0,
+    trust=None,
+    config: TrainingDriverConfig | None = None,
 ) -> TrainingDriver:
     stages = [(n, s, e) for n, (s, e) in zip(nodes, SPLIT, strict=True)]
     extra = [(c, *span) for c, span in [*checkers, *spares]]
@@ -49,6 +63,7 @@ def make_driver(
         checkers=[c.hop(*span) for c, span in checkers],
         check_probability=probability,
         check_seed=1,
+        config=config,
     )
 
 
@@ -188,6 +203,52 @@ async def test_a_dead_checker_stops_checking_without_failing_the_job(
     finally:
         await driver.close()
     assert driver.shadows.checkers == {} and driver.shadows.stats.checks == 0
+
+
+class HangsAtOnce(HangsAfterForwards):
+    answers = 0
+
+
+class HangsAfterTwoForwards(HangsAfterForwards):
+    answers = 2
+
+
+@pytest.mark.parametrize(
+    ("hangs", "forwards", "checks"),
+    [
+        # Step 0's two forwards, then step 1's two (both micro-batches are in flight). Its
+        # own answers set the shadow's deadline; step 0 of stage 1 was compared in full
+        # (2 forwards, 2 input gradients, the norm).
+        (HangsAfterTwoForwards, 4, 5),
+        # Never answers: no deadline of its own yet (the cold 300 s), so what ends its
+        # wait is the patience counted from the primary's answer.
+        (HangsAtOnce, 2, 0),
+    ],
+)
+async def test_a_hung_checker_stops_checking_after_its_patience_not_the_rpc_timeout(
+    start_train_node, keys, store, hangs, forwards: int, checks: int
+) -> None:
+    """The checker stops answering, with its connection open. Each primary call took
+    milliseconds, so the shadow's call is given up about 1 s (the floor) after the
+    primary answered, instead of holding the step for the 300 s RPC timeout; the job
+    goes on unchecked and its losses are the honest ones."""
+    store.stages[JOB] = set(SPLIT)
+    honest = await honest_losses(start_train_node, keys)
+    nodes = [await start_train_node([span]) for span in SPLIT]
+    checker = await start_train_node([SPLIT[1]], servicer_class=hangs)
+    config = TrainingDriverConfig(rpc_timeout_s=300.0, step_deadline_floor_s=1.0)
+    driver = make_driver(keys, nodes, [(checker, SPLIT[1])], config=config)
+    began = time.monotonic()
+    try:
+        await driver.open()
+        losses = await run_with_checkpoint(driver)
+    finally:
+        await driver.close()
+    assert time.monotonic() - began < 60.0
+    assert checker.training.forwards == forwards
+    assert driver.shadows.stats.checks == checks and driver.shadows.stats.mismatches == 0
+    assert driver.shadows.checkers == {}
+    assert losses == pytest.approx(honest, rel=1e-6)
 
 
 async def test_bad_checker_configurations_are_refused(start_train_node, keys) -> None:
