@@ -345,6 +345,7 @@ class AsyncClient:
             report_step_times=self._report_step_times,
         )
         verifier.on_check_sent = driver.usage.checked
+        verifier.on_late = driver.report_at_least
         result = GenerationResult(
             model=model,
             session_id=grant.session_id,

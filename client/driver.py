@@ -410,6 +410,13 @@ class PipelineDriver:
     def route(self) -> list[HopRecord]:
         return [slot.hop for slot in self._slots]
 
+    def report_at_least(self, node_id: str, start: int, end: int, tokens: int, ms: float) -> None:
+        """Tell the coordinator (with the step times) that ``node_id`` took at least ``ms``
+        for ``tokens`` tokens of layers [start, end): a straggler's call that was hedged,
+        a checker given up on (``StageVerifier.on_late``)."""
+        if self._reporter is not None:
+            self._reporter.add(node_id, start, end, tokens, ms)
+
     async def step(
         self,
         token_ids: np.ndarray | Iterable[int],
@@ -1515,12 +1522,11 @@ class PipelineDriver:
             self._demoted.add(slow.node_id)
             if self.verifier is not None:  # its cache is the pipeline's (see _fail_over)
                 await self.verifier.serving(alternate.node_id, slot.span, wait=False)
-            if self._reporter is not None:
-                # A lower bound of the slow call's time: the coordinator's router learns it.
-                self._reporter.add(
-                    slow.node_id, slot.span.start, slot.span.end, int(x.shape[0]),
-                    result.answered_s * 1e3,
-                )  # fmt: skip
+            # A lower bound of the slow call's time: the coordinator's router learns it.
+            self.report_at_least(
+                slow.node_id, slot.span.start, slot.span.end, int(x.shape[0]),
+                result.answered_s * 1e3,
+            )  # fmt: skip
         else:
             shadow.close_stream()
         event = HedgeEvent(

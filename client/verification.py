@@ -96,6 +96,9 @@ class _CheckerStream:
     address: str
     call: grpc.aio.StreamStreamCall
     capability_sent: bytes = b""
+    # The message written and not answered yet: (monotonic time written, its span, its
+    # tokens). A checker given up on had not done that much work in that long.
+    outstanding: tuple[float, Span, int] | None = None
 
 
 class PendingCheck:
@@ -307,6 +310,11 @@ class StageVerifier:
         # Told (node, layer start, layer end, tokens) of every check sent: the checker's
         # usage receipt counts them, and the client does not pay for them (client/billing).
         self.on_check_sent: Callable[[str, int, int, int], None] | None = None
+        # Told (node, layer start, layer end, tokens, ms) of a checker given up on: it had
+        # not answered a message of that many tokens in that long, a lower bound of its
+        # time that the coordinator's measured speed of the node learns from (the driver's
+        # ReportStepTimes), as it learns a hedged straggler's.
+        self.on_late: Callable[[str, int, int, int, float], None] | None = None
 
     # ---- the hooks the driver calls around every call -------------------------------
 
@@ -572,6 +580,11 @@ class StageVerifier:
             "unchecked, and %s checks nothing more in this session",
             checker, hop.node_id, checker,
         )  # fmt: skip
+        stream = self._streams.get(checker)
+        if stream is not None and stream.outstanding is not None and self.on_late is not None:
+            written, span, tokens = stream.outstanding
+            waited_ms = (time.monotonic() - written) * 1e3
+            self.on_late(checker, span.start, span.end, tokens, waited_ms)
         pending.cancel()  # mid-call, that closes its stream: the answer would be stale
         self._unfit_checkers.add(checker)
         self.stats.late[checker] = self.stats.late.get(checker, 0) + 1
@@ -785,9 +798,12 @@ class StageVerifier:
             if self.on_check_sent is not None:
                 self.on_check_sent(checker.node_id, layers.start, layers.end,
                                    int(shape[0]) * int(shape[1]))  # fmt: skip
+            span = Span(layers.start, layers.end)
+            stream.outstanding = (time.monotonic(), span, int(shape[0]) * int(shape[1]))
             try:
                 await stream.call.write(message)
                 read = await stream.call.read()
+                stream.outstanding = None
             except asyncio.CancelledError:
                 task = asyncio.current_task()
                 if task is not None and task.cancelling():

@@ -38,6 +38,7 @@ from client.driver import DriverConfig
 from client.sampling import Sampler, SamplingParams
 from node_agent import failpoints
 from node_agent.stage_server import StageError, StageServicer
+from protos.tessera.v1 import client_api_pb2
 
 PROMPT = [1, 5, 9, 13, 20]
 NEW_TOKENS = 12
@@ -60,11 +61,16 @@ class CheckedCoordinator(FakeCoordinator):
     def __init__(self, keys, checkpoint, layout, nodes) -> None:
         super().__init__(keys, checkpoint, layout)
         self.nodes = nodes
+        self.step_times: list[client_api_pb2.StepTime] = []
 
     async def OpenSession(self, request, context):  # noqa: N802
         grant = await super().OpenSession(request, context)
         accounts = {n.node_id: f"operator-{i}" for i, n in enumerate(self.nodes)}
         return keyed(self.keys, grant, self.nodes, accounts, 1.0)
+
+    async def ReportStepTimes(self, request, context):  # noqa: N802
+        self.step_times.extend(request.steps)
+        return client_api_pb2.StepTimesAck(accepted=len(request.steps))
 
 
 @dataclass
@@ -72,6 +78,7 @@ class Swarm:
     address: str
     cheater: StageNode
     checkpoint: Path
+    coordinator: CheckedCoordinator
 
 
 class HangsAfterTwoChecks(StageServicer):
@@ -151,7 +158,7 @@ def start_swarm(
             await n.stop()
 
     try:
-        yield Swarm(f"127.0.0.1:{coordinator.port}", nodes[0], checkpoint)
+        yield Swarm(f"127.0.0.1:{coordinator.port}", nodes[0], checkpoint, coordinator)
     finally:
         loop.run(stop())
         loop.close()
@@ -335,3 +342,9 @@ def test_a_hung_checker_costs_its_token_seconds_not_the_check_timeout(
     assert sum(result.verification.checked.values()) >= 2  # the checks before the hang
     assert not result.rollbacks and not result.failovers
     assert elapsed < 60, f"the generation waited {elapsed:.0f} s for hung checkers"
+    # Each late checker's unanswered message went to the coordinator's measured speed as
+    # a lower bound: it was written before its primary answered, and given up 1 s after.
+    reported = swarm.coordinator.step_times
+    for checker in late:
+        bounds = [s.wall_ms for s in reported if s.node_id == checker and s.wall_ms >= 900]
+        assert bounds, (checker, [(s.node_id, s.wall_ms) for s in reported])
