@@ -40,7 +40,8 @@ examples:
       --seq-len 64 --lr 3e-4 --max-price 50000
 
 The dataset is uploaded once and kept by the coordinator, so --resume needs no file.
-If a stage node fails, the job re-plans that stage and rolls back to the last checkpoint.
+If a stage node fails, or stops answering (given up after max(30 s, 8x its recent calls of
+the same kind)), the job re-plans that stage and rolls back to the last checkpoint.
 A priced job escrows its quote when it opens, pays per sample-layer at every checkpoint
 from receipts both sides signed, and refunds the rest at the end (docs/ledger.md).
 """
