@@ -54,5 +54,5 @@ class StepDeadlines:
         return min(self.cold_s, max(self.floor_s, self.factor * max(walls)))
 
     def patience(self, primary_wall_s: float) -> float:
-        """How much longer than the primary a shadow may take to answer the same call."""
+        """How long a shadow may still take to answer a call once the primary has."""
         return min(self.cold_s, max(self.floor_s, self.factor * primary_wall_s))

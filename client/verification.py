@@ -583,6 +583,7 @@ class StageVerifier:
         stream = self._streams.get(checker)
         if stream is not None and stream.outstanding is not None and self.on_late is not None:
             written, span, tokens = stream.outstanding
+            stream.outstanding = None  # reported once, however many checks wait behind it
             waited_ms = (time.monotonic() - written) * 1e3
             self.on_late(checker, span.start, span.end, tokens, waited_ms)
         pending.cancel()  # mid-call, that closes its stream: the answer would be stale
