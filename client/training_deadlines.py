@@ -35,9 +35,10 @@ class StepDeadlines:
     _walls: dict[tuple[str, str], deque[float]] = field(default_factory=dict, init=False)
 
     def __post_init__(self) -> None:
-        if not (0 < self.floor_s <= self.cold_s and self.factor >= 1):
+        # A floor above the cold timeout is allowed: the cold timeout caps every deadline.
+        if not (self.floor_s > 0 and self.cold_s > 0 and self.factor >= 1):
             raise ValueError(
-                f"step deadlines need 0 < floor_s <= cold_s and factor >= 1, got floor_s="
+                f"step deadlines need floor_s > 0, cold_s > 0 and factor >= 1, got floor_s="
                 f"{self.floor_s}, cold_s={self.cold_s}, factor={self.factor}"
             )
 

@@ -48,8 +48,15 @@ def test_a_shadow_gets_patience_in_proportion_to_the_primary() -> None:
     assert d.patience(100.0) == 300.0
 
 
+def test_a_cold_timeout_under_the_floor_caps_every_deadline() -> None:
+    d = StepDeadlines(cold_s=10.0, floor_s=30.0, factor=8.0)
+    for _ in range(2):
+        d.answered("a", "GradNorm", 0.01)
+    assert d.timeout("a", "GradNorm") == 10.0 and d.patience(0.01) == 10.0
+
+
 @pytest.mark.parametrize(
-    ("cold", "floor", "factor"), [(300.0, 0.0, 8.0), (10.0, 30.0, 8.0), (300.0, 30.0, 0.5)]
+    ("cold", "floor", "factor"), [(300.0, 0.0, 8.0), (0.0, 30.0, 8.0), (300.0, 30.0, 0.5)]
 )
 def test_nonsense_settings_are_refused(cold: float, floor: float, factor: float) -> None:
     with pytest.raises(ValueError, match="step deadlines need"):
