@@ -185,7 +185,7 @@ def test_a_stage_node_that_freezes_mid_job_is_replanned_at_its_step_deadline(
 ) -> None:
     """SIGSTOP of a stage node: its process stops with every socket open, as a PC that went
     to sleep, so no call fails and no connection closes. Its calls had taken milliseconds,
-    so the runner gives up on it after the deadline's floor (3 s here, 30 s by default)
+    so the runner gives up on it after the deadline's floor (5 s here, 30 s by default)
     instead of the 300 s RPC timeout, and the job resumes elsewhere with the same losses."""
     heal(swarm)
     frozen: dict[str, Any] = {}
@@ -197,7 +197,7 @@ def test_a_stage_node_that_freezes_mid_job_is_replanned_at_its_step_deadline(
         frozen["at"] = time.monotonic()
         swarm.node(frozen["node"]).popen.send_signal(signal.SIGSTOP)
 
-    config = TrainingDriverConfig(step_deadline_floor_s=3.0)
+    config = TrainingDriverConfig(step_deadline_floor_s=5.0)
     try:
         info, events = run_job(swarm, dataset[0], hook=freeze_a_stage, driver_config=config)
         finished = time.monotonic()
@@ -206,7 +206,8 @@ def test_a_stage_node_that_freezes_mid_job_is_replanned_at_its_step_deadline(
             swarm.node(frozen["node"]).kill9()  # heal() starts it again for the next test
     assert_one_replan_from_the_step_4_checkpoint(info, events, frozen["node"], reference)
     replan = next(e for e in events if e.kind == "replan")
-    assert "DEADLINE_EXCEEDED: no answer within 3.0 s" in replan.detail, replan.detail
+    waited = re.search(r"DEADLINE_EXCEEDED: no answer within ([\d.]+) s", replan.detail)
+    assert waited and 5.0 <= float(waited.group(1)) < 30.0, replan.detail
     # The rest of the job (restore, 4 steps) takes seconds here; 300 s would be the cold wait.
     assert finished - frozen["at"] < 120.0
 

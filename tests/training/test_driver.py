@@ -145,12 +145,12 @@ async def test_a_stage_that_hangs_mid_job_fails_at_its_step_deadline_not_the_rpc
     start_node, keys: CoordinatorKeys, store
 ) -> None:
     """The middle node stops answering at step 4 with its connection open. Its calls had
-    taken milliseconds, so the driver gives up after the 1 s floor instead of the 300 s
+    taken milliseconds, so the driver gives up after the 2 s floor instead of the 300 s
     RPC timeout, names the node, and the job resumes on the spare with the losses of a run
     that never failed."""
     h = hyper("lora")
     store.stages[JOB] = set(SPLIT)
-    config = TrainingDriverConfig(rpc_timeout_s=300.0, step_deadline_floor_s=1.0)
+    config = TrainingDriverConfig(rpc_timeout_s=300.0, step_deadline_floor_s=2.0)
     driver, nodes, spare, cap = await pipeline(
         start_node, keys, h, spare=True, middle=HangsAfterForwards, config=config
     )
@@ -170,11 +170,9 @@ async def test_a_stage_that_hangs_mid_job_fails_at_its_step_deadline_not_the_rpc
         waited = time.monotonic() - began
         assert info.value.index == 1 and info.value.node_id == nodes[1].node_id
         assert not isinstance(info.value, StageOutOfSync)
-        # max(1 s, 8x a few ms): far below the cold 300 s, with room for a loaded box.
+        # max(2 s, 8x a few ms): far below the cold 300 s, with room for a loaded box.
         assert waited < 30.0, waited
-        assert driver.deadlines.timeout(nodes[1].node_id, "ForwardTrain") == pytest.approx(
-            1.0, abs=0.5
-        )
+        assert 2.0 <= driver.deadlines.timeout(nodes[1].node_id, "ForwardTrain") < 30.0
 
         driver.replace_hop(1, spare.hop(*SPLIT[1]), cap)
         assert await driver.open(restore_step=2, restore_sha256=digests) == 2
