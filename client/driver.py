@@ -105,7 +105,7 @@ class DriverConfig:
     # Straggler deadline for a decode step: max(floor, factor x p95 of recent steps).
     deadline_floor_s: float = 5.0
     deadline_factor: float = 4.0
-    # Prefill chunks and replays have no reference time yet.
+    # A node's first prefill chunk or replay for a hop has no reference time yet.
     cold_timeout_s: float = 120.0
     min_samples: int = 3
     # A decode step before min_samples ones were timed: max(this, deadline_factor x the
@@ -113,7 +113,9 @@ class DriverConfig:
     # A decode step does less than those (one position against many); the floor is wider
     # than deadline_floor_s for what a node's first steps may still set up (e.g. kernels
     # for a new shape). A node that hangs right after the prefill (a PC gone to sleep)
-    # then costs this, not the cold timeout.
+    # then costs this, not the cold timeout. The node's later prefill chunks and replays
+    # get max(this, deadline_factor x its earlier ones scaled up to their size and
+    # position: _Slot.bulk_estimate), at most cold_timeout_s.
     first_decode_floor_s: float = 15.0
     window: int = 32
     max_failovers_per_step: int = 6
@@ -222,16 +224,34 @@ class _Slot:
     call: grpc.aio.StreamStreamCall | None = None
     capability_version_sent: int = -1
     decode_seconds: deque[float] = field(default_factory=lambda: deque(maxlen=32))
-    # The slowest multi-position call (a prefill chunk, a replay) the node answered for
-    # this slot: the reference for its first decode steps' deadline (0: none yet).
-    bulk_seconds: float = 0.0
+    # The multi-position calls (prefill chunks, replays) the node answered for this slot,
+    # the newest ones: (seconds, positions x batch, the end position). The reference for
+    # its first decode steps' deadline, and for its next chunks'.
+    bulk_calls: deque[tuple[float, int, int]] = field(default_factory=lambda: deque(maxlen=16))
     # The route's stages this slot runs as one hop (empty: the slot is one stage).
     parts: tuple[_Slot, ...] = ()
+
+    @property
+    def bulk_seconds(self) -> float:
+        """The slowest multi-position call the node answered for this slot (0: none)."""
+        return max((seconds for seconds, _, _ in self.bulk_calls), default=0.0)
+
+    def bulk_estimate(self, work: int, end: int) -> float | None:
+        """An over-estimate of a call of ``work`` positions x batch ending at position
+        ``end``, from the node's answered multi-position calls (None: none yet). Batched,
+        a call costs at most in proportion to its work, and attention grows with the
+        positions it reads, so each reference scales by both ratios when they exceed 1."""
+        if not self.bulk_calls:
+            return None
+        return max(
+            seconds * max(1.0, work / ref_work) * max(1.0, end / max(1, ref_end))
+            for seconds, ref_work, ref_end in self.bulk_calls
+        )
 
     def forget_timings(self) -> None:
         """Another node serves the slot now: what its deadlines were based on was not it."""
         self.decode_seconds.clear()
-        self.bulk_seconds = 0.0
+        self.bulk_calls.clear()
 
     def close_stream(self) -> None:
         if self.call is not None:
@@ -739,7 +759,7 @@ class PipelineDriver:
             self._begin_call(slot, call)
             if adopt:
                 self._ring_counted.add((slot.hop.node_id, step, slot.span.start, slot.span.end))
-            wait_s, hedge = self._push_wait(slot, x)
+            wait_s, hedge = self._push_wait(slot, call, x)
             started = time.monotonic()
             try:
                 async with asyncio.timeout(wait_s):
@@ -934,11 +954,11 @@ class PipelineDriver:
                 self._unpushable[err.node_id] = step + self.config.push_retry_steps
             return None
 
-    def _push_wait(self, slot: _Slot, x: np.ndarray) -> tuple[float, bool]:
+    def _push_wait(self, slot: _Slot, call: _Request, x: np.ndarray) -> tuple[float, bool]:
         """How long a pushed answer may take before the step goes on without it, and
         whether it is then hedged (the hedging delay came first) rather than failed over
         (the straggler deadline)."""
-        deadline = self._deadline(slot, int(x.shape[1]), False)
+        deadline = self._deadline(slot, call)
         delay = self._hedge_delay(slot, x, False)
         if delay is None or delay >= deadline:
             return deadline, False
@@ -1311,7 +1331,7 @@ class PipelineDriver:
     ) -> tuple[stage_pb2.ForwardResponse, float]:
         """One round trip on the slot's stream: (the answer, its wall time in seconds).
         ``wire``: what to send instead of ``call.request`` (a pushed step's first call)."""
-        timeout = self._deadline(slot, call.tokens, call.replay)
+        timeout = self._deadline(slot, call)
         self._begin_call(slot, call)
         started = time.monotonic()
         try:
@@ -1386,7 +1406,7 @@ class PipelineDriver:
                 self._unsettled.append(_Unsettled(slot.span, slot.hop, call, response, pending))
         self._answered.add((slot.hop.node_id, slot.span))
         if tokens > 1:
-            slot.bulk_seconds = max(slot.bulk_seconds, wall)
+            slot.bulk_calls.append((wall, call.batch * tokens, request.start_pos + tokens))
         if tokens == 1 and not replay:
             slot.decode_seconds.append(wall)
             if self._reporter is not None:
@@ -1684,10 +1704,15 @@ class PipelineDriver:
 
     # ---- helpers --------------------------------------------------------------------
 
-    def _deadline(self, slot: _Slot, tokens: int, replay: bool) -> float:
+    def _deadline(self, slot: _Slot, call: _Request) -> float:
         samples = slot.decode_seconds
-        if tokens != 1 or replay:
-            return self.config.cold_timeout_s
+        if call.tokens != 1 or call.replay:
+            end = call.request.start_pos + call.tokens
+            estimate = slot.bulk_estimate(call.batch * call.tokens, end)
+            if estimate is None:
+                return self.config.cold_timeout_s
+            wanted = self.config.deadline_factor * estimate
+            return min(self.config.cold_timeout_s, max(self.config.first_decode_floor_s, wanted))
         if len(samples) < self.config.min_samples:
             if not slot.bulk_seconds:
                 return self.config.cold_timeout_s

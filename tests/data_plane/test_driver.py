@@ -21,8 +21,10 @@ from data_plane.stage_harness import (
 )
 from support.link_emulator import LinkEmulator
 
-from client.driver import DriverConfig, PipelineDriver
+from client.driver import DriverConfig, PipelineDriver, _Slot
 from client.errors import PipelineError, RequestRejected
+from client.records import HopRecord
+from client.route_history import Span
 from node_agent.stage_server import StageServicer
 from protos.tessera.v1 import (
     client_api_pb2,
@@ -294,6 +296,47 @@ async def test_a_node_hung_right_after_the_prefill_is_replaced_without_the_cold_
     [event] = [e for e in driver.failovers if e.failed_node_id == slow.node_id]
     assert event.via == "alternate" and event.replacement_node_ids == (spare.node_id,)
     assert "straggler: no answer within 1.5 s" in event.reason
+    await driver.close()
+
+
+def test_a_chunk_is_estimated_from_the_earlier_ones_scaled_up_to_its_size_and_position():
+    slot = _Slot(Span(0, 2), HopRecord("n", "127.0.0.1:1", 0, 2), [])
+    assert slot.bulk_estimate(4, 4) is None and slot.bulk_seconds == 0.0
+    slot.bulk_calls.append((1.0, 8, 8))  # 8 positions, ending at 8, took 1 s
+    assert slot.bulk_estimate(4, 4) == 1.0  # less work, earlier: never below the reference
+    assert slot.bulk_estimate(8, 16) == 2.0  # as much work, reading twice the positions
+    assert slot.bulk_estimate(16, 24) == 6.0  # twice the work, three times the positions
+    slot.bulk_calls.append((0.2, 2, 26))
+    assert slot.bulk_estimate(4, 26) == 3.25 and slot.bulk_seconds == 1.0
+    slot.forget_timings()  # another node serves the slot: its times say nothing of it
+    assert slot.bulk_estimate(4, 4) is None
+
+
+@pytest.mark.parametrize("push", [True, False], ids=["pushed", "hop-by-hop"])
+async def test_a_node_hung_mid_prefill_is_replaced_without_the_cold_timeout(
+    start_node, keys, checkpoint, push
+) -> None:
+    # A long prompt goes in chunks; the node answers the first and never the second. That
+    # chunk's deadline comes from the first one, scaled up to its size and position (here
+    # the 1.5 s floor), not the 120 s cold timeout: a PC gone to sleep mid-prompt costs
+    # seconds.
+    prompt = [(7 * i + 3) % 50 + 1 for i in range(12)]
+    a = await start_node([(0, 2)])
+    slow = await start_node([(2, 4)], servicer_class=HangingServicer)
+    spare = await start_node([(2, 4)])
+    slow.servicer.hang_after = 1  # answers the first chunk, then never again
+    grant = session_grant(keys, [(0, 2, a, []), (2, 4, slow, [spare])])
+    config = DriverConfig(max_chunk_tokens=4, first_decode_floor_s=1.5, hedge_factor=0.0,
+                          push=push)  # fmt: skip
+    driver = PipelineDriver(grant, MODEL, config=config)
+
+    tokens = await greedy(driver, prompt, 4)
+
+    assert tokens == reference_greedy(checkpoint, prompt, 4)
+    [event] = [e for e in driver.failovers if e.failed_node_id == slow.node_id]
+    assert event.via == "alternate" and event.replacement_node_ids == (spare.node_id,)
+    assert "straggler: no answer within 1.5 s" in event.reason
+    assert slow.servicer.calls == 2
     await driver.close()
 
 
