@@ -434,8 +434,13 @@ class PipelineDriver:
         """Tell the coordinator (with the step times) that ``node_id`` took at least ``ms``
         for ``tokens`` tokens of layers [start, end): a straggler's call that was hedged,
         a checker given up on (``StageVerifier.on_late``)."""
-        if self._reporter is not None:
-            self._reporter.add(node_id, start, end, tokens, ms)
+        if self._reporter is None or tokens < 1:
+            return
+        if tokens > self.max_tokens:
+            # The coordinator takes at most the session's tokens per entry (and refuses a
+            # report with more); the same time per token is the same lower bound.
+            ms, tokens = ms * self.max_tokens / tokens, self.max_tokens
+        self._reporter.add(node_id, start, end, tokens, ms)
 
     async def step(
         self,

@@ -22,6 +22,9 @@ from protos.tessera.v1 import client_api_pb2, common_pb2
 log = logging.getLogger(__name__)
 
 MAX_BATCH = 256  # the coordinator's limit per report (coordinator/sessions.py)
+# The coordinator's limit per entry (MAX_STEP_WALL_MS there): one entry out of range
+# refuses the whole report, so a longer lower bound goes out as this.
+MAX_WALL_MS = 600_000.0
 
 SendReport = Callable[[client_api_pb2.StepTimesReport], Awaitable[client_api_pb2.StepTimesAck]]
 
@@ -45,6 +48,9 @@ class StepReporter:
         self.sent = 0  # entries the coordinator accepted
 
     def add(self, node_id: str, start: int, end: int, tokens: int, wall_ms: float) -> None:
+        if not wall_ms > 0:  # an unmeasurably short call (or NaN) says nothing
+            return
+        wall_ms = min(wall_ms, MAX_WALL_MS)
         self._pending.append(
             client_api_pb2.StepTime(
                 node_id=node_id,

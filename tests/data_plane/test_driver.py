@@ -312,6 +312,25 @@ def test_a_chunk_is_estimated_from_the_earlier_ones_scaled_up_to_its_size_and_po
     assert slot.bulk_estimate(4, 4) is None
 
 
+async def test_a_lower_bound_is_reported_within_the_coordinators_per_entry_limits(keys) -> None:
+    node = SimpleNamespace(node_id="n1", address="127.0.0.1:1")
+    grant = session_grant(keys, [(0, 4, node, [])], max_tokens=128)
+    steps: list[client_api_pb2.StepTime] = []
+
+    async def send(report: client_api_pb2.StepTimesReport) -> client_api_pb2.StepTimesAck:
+        steps.extend(report.steps)
+        return client_api_pb2.StepTimesAck(accepted=len(report.steps))
+
+    config = DriverConfig(report_every=1000)
+    driver = PipelineDriver(grant, MODEL, config=config, report_step_times=send)
+    # A checker's unanswered catch-up of 512 positions: more tokens than the session's
+    # 128, which the coordinator would refuse, so the same time per token goes instead.
+    driver.report_at_least("n1", 0, 4, 512, 8000.0)
+    driver.report_at_least("n1", 0, 4, 0, 10.0)  # no work: nothing to say
+    await driver.close()
+    assert [(s.node_id, s.tokens, s.wall_ms) for s in steps] == [("n1", 128, 2000.0)]
+
+
 @pytest.mark.parametrize("push", [True, False], ids=["pushed", "hop-by-hop"])
 async def test_a_node_hung_mid_prefill_is_replaced_without_the_cold_timeout(
     start_node, keys, checkpoint, push
