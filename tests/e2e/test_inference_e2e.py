@@ -2,11 +2,13 @@
 
 Greedy generation through a three-stage pipeline must equal transformers' `generate`, and
 stay identical when the node serving the first, middle or last stage is killed with
-kill -9 mid-generation.
+kill -9 mid-generation, or when the middle one is frozen with SIGSTOP.
 """
 
 from __future__ import annotations
 
+import signal
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -118,6 +120,46 @@ def test_kill_9_of_a_stage_node_mid_generation_keeps_the_output(swarm, client, r
     assert all(f.via == "replay" for f in others), others
     assert victim.node_id not in {h.node_id for h in result.route}
     assert moved[0].replayed_tokens >= len(PROMPT) + kill_after - 1
+
+
+def test_a_stage_node_frozen_mid_generation_is_left_within_seconds(swarm, client, reference):
+    """SIGSTOP of the middle stage's node: its process stops with every socket open (a PC
+    gone to sleep), so no call fails and no connection closes. With the driver's defaults
+    the step is hedged on the alternate (or failed over at the straggler deadline), not
+    waited on for the 120 s cold timeout, and the output is the same."""
+    heal(swarm, client)
+    victim: LocalProcess | None = None
+    freeze_after = 6
+    frozen_at = last_token_at = 0.0
+    try:
+        for token in client.generate(
+            MODEL, token_ids=PROMPT, max_new_tokens=NEW_TOKENS, stop_at_eos=False,
+            run_ahead=False,
+        ):  # fmt: skip
+            if token.index == 0:
+                assert client.last_run is not None
+                victim = swarm.node(client.last_run.granted_stages[1].node_id)
+            if token.index + 1 == freeze_after:
+                assert victim is not None
+                victim.popen.send_signal(signal.SIGSTOP)
+                frozen_at = time.monotonic()
+            last_token_at = time.monotonic()
+    finally:
+        if victim is not None:
+            victim.kill9()  # heal() starts it again for the next test
+    result = client.last_run
+    assert result is not None and victim is not None
+    assert result.token_ids == reference, "leaving the frozen node changed the output"
+    assert victim.node_id not in {h.node_id for h in result.route}
+    hedged = [h for h in result.hedges if h.slow_node_id == victim.node_id]
+    failed = [f for f in result.failovers if f.failed_node_id == victim.node_id]
+    assert hedged or failed, (result.hedges, result.failovers)
+    assert all(h.winner == "alternate" for h in hedged)
+    assert all("straggler" in f.reason for f in failed), failed
+    # Every token after the freeze came within seconds: a hedge goes out after 0.25 s, the
+    # straggler deadline is 5 s, against the 120 s cold timeout. (Closing the session then
+    # waits up to 2 s for the frozen node's EndSession, after the last token.)
+    assert last_token_at - frozen_at < 30.0
 
 
 def test_a_killed_node_is_replaced_and_coverage_returns(swarm, client):
