@@ -1545,7 +1545,9 @@ class PipelineDriver:
             slot.alternates = [h for h in slot.alternates if h != alternate] + [slow]
             slot.forget_timings()
             self._demoted.add(slow.node_id)
-            if self.verifier is not None:  # its cache is the pipeline's (see _fail_over)
+            if self.verifier is not None:
+                self.verifier.avoid(slow.node_id)  # as a checker of other spans too
+                # The alternate's cache is the pipeline's now (see _fail_over).
                 await self.verifier.serving(alternate.node_id, slot.span, wait=False)
             # A lower bound of the slow call's time: the coordinator's router learns it.
             self.report_at_least(
@@ -1599,6 +1601,8 @@ class PipelineDriver:
         if slot.parts:
             return await self._split(index, failure)
         self._excluded.add(failed.node_id)
+        if self.verifier is not None:
+            self.verifier.avoid(failed.node_id)  # as a checker of other spans too
         return await self._replace_node(index, failure)
 
     async def _replace_node(self, index: int, failure: HopFailure) -> tuple[str, list[str]]:

@@ -590,6 +590,14 @@ class StageVerifier:
         self._unfit_checkers.add(checker)
         self.stats.late[checker] = self.stats.late.get(checker, 0) + 1
 
+    def avoid(self, node_id: str) -> None:
+        """The driver left this node (a straggler it hedged away from, or one it failed
+        over from): run no more checks on it in this session, including on the spans it
+        was already drawn to check. Too slow for the pipeline, it would hold each checked
+        token back; hung (a PC gone to sleep), for the whole patience. Checks already
+        under way settle as they would."""
+        self._unfit_checkers.add(node_id)
+
     async def serving(self, node_id: str, span: Span, *, wait: bool = True) -> None:
         """``node_id`` serves ``span`` in the pipeline from now on (a fail-over's or a
         hedge's replacement), so its cache for the span is the pipeline's. Check work of

@@ -8,6 +8,7 @@ keeps greedy output equal to the whole model's.
 from __future__ import annotations
 
 import random
+import time
 
 import pytest
 from data_plane.stage_harness import (
@@ -17,10 +18,10 @@ from data_plane.stage_harness import (
     reference_greedy,
     session_grant,
 )
-from data_plane.test_driver import PROMPT, greedy
+from data_plane.test_driver import PROMPT, HangingServicer, greedy
 
 from client.channels import ChannelPool
-from client.driver import PipelineDriver
+from client.driver import DriverConfig, PipelineDriver
 from client.verification import StageVerifier
 from node_agent import failpoints
 from node_agent.stage_server import StageServicer
@@ -202,4 +203,39 @@ async def test_a_checker_that_dies_mid_session_costs_only_its_checks(
     assert not driver.failovers, "a checker's failure is not the primary's"
     stats = driver.verifier.stats
     assert 0 < stats.checked[primary.node_id] < stats.calls[primary.node_id]
+    await driver.close()
+
+
+@pytest.mark.parametrize("hedge", [True, False], ids=["hedged", "failed-over"])
+async def test_a_node_the_driver_left_checks_no_other_span(start_node, keys, checkpoint, hedge):
+    # P is the first stage's primary and the second stage's only checker; every call is
+    # checked. P hangs after step 4 (a PC gone to sleep): the driver leaves it for Q, by a
+    # hedge or at the straggler deadline. The second stage had drawn P as its checker, and
+    # each check there would hold its token for the whole patience (5 s here), then give
+    # P up: P is dropped as a checker the moment the driver leaves it.
+    p = await start_node([(0, 4)], servicer_class=HangingServicer)
+    q, r = await start_node([(0, 2)]), await start_node([(2, 4)])
+    accounts = {p.node_id: "op-a", q.node_id: "op-b", r.node_id: "op-c"}
+    layout = [(0, 2, p, [q]), (2, 4, r, [p])]
+    grant = keyed(keys, session_grant(keys, layout), [p, q, r], accounts, 1.0)
+    channels = ChannelPool()
+    config = DriverConfig(deadline_floor_s=1.5, min_samples=2, hedge_factor=3.0 if hedge else 0.0,
+                          hedge_floor_s=0.1)  # fmt: skip
+    verifier = StageVerifier(grant.session_id, channels, rng=random.Random(1),
+                             patience_floor_s=5.0)  # fmt: skip
+    driver = PipelineDriver(grant, MODEL, channels=channels, verifier=verifier, config=config)
+
+    async def hang() -> None:
+        p.servicer.hang_after = p.servicer.calls
+
+    started = time.monotonic()
+    tokens = await greedy(driver, PROMPT, NEW_TOKENS, after_step={4: hang})
+    elapsed = time.monotonic() - started
+    assert tokens == reference_greedy(checkpoint, PROMPT, NEW_TOKENS)
+    left = [h.slow_node_id for h in driver.hedges] + [f.failed_node_id for f in driver.failovers]
+    assert left == [p.node_id]
+    stats = verifier.stats
+    assert stats.checked[r.node_id] >= 4  # by P, until it hung
+    assert not stats.late, "a check was drawn on the node the driver had left"
+    assert elapsed < 5.0, f"{elapsed:.1f} s: a check waited out its patience"
     await driver.close()
