@@ -1717,18 +1717,17 @@ class PipelineDriver:
         samples = slot.decode_seconds
         if call.tokens != 1 or call.replay:
             end = call.request.start_pos + call.tokens
-            estimate = slot.bulk_estimate(call.batch * call.tokens, end)
-            if estimate is None:
-                return self.config.cold_timeout_s
-            wanted = self.config.deadline_factor * estimate
-            return min(self.config.cold_timeout_s, max(self.config.first_decode_floor_s, wanted))
-        if len(samples) < self.config.min_samples:
-            if not slot.bulk_seconds:
-                return self.config.cold_timeout_s
-            first = self.config.deadline_factor * slot.bulk_seconds
-            return min(self.config.cold_timeout_s, max(self.config.first_decode_floor_s, first))
-        p95 = percentile(samples, 95.0)
-        return max(self.config.deadline_floor_s, self.config.deadline_factor * p95)
+            reference = slot.bulk_estimate(call.batch * call.tokens, end)
+        elif len(samples) < self.config.min_samples:
+            reference = slot.bulk_seconds or None
+        else:
+            p95 = percentile(samples, 95.0)
+            return max(self.config.deadline_floor_s, self.config.deadline_factor * p95)
+        # Before its decode steps were timed, a node is judged by its multi-position calls.
+        if reference is None:
+            return self.config.cold_timeout_s
+        wanted = self.config.deadline_factor * reference
+        return min(self.config.cold_timeout_s, max(self.config.first_decode_floor_s, wanted))
 
     def _chunk_tokens(self, batch: int, last_only: bool = False) -> int:
         # The widest message a token causes: its logits, unless only the last position's

@@ -15,6 +15,7 @@ from google.protobuf import json_format
 from client import billing, cli_args
 from client.api import COORDINATOR_ENV, Client, default_coordinator
 from client.jobs import JobEvent, TrainingJob
+from client.training_driver import TrainingDriverConfig
 from protos.tessera.v1 import jobs_pb2
 
 STATE_NAMES = {
@@ -25,7 +26,9 @@ STATE_NAMES = {
     jobs_pb2.JOB_STATE_DONE: "done",
 }
 
-TRAIN_EXAMPLES = """\
+_DRIVER = TrainingDriverConfig()
+_GIVEN_UP = f"max({_DRIVER.step_deadline_floor_s:g} s, {_DRIVER.step_deadline_factor:g}x"
+TRAIN_EXAMPLES = f"""\
 examples:
   # fine-tune on a .npy of token ids (1-D stream, or 2-D: one example per row)
   tessera train --model llama-tiny --data tokens.npy --steps 200 --batch-size 8 \\
@@ -40,7 +43,7 @@ examples:
       --seq-len 64 --lr 3e-4 --max-price 50000
 
 The dataset is uploaded once and kept by the coordinator, so --resume needs no file.
-If a stage node fails, or stops answering (given up after max(30 s, 8x its recent calls of
+If a stage node fails, or stops answering (given up after {_GIVEN_UP} its recent calls of
 the same kind)), the job re-plans that stage and rolls back to the last checkpoint.
 A priced job escrows its quote when it opens, pays per sample-layer at every checkpoint
 from receipts both sides signed, and refunds the rest at the end (docs/ledger.md).

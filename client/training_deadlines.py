@@ -52,8 +52,10 @@ class StepDeadlines:
         walls = self._walls.get((node_id, method))
         if walls is None or len(walls) < self.min_samples:
             return self.cold_s
-        return min(self.cold_s, max(self.floor_s, self.factor * max(walls)))
+        return self.patience(max(walls))
 
-    def patience(self, primary_wall_s: float) -> float:
-        """How long a shadow may still take to answer a call once the primary has."""
-        return min(self.cold_s, max(self.floor_s, self.factor * primary_wall_s))
+    def patience(self, reference_s: float) -> float:
+        """How long a call may take given a reference time: the deadline of a node's call
+        from its slowest recent answer, and how long a shadow may still take to answer a
+        call once the primary has, from the primary's time."""
+        return min(self.cold_s, max(self.floor_s, self.factor * reference_s))
