@@ -25,7 +25,12 @@ import grpc
 from node_agent import __version__, telemetry
 from node_agent.backoff import Backoff
 from node_agent.context import AgentContext
-from node_agent.data_plane import advertised_address, split_host_port, start_server
+from node_agent.data_plane import (
+    advertised_address,
+    build_stage_servicer,
+    split_host_port,
+    start_server,
+)
 from node_agent.mqtt_presence import MqttPresence
 from node_agent.nat_tunnel import NatTunnel
 from node_agent.rtt_probe import RttProber
@@ -163,7 +168,10 @@ class NodeAgent:
         self._begin_leave(_Leave(reason, self.config.drain_timeout_s, self_initiated=True))
 
     async def run(self) -> int:
-        server, port = await start_server(self.ctx, self.config.listen, self._stage_servicer)
+        # Kept, to close when the agent stops: it writes the usage counts and settles what
+        # clients acknowledged (node_agent/stage_server.py).
+        servicer = self._stage_servicer or build_stage_servicer(self.ctx)
+        server, port = await start_server(self.ctx, self.config.listen, servicer)
         listen_host, _ = split_host_port(self.config.listen)
         local = "127.0.0.1" if listen_host in ("", "0.0.0.0", "::", "[::]") else listen_host
         self._data_plane = (local, port)
@@ -189,6 +197,7 @@ class NodeAgent:
                 await self.mqtt.close()
             await channel.close()
             await server.stop(grace=1.0)
+            await _close_quietly(servicer)
             log.info("node agent stopped")
 
     # ----- the loop -----------------------------------------------------------------
@@ -705,7 +714,8 @@ async def _until_none(
 
 
 async def _close_quietly(handler: object) -> None:
-    """Call the shard handler's optional close() (sync or async): frees memory and files."""
+    """Call the optional close() (sync or async) of the shard handler or the stage server:
+    frees memory and files, keeps what must outlive the process."""
     close = getattr(handler, "close", None)
     if close is None:
         return
@@ -714,4 +724,4 @@ async def _close_quietly(handler: object) -> None:
         if asyncio.iscoroutine(result):
             await result
     except Exception:
-        log.exception("closing the shard handler failed")
+        log.exception("closing the %s failed", type(handler).__name__)
