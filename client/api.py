@@ -32,6 +32,7 @@ import numpy as np
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from client import billing
+from client.acknowledgments import Acknowledger
 from client.channels import ChannelPool, open_channel
 from client.datasets import TokenDataset, load_dataset
 from client.driver import DriverConfig, PipelineDriver, RingPlan
@@ -346,6 +347,7 @@ class AsyncClient:
         )
         verifier.on_check_sent = driver.usage.checked
         verifier.on_late = driver.report_at_least
+        self._hold_to_credit(grant, driver, verifier)
         result = GenerationResult(
             model=model,
             session_id=grant.session_id,
@@ -589,6 +591,36 @@ class AsyncClient:
     ) -> verification_pb2.ReportVerdict:
         # A mismatch waits for the arbiter's replay: allow it more than a plain RPC.
         return await self._verification.Report(report, timeout=max(self.timeout_s, 120.0))
+
+    def _hold_to_credit(
+        self,
+        grant: client_api_pb2.SessionGrant,
+        driver: PipelineDriver,
+        verifier: StageVerifier,
+    ) -> None:
+        """Where the session's nodes hold it to a credit, acknowledge their receipts as they
+        come, the checkers' too (client/acknowledgments.py)."""
+        claims = client_api_pb2.CapabilityClaims()
+        claims.ParseFromString(grant.capability.claims)
+        if self.key is None or not claims.usage_credit:
+            return
+        acks = driver.acks = Acknowledger(
+            grant.session_id,
+            claims.usage_credit,
+            self.key,
+            driver.usage,
+            self._stage_channels,
+            lambda: driver.capability,
+        )
+
+        def answered(hop: HopRecord, start: int, end: int, usage: ledger_pb2.SignedUsage) -> None:
+            driver.usage.received(hop.node_id, start, end, usage)
+            acks.noted(hop, start, end)
+
+        async def before(hop: HopRecord, start: int, end: int) -> None:
+            await acks.ready([(hop, start, end)])
+
+        verifier.on_check_answered, verifier.before_check = answered, before
 
     def _close_request(
         self, driver: PipelineDriver, grant: client_api_pb2.SessionGrant

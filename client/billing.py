@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+from google.protobuf.message import DecodeError
 
 from protos import identity
 from protos.tessera.v1 import client_api_pb2, jobs_pb2, ledger_pb2
@@ -109,6 +110,9 @@ class UsageBook:
     _sent: dict[_Key, int] = field(default_factory=dict)
     _checked: dict[_Key, int] = field(default_factory=dict)
     _receipts: dict[_Key, ledger_pb2.SignedUsage] = field(default_factory=dict)
+    _counted: dict[_Key, int] = field(default_factory=dict)  # the tokens of each receipt kept
+    # The tokens of the newest receipt each node took an acknowledgment of (Stage.Acknowledge).
+    _acknowledged: dict[_Key, int] = field(default_factory=dict)
     # Where earlier runners of a job worked (``inherited``): a node's count there may hold
     # work that a runner which died computed after its last settlement.
     _inherited: set[_Key] = field(default_factory=set)
@@ -132,9 +136,43 @@ class UsageBook:
         self._checked[key] = self._checked.get(key, 0) + tokens
 
     def received(self, node_id: str, start: int, end: int, usage: ledger_pb2.SignedUsage) -> None:
-        # Receipts are cumulative: the newest covers the older ones. Checked at countersign.
-        if usage.receipt:
-            self._receipts[(node_id, start, end)] = usage
+        """Keep the receipt that counts most: they are cumulative, so it covers the others
+        (a checker's and a primary's answers of one node may arrive out of order). Its
+        signatures are checked at countersign."""
+        if not usage.receipt:
+            return
+        receipt = ledger_pb2.UsageReceipt()
+        try:
+            receipt.ParseFromString(usage.receipt)
+        except DecodeError:
+            tokens = 0  # never signed; kept so that ``uncovered`` and the logs name it
+        else:
+            tokens = receipt.tokens
+        key = (node_id, start, end)
+        if key not in self._receipts or tokens >= self._counted[key]:
+            self._receipts[key], self._counted[key] = usage, tokens
+
+    def owed(self, node_id: str, start: int, end: int) -> int:
+        """What the newest receipt there counts past the newest one the node took an
+        acknowledgment of."""
+        key = (node_id, start, end)
+        return self._counted.get(key, 0) - self._acknowledged.get(key, 0)
+
+    def acknowledged(self, node_id: str, start: int, end: int, tokens: int) -> None:
+        key = (node_id, start, end)
+        self._acknowledged[key] = max(self._acknowledged.get(key, 0), tokens)
+
+    def countersign_one(
+        self, session_id: str, node_id: str, start: int, end: int, key: Ed25519PrivateKey
+    ) -> tuple[ledger_pb2.SignedUsage, int] | None:
+        """The newest receipt of (node, layers) counter-signed, with its tokens; None when
+        there is none or the client does not agree with it."""
+        where = (node_id, start, end)
+        usage = self._receipts.get(where)
+        if usage is None:
+            return None
+        signed = self._countersigned(session_id, where, usage, key)
+        return None if signed is None else (signed, self._counted[where])
 
     def uncovered(self) -> list[_Key]:
         """Where the newest receipt claims more than the driver and the verifier sent: what
@@ -155,43 +193,53 @@ class UsageBook:
         sent; others are left out (and logged), so a node that inflates its count is not
         paid for them. Each pays for at most what the driver itself sent."""
         signed = []
-        for (node_id, start, end), usage in sorted(self._receipts.items()):
-            receipt = ledger_pb2.UsageReceipt()
-            try:
-                receipt.ParseFromString(usage.receipt)
-                owner = identity.node_id(receipt.node_public_key)
-            except Exception:  # a malformed receipt from a node: never sign it
-                log.warning("node %s sent a malformed usage receipt; not signing it", node_id)
-                continue
-            sent = self._sent.get((node_id, start, end), 0)
-            checks = self._checked.get((node_id, start, end), 0)
-            agreed = (
-                receipt.session_id == session_id
-                and receipt.node_id == node_id == owner
-                and (receipt.layer_start, receipt.layer_end) == (start, end)
-                and (receipt.tokens <= sent + checks or (node_id, start, end) in self._inherited)
-                and identity.verify(
-                    receipt.node_public_key,
-                    usage.node_signature,
-                    identity.usage_payload(usage.receipt),
-                )
-            )
-            if not agreed:
-                log.warning(
-                    "node %s claims %d tokens on layers [%d, %d), the driver sent %d (and %d "
-                    "to check others): not signing its receipt", node_id, receipt.tokens,
-                    start, end, sent, checks,
-                )  # fmt: skip
-                continue
-            billed = min(receipt.tokens, sent)
-            signed.append(
-                ledger_pb2.SignedUsage(
-                    receipt=usage.receipt,
-                    node_signature=usage.node_signature,
-                    client_signature=key.sign(
-                        identity.usage_countersign_payload(usage.receipt, billed)
-                    ),
-                    billed_tokens=billed,
-                )
-            )
+        for where, usage in sorted(self._receipts.items()):
+            countersigned = self._countersigned(session_id, where, usage, key)
+            # A checker's alone pays nothing, and the ledger knows checkers of a stage
+            # only as nodes it may not bill.
+            if countersigned is not None and countersigned.billed_tokens > 0:
+                signed.append(countersigned)
         return signed
+
+    def _countersigned(
+        self,
+        session_id: str,
+        where: _Key,
+        usage: ledger_pb2.SignedUsage,
+        key: Ed25519PrivateKey,
+    ) -> ledger_pb2.SignedUsage | None:
+        node_id, start, end = where
+        receipt = ledger_pb2.UsageReceipt()
+        try:
+            receipt.ParseFromString(usage.receipt)
+            owner = identity.node_id(receipt.node_public_key)
+        except Exception:  # a malformed receipt from a node: never sign it
+            log.warning("node %s sent a malformed usage receipt; not signing it", node_id)
+            return None
+        sent = self._sent.get(where, 0)
+        checks = self._checked.get(where, 0)
+        agreed = (
+            receipt.session_id == session_id
+            and receipt.node_id == node_id == owner
+            and (receipt.layer_start, receipt.layer_end) == (start, end)
+            and (receipt.tokens <= sent + checks or where in self._inherited)
+            and identity.verify(
+                receipt.node_public_key,
+                usage.node_signature,
+                identity.usage_payload(usage.receipt),
+            )
+        )
+        if not agreed:
+            log.warning(
+                "node %s claims %d tokens on layers [%d, %d), the driver sent %d (and %d "
+                "to check others): not signing its receipt", node_id, receipt.tokens,
+                start, end, sent, checks,
+            )  # fmt: skip
+            return None
+        billed = min(receipt.tokens, sent)
+        return ledger_pb2.SignedUsage(
+            receipt=usage.receipt,
+            node_signature=usage.node_signature,
+            client_signature=key.sign(identity.usage_countersign_payload(usage.receipt, billed)),
+            billed_tokens=billed,
+        )

@@ -62,6 +62,7 @@ from dataclasses import dataclass, field
 import grpc
 import numpy as np
 
+from client.acknowledgments import Acknowledger
 from client.billing import UsageBook
 from client.channels import ChannelPool
 from client.deliveries import DeliveryLost, Subscription, Subscriptions
@@ -375,6 +376,9 @@ class PipelineDriver:
         # Nodes a hedge found slow: never hedged on or asked to check again this session.
         self._demoted: set[str] = set()
         self.usage = UsageBook()  # tokens sent per hop and the nodes' usage receipts
+        # A paid session's acknowledgments of the receipts (client/acknowledgments.py),
+        # set by the client when the nodes hold it to a credit; None otherwise.
+        self.acks: Acknowledger | None = None
         self._subscriptions = Subscriptions(
             self._channels, self.session_id, on_unclaimed=self._unclaimed
         )
@@ -429,6 +433,11 @@ class PipelineDriver:
     @property
     def route(self) -> list[HopRecord]:
         return [slot.hop for slot in self._slots]
+
+    @property
+    def capability(self) -> client_api_pb2.SignedCapability:
+        """The session's newest capability (a reroute renews it)."""
+        return self._capability
 
     def report_at_least(self, node_id: str, start: int, end: int, tokens: int, ms: float) -> None:
         """Tell the coordinator (with the step times) that ``node_id`` took at least ``ms``
@@ -612,6 +621,8 @@ class PipelineDriver:
     async def close(self) -> None:
         """End the session on every node that served it (best effort) and close streams."""
         self._drop_deferred()
+        if self.acks is not None:
+            await self.acks.close()  # the close settles every receipt anyway
         if self.ring_off is not None and self._ring_started:
             await self._await_ring_answers()
         for slot in self._slots:
@@ -656,6 +667,8 @@ class PipelineDriver:
         for ``settle_deferred`` instead.
         """
         try:
+            if self.acks is not None:  # at once, unless a node is owed half its credit
+                await self.acks.ready((s.hop, s.span.start, s.span.end) for s in self._slots)
             step = self._next_step()
             ring_next, self._ring_next = self._ring_next, None
             if (
@@ -1395,6 +1408,8 @@ class PipelineDriver:
         request, tokens, replay = call.request, call.tokens, call.replay
         step = request.step
         self.usage.received(slot.hop.node_id, slot.span.start, slot.span.end, response.usage)
+        if self.acks is not None:
+            self.acks.noted(slot.hop, slot.span.start, slot.span.end)
         output = self._check_output(
             slot, response, step, call.batch, tokens, request.start_pos, call.last_position_only
         )

@@ -63,6 +63,7 @@ from protos import codec, identity, logit_probes, output_check
 from protos.tessera.v1 import (
     client_api_pb2,
     common_pb2,
+    ledger_pb2,
     stage_pb2,
     stage_pb2_grpc,
     verification_pb2,
@@ -310,6 +311,13 @@ class StageVerifier:
         # Told (node, layer start, layer end, tokens) of every check sent: the checker's
         # usage receipt counts them, and the client does not pay for them (client/billing).
         self.on_check_sent: Callable[[str, int, int, int], None] | None = None
+        # Told (checker, layer start, layer end, its usage receipt) of every check answered,
+        # and awaited (checker, layer start, layer end) before every check is sent: a paid
+        # session acknowledges checkers' receipts too (client/acknowledgments.py).
+        self.on_check_answered: (
+            Callable[[HopRecord, int, int, ledger_pb2.SignedUsage], None] | None
+        ) = None
+        self.before_check: Callable[[HopRecord, int, int], Awaitable[None]] | None = None
         # Told (node, layer start, layer end, tokens, ms) of a checker given up on: it had
         # not answered a message of that many tokens in that long, a lower bound of its
         # time that the coordinator's measured speed of the node learns from (the driver's
@@ -804,6 +812,8 @@ class StageVerifier:
             if stream.capability_sent != self._capability.signature:
                 message.capability.CopyFrom(self._capability)
                 stream.capability_sent = self._capability.signature
+            if self.before_check is not None:
+                await self.before_check(checker, layers.start, layers.end)
             if self.on_check_sent is not None:
                 self.on_check_sent(checker.node_id, layers.start, layers.end,
                                    int(shape[0]) * int(shape[1]))  # fmt: skip
@@ -822,6 +832,8 @@ class StageVerifier:
                 raise NodeRejected(f"the stream to checker {checker.node_id} was closed") from None
             if read is grpc.aio.EOF:
                 raise NodeRejected(f"checker {checker.node_id} ended the stream")
+            if self.on_check_answered is not None:
+                self.on_check_answered(checker, layers.start, layers.end, read.usage)
             answers.append(read)
         return answers
 

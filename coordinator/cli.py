@@ -283,6 +283,13 @@ def _add_serve_parser(subparsers: Any) -> None:
         "(default: %(default)s)",
     )  # fmt: skip
     serve_parser.add_argument(
+        "--usage-credit", type=_non_negative_int, default=1024, metavar="TOKENS",
+        help="in a paid session, how many token positions a node computes on its layers past "
+        "the newest usage receipt the client acknowledged before it waits for the next one: "
+        "what a client that withholds its receipts gets unpaid, per node and session (0: no "
+        "acknowledgments, the client settles alone; default: %(default)s)",
+    )  # fmt: skip
+    serve_parser.add_argument(
         "--verify-warmup", type=_positive_int, default=10, metavar="N",
         help="a node's outputs are all checked until it has N consecutive verified results; "
         "then the checking probability falls as N/results (default: %(default)s)",
@@ -337,6 +344,7 @@ def _run_serve(args: argparse.Namespace) -> int:
         default_training_price_units=args.default_training_price,
         challenge_window_s=args.challenge_window,
         fee_bps=args.fee_bps,
+        usage_credit_tokens=args.usage_credit,
         verify_warmup=args.verify_warmup,
         verify_min_probability=args.verify_min_probability,
         canary_interval_s=args.canary_interval,

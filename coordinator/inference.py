@@ -60,6 +60,7 @@ class SessionRpc:
             model_info=self._model_info,
             model_names=lambda: [m.name for m in store.models()] if store else [],
             billing=ctx.ledger.billing if ctx.ledger is not None else None,
+            usage_credit=ctx.settings.usage_credit_tokens,
             hop_details=self._hop_details,
             on_unreachable=self._doubt_reachability,
         )

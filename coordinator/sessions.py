@@ -55,6 +55,7 @@ class Sessions:
         *,
         token_ttl_s: float = TOKEN_TTL_S,
         billing: Any = None,
+        usage_credit: int = 0,
         hop_details: Callable[[client_api_pb2.Hop], None] | None = None,
         on_unreachable: Callable[[list[str]], None] | None = None,
     ) -> None:
@@ -72,6 +73,8 @@ class Sessions:
         # The ledger component (coordinator/ledger/service.py): quotes and escrows at open,
         # settles at close. None: every session is free.
         self._billing = billing
+        # A paid session's credit at each node (CapabilityClaims.usage_credit).
+        self._usage_credit = usage_credit
         # session id -> step reports accepted per node (bounds what one session can report)
         self._reported: OrderedDict[str, Counter[str]] = OrderedDict()
 
@@ -143,6 +146,10 @@ class Sessions:
         if self._billing is not None:
             quote = self._billing.open(session_id, request, stages, amount, claims.expires_unix_ms)
             claims.account = quote.account
+            if quote.amount > 0 and self._usage_credit > 0:
+                # The nodes hold the client to acknowledging their receipts as it goes.
+                claims.client_public_key = request.client_public_key
+                claims.usage_credit = self._usage_credit
         log.info(
             "session %s for %s: %s",
             session_id,
@@ -193,13 +200,18 @@ class Sessions:
         )
         grants = [g for g in claims.grants if g.node_id not in exclude]
         new_grants = [self._hop(h) for h in hops]
-        claims = self._claims(
+        renewed = self._claims(
             claims.session_id,
             claims.model,
             claims.max_tokens,
             claims.account,
             [*grants, *new_grants],
         )
+        renewed.client_public_key, renewed.usage_credit = (
+            claims.client_public_key,
+            claims.usage_credit,
+        )
+        claims = renewed
         if self._billing is not None:
             self._billing.rerouted(
                 claims.session_id, [h.node_id for h in hops], claims.expires_unix_ms

@@ -73,6 +73,9 @@ class Settings:
     default_training_price_units: int = 0
     challenge_window_s: float = 3600.0
     fee_bps: int = 0
+    # A paid session's credit at each node: token positions x batch a node computes on a
+    # layer range past the newest receipt the client acknowledged (0: no acknowledgments).
+    usage_credit_tokens: int = 1024
     ledger_sweep_s: float = 1.0
     # Verifier (docs/verification.md): every output of a node is checked until it has this
     # many consecutive verified results, then with probability warmup/results, never less

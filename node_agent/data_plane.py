@@ -49,7 +49,8 @@ _NO_MODEL = "this node has no model loaded (its agent runs without a model runti
 
 
 class NoModelStageServicer(stage_pb2_grpc.StageServicer):
-    """Answers Ping; refuses Forward, EndSession and Deliveries: there is nothing to run."""
+    """Answers Ping; refuses Forward, EndSession, Deliveries and Acknowledge: there is
+    nothing to run (and so nothing to acknowledge)."""
 
     def __init__(self, ctx: AgentContext) -> None:
         self._ctx = ctx
@@ -74,6 +75,12 @@ class NoModelStageServicer(stage_pb2_grpc.StageServicer):
         self, request: stage_pb2.DeliveriesRequest, context: grpc.aio.ServicerContext
     ) -> None:
         await context.abort(grpc.StatusCode.UNAVAILABLE, _NO_MODEL)
+
+    async def Acknowledge(  # noqa: N802 - gRPC method name
+        self, request: stage_pb2.AcknowledgeRequest, context: grpc.aio.ServicerContext
+    ) -> stage_pb2.AcknowledgeResponse:
+        await context.abort(grpc.StatusCode.UNAVAILABLE, _NO_MODEL)
+        return stage_pb2.AcknowledgeResponse()  # not reached: abort() raises
 
 
 def build_stage_servicer(ctx: AgentContext) -> stage_pb2_grpc.StageServicer:

@@ -11,6 +11,11 @@ node stops), so that a node restarted in the middle of a session goes on countin
 where it was. Were it to start again at 0, its receipts would claim less than the
 coordinator already paid for that (session, layers), and it would be paid nothing until
 its count caught up.
+
+In a paid session the client also acknowledges receipts as it goes (Stage.Acknowledge:
+the node's own receipt, counter-signed): ``owed`` is what the node computed past the
+newest acknowledged one, which the stage server keeps under the session's credit, so a
+client that withholds its receipts gets little work unpaid (docs/ledger.md).
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ from dataclasses import astuple, dataclass
 from pathlib import Path
 
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+from google.protobuf.message import DecodeError
 
 from protos import identity
 from protos.tessera.v1 import ledger_pb2
@@ -43,6 +49,17 @@ class _Tally:
     tokens: int
     first_step: int
     last_step: int
+    acknowledged: int = 0  # the tokens of the newest receipt the client counter-signed
+
+
+class ReceiptRefused(ValueError):
+    """An acknowledgment that acknowledges nothing: malformed, or for another session,
+    node or layer range."""
+
+
+class ReceiptForged(ReceiptRefused):
+    """A signature that does not verify: not this node's receipt, or not counter-signed by
+    the session's client key."""
 
 
 class UsageMeter:
@@ -92,6 +109,54 @@ class UsageMeter:
             receipt=receipt, node_signature=self._key.sign(identity.usage_payload(receipt))
         )
 
+    def acknowledge(
+        self, session_id: str, signed: ledger_pb2.SignedUsage, client_key: bytes
+    ) -> tuple[ledger_pb2.UsageReceipt, int]:
+        """Take the client's counter-signature of one of this node's receipts of
+        ``session_id``; returns the receipt and the tokens now acknowledged on its layers.
+        Raises ReceiptRefused (ReceiptForged for a signature that does not verify)."""
+        receipt = ledger_pb2.UsageReceipt()
+        try:
+            receipt.ParseFromString(signed.receipt)
+        except DecodeError:
+            raise ReceiptRefused("the receipt is not a UsageReceipt") from None
+        if receipt.session_id != session_id:
+            raise ReceiptRefused(
+                f"the receipt is for session {receipt.session_id[:64]!r}, not {session_id!r}"
+            )
+        if receipt.node_id != self._node_id or receipt.node_public_key != self._public:
+            raise ReceiptForged(f"the receipt is not this node's ({self._node_id})")
+        if not identity.verify(self._public, signed.node_signature, identity.usage_payload(
+            signed.receipt
+        )):  # fmt: skip
+            raise ReceiptForged("the receipt's node signature is not this node's")
+        if not identity.verify(
+            client_key,
+            signed.client_signature,
+            identity.usage_countersign_payload(signed.receipt, signed.billed_tokens),
+        ):
+            raise ReceiptForged(
+                "the receipt is not counter-signed by the session's client key (over the "
+                "receipt and its billed_tokens)"
+            )
+        if signed.billed_tokens > receipt.tokens:
+            raise ReceiptRefused(
+                f"{signed.billed_tokens} billed tokens, but the receipt counts {receipt.tokens}"
+            )
+        tally = self._tallies.get((session_id, receipt.layer_start, receipt.layer_end))
+        if tally is None:  # forgotten (ended, or past MAX_TRACKED): nothing left to owe
+            return receipt, receipt.tokens
+        if receipt.tokens > tally.acknowledged:
+            tally.acknowledged = min(receipt.tokens, tally.tokens)
+            self._dirty = True
+        return receipt, tally.acknowledged
+
+    def owed(self, session_id: str, layer_start: int, layer_end: int) -> int:
+        """Tokens computed for the session on these layers past the newest acknowledged
+        receipt (0 for a session this node does not count)."""
+        tally = self._tallies.get((session_id, layer_start, layer_end))
+        return 0 if tally is None else tally.tokens - tally.acknowledged
+
     def forget(self, session_id: str) -> None:
         for key in [k for k in self._tallies if k[0] == session_id]:
             del self._tallies[key]
@@ -113,11 +178,16 @@ class UsageMeter:
     def _load(self, path: Path) -> None:
         try:
             rows = json.loads(path.read_text())
-            for session_id, start, end, tokens, first, last in rows[-self._max :]:
-                counts = (start, end, tokens, first, last)
-                if not all(isinstance(v, int) and v >= 0 for v in counts):
+            for session_id, start, end, *counts in rows[-self._max :]:
+                # Six columns before acknowledgments were counted (then none were made).
+                if len(counts) not in (3, 4):
+                    raise ValueError(f"the row of session {session_id!r} has the wrong length")
+                if not all(isinstance(v, int) and v >= 0 for v in (start, end, *counts)):
                     raise ValueError(f"a count of session {session_id!r} is not a whole number")
-                self._tallies[(str(session_id), start, end)] = _Tally(tokens, first, last)
+                tally = _Tally(*counts)
+                if tally.acknowledged > tally.tokens:
+                    raise ValueError(f"session {session_id!r} acknowledges more than it counts")
+                self._tallies[(str(session_id), start, end)] = tally
         except FileNotFoundError:
             return
         except (OSError, ValueError, TypeError) as err:  # JSONDecodeError is a ValueError

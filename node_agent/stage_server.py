@@ -46,7 +46,7 @@ import torch
 from node_agent import failpoints
 from node_agent.context import AgentContext
 from node_agent.data_plane import answer_ping
-from node_agent.receipts import UsageMeter, save_usage
+from node_agent.receipts import ReceiptForged, ReceiptRefused, UsageMeter, save_usage
 from node_agent.relay import DeliveryHub, RelayLimits, RelayLinks, Subscriber, SubscriptionEnded
 from node_agent.runtime import CacheBudgetError, CacheFullError, StageKVCache
 from node_agent.shard_manager import (
@@ -57,6 +57,7 @@ from node_agent.shard_manager import (
     session_of,
     shard_manager_for,
 )
+from node_agent.usage_settlement import UsageSettler, settle_every_s
 from protos import codec, identity, logit_probes, output_check
 from protos.quoting import shown
 from protos.sampling import SamplingParams, draw_at
@@ -68,6 +69,9 @@ log = logging.getLogger(__name__)
 MAX_STOP_IDS = 64
 # Where the usage counts of inference sessions are kept, in the data dir (receipts.py).
 USAGE_FILE = "usage/inference.json"
+# Receipts one Acknowledge may carry: one per layer range this node serves in the session.
+MAX_ACKNOWLEDGED = 64
+MAX_RECEIPT_BYTES = 1024
 
 
 @dataclass(frozen=True)
@@ -83,6 +87,8 @@ class StageLimits:
     inline_max_tokens: int = 1
     inline_max_ms: float = 100.0
     relay: RelayLimits = field(default_factory=RelayLimits)
+    # How often acknowledged receipts go to the coordinator (node_agent.usage_settlement).
+    settle_every_s: float = field(default_factory=settle_every_s)
 
 
 class StageError(Exception):
@@ -177,6 +183,9 @@ class StageServicer(stage_pb2_grpc.StageServicer):
         self._cache_locks: dict[str, asyncio.Lock] = {}  # by cache_key(session, start, end)
         self._expiry_task: asyncio.Task[None] | None = None
         self._usage = UsageMeter(ctx.private_key, path=ctx.data_dir / USAGE_FILE)
+        self._settler = UsageSettler(
+            ctx.coordinator_address, ctx.channel_options, self.limits.settle_every_s
+        )
         # Per session key: digest of the input prefix after each cached position.
         self._input_chains: dict[str, list[bytes]] = {}
         self._failpoints = failpoints.from_env()  # None unless TESSERA_FAILPOINTS is set
@@ -228,13 +237,7 @@ class StageServicer(stage_pb2_grpc.StageServicer):
         self, request: stage_pb2.EndSessionRequest, context: grpc.aio.ServicerContext
     ) -> common_pb2.Empty:
         try:
-            claims = self._open_capability(request.capability)
-            if claims.session_id != request.session_id:
-                raise StageError(
-                    grpc.StatusCode.PERMISSION_DENIED,
-                    f"the capability is for session {claims.session_id!r}, not "
-                    f"{shown(request.session_id)}",
-                )
+            self._session_claims("EndSession", request)
             self._end_relay(request.session_id)
             # Waits for the session's running steps, so no cache is pulled from under a
             # compute thread. Forward holds one of these locks at a time: no deadlock.
@@ -254,6 +257,55 @@ class StageServicer(stage_pb2_grpc.StageServicer):
             await context.abort(err.code, err.message)
         log.info("session %s ended", request.session_id)
         return common_pb2.Empty()
+
+    async def Acknowledge(  # noqa: N802 - gRPC method name
+        self, request: stage_pb2.AcknowledgeRequest, context: grpc.aio.ServicerContext
+    ) -> stage_pb2.AcknowledgeResponse:
+        try:
+            return self._acknowledge(request)
+        except StageError as err:
+            log.info("Acknowledge refused (%s): %s", err.code.name, err.message)
+            await context.abort(err.code, err.message)
+            raise  # abort raises; this keeps type checkers content
+
+    def _acknowledge(self, request: stage_pb2.AcknowledgeRequest) -> stage_pb2.AcknowledgeResponse:
+        # Not checked for expiry: paying for work done needs no right to ask for more.
+        claims = self._session_claims("Acknowledge", request)
+        if not claims.client_public_key:
+            raise StageError(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"session {claims.session_id} is free (its capability names no client key): "
+                "there is nothing to acknowledge",
+            )
+        if not 1 <= len(request.usage) <= MAX_ACKNOWLEDGED:
+            raise StageError(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"{len(request.usage)} receipts; send 1 to {MAX_ACKNOWLEDGED}, the newest one "
+                "of each layer range this node serves in the session",
+            )
+        response = stage_pb2.AcknowledgeResponse()
+        for index, signed in enumerate(request.usage):
+            if len(signed.receipt) > MAX_RECEIPT_BYTES:
+                raise StageError(
+                    grpc.StatusCode.INVALID_ARGUMENT,
+                    f"receipt {index} is {len(signed.receipt)} bytes; a receipt is at most "
+                    f"{MAX_RECEIPT_BYTES}",
+                )
+            try:
+                receipt, acknowledged = self._usage.acknowledge(
+                    claims.session_id, signed, claims.client_public_key
+                )
+            except ReceiptRefused as err:
+                code = (
+                    grpc.StatusCode.UNAUTHENTICATED
+                    if isinstance(err, ReceiptForged)
+                    else grpc.StatusCode.INVALID_ARGUMENT
+                )
+                raise StageError(code, f"receipt {index}: {err}") from None
+            if signed.billed_tokens > 0:  # a checker's alone pays nothing: none to settle
+                self._settler.add(receipt, signed)
+            response.acknowledged_tokens.append(acknowledged)
+        return response
 
     async def Deliveries(  # noqa: N802 - gRPC method name
         self, request: stage_pb2.DeliveriesRequest, context: grpc.aio.ServicerContext
@@ -276,19 +328,8 @@ class StageServicer(stage_pb2_grpc.StageServicer):
             self._deliveries.release(subscriber)
 
     def _subscribe(self, request: stage_pb2.DeliveriesRequest) -> Subscriber:
-        if not request.HasField("capability"):
-            raise StageError(
-                grpc.StatusCode.UNAUTHENTICATED,
-                "Deliveries must carry the session's capability (from OpenSession or Reroute)",
-            )
-        claims = self._open_capability(request.capability)
+        claims = self._session_claims("Deliveries", request)
         self._check_expiry(claims)
-        if claims.session_id != request.session_id:
-            raise StageError(
-                grpc.StatusCode.PERMISSION_DENIED,
-                f"the capability is for session {claims.session_id!r}, not "
-                f"{shown(request.session_id)}",
-            )
         if not any(g.node_id == self._ctx.node_id for g in claims.grants):
             raise StageError(
                 grpc.StatusCode.PERMISSION_DENIED,
@@ -393,6 +434,7 @@ class StageServicer(stage_pb2_grpc.StageServicer):
         if request.probes:
             _check_probes(request, shard, batch, tokens, self.limits)
         self._check_length(request, claims, shard, batch, tokens)
+        self._check_credit(claims, request.session_id, start, end)
         shard.enter()
         try:
             # One lock per cache, not per session: a check this node runs for one span of a
@@ -440,6 +482,24 @@ class StageServicer(stage_pb2_grpc.StageServicer):
             relay_failed=relay_failed,
         )
 
+    def _check_credit(
+        self, claims: client_api_pb2.CapabilityClaims, session_id: str, start: int, end: int
+    ) -> None:
+        """A paid session's client must keep acknowledging this node's receipts: past the
+        session's credit of unacknowledged work the node computes nothing more for it."""
+        if not claims.client_public_key or claims.usage_credit == 0:
+            return
+        owed = self._usage.owed(session_id, start, end)
+        if owed >= claims.usage_credit:
+            raise StageError(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"this node computed {owed} token positions on layers [{start}, {end}) of "
+                f"session {session_id} that the client has not acknowledged, and the "
+                f"session's credit is {claims.usage_credit}: send Stage.Acknowledge with the "
+                "node's newest receipt counter-signed (the tessera client does this as it "
+                "goes), then this call again",
+            )
+
     def _extend_chain(
         self, session_key: str, start_pos: int, array: np.ndarray, request: stage_pb2.ForwardRequest
     ) -> bytes:
@@ -449,6 +509,29 @@ class StageServicer(stage_pb2_grpc.StageServicer):
             output_check.input_chain(chain[-1] if chain else None, array, request.input.dtype)
         )
         return chain[-1]
+
+    def _session_claims(
+        self,
+        rpc: str,
+        request: stage_pb2.EndSessionRequest
+        | stage_pb2.DeliveriesRequest
+        | stage_pb2.AcknowledgeRequest,
+    ) -> client_api_pb2.CapabilityClaims:
+        """The claims of the capability a per-session RPC carries, which must be of the
+        session it names (its expiry is for the caller to check, or not)."""
+        if not request.HasField("capability"):
+            raise StageError(
+                grpc.StatusCode.UNAUTHENTICATED,
+                f"{rpc} must carry the session's capability (from OpenSession or Reroute)",
+            )
+        claims = self._open_capability(request.capability)
+        if claims.session_id != request.session_id:
+            raise StageError(
+                grpc.StatusCode.PERMISSION_DENIED,
+                f"the capability is for session {claims.session_id!r}, not "
+                f"{shown(request.session_id)}",
+            )
+        return claims
 
     def _open_capability(
         self, signed: client_api_pb2.SignedCapability
@@ -1018,6 +1101,7 @@ class StageServicer(stage_pb2_grpc.StageServicer):
             with contextlib.suppress(asyncio.CancelledError):
                 await self._expiry_task
         save_usage(self._usage)
+        await self._settler.close()
 
 
 @dataclass

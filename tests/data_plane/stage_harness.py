@@ -83,6 +83,8 @@ class CoordinatorKeys:
         max_tokens: int = 128,
         ttl_s: float = 600.0,
         key: Any = None,
+        client_key: bytes = b"",
+        usage_credit: int = 0,
     ) -> client_api_pb2.SignedCapability:
         now_ms = int(time.time() * 1000)
         claims = client_api_pb2.CapabilityClaims(
@@ -101,6 +103,8 @@ class CoordinatorKeys:
             issued_unix_ms=now_ms,
             expires_unix_ms=now_ms + int(ttl_s * 1000),
             max_tokens=max_tokens,
+            client_public_key=client_key,
+            usage_credit=usage_credit,
         )
         return identity.sign_capability(key or self.key, claims)
 
@@ -206,8 +210,11 @@ def session_grant(
     session_id: str | None = None,
     max_tokens: int = 128,
     model: str = MODEL,
+    client_key: bytes = b"",
+    usage_credit: int = 0,
 ) -> client_api_pb2.SessionGrant:
-    """A SessionGrant for stages given as (start, end, primary, alternates)."""
+    """A SessionGrant for stages given as (start, end, primary, alternates); with
+    ``client_key`` and ``usage_credit``, a paid session's."""
     session_id = session_id or "s-" + secrets.token_hex(6)
     grants = [
         (node.node_id, start, end, node.address)
@@ -224,7 +231,14 @@ def session_grant(
             )
             for start, end, primary, alternates in stages
         ],
-        capability=keys.capability(session_id, grants, model=model, max_tokens=max_tokens),
+        capability=keys.capability(
+            session_id,
+            grants,
+            model=model,
+            max_tokens=max_tokens,
+            client_key=client_key,
+            usage_credit=usage_credit,
+        ),
         num_layers=NUM_LAYERS,
         hidden_size=HIDDEN,
         vocab_size=VOCAB,

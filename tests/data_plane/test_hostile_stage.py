@@ -85,7 +85,7 @@ async def test_end_session_refuses_hostile_ids_and_oversized_messages(
             request = stage_pb2.EndSessionRequest(session_id=session_id, capability=capability)
             return stub.EndSession(request, timeout=TIMEOUT)
 
-        await refused(end(""), grpc.StatusCode.UNAUTHENTICATED, "does not verify")
+        await refused(end(""), grpc.StatusCode.UNAUTHENTICATED, "must carry the session")
         await refused(end(HUGE_ID, genuine), grpc.StatusCode.PERMISSION_DENIED, "s-bystander")
         garbage = client_api_pb2.SignedCapability(claims=b"\xff" * 1000, signature=b"\x00" * 7)
         await refused(end("s-bystander", garbage), grpc.StatusCode.UNAUTHENTICATED, "forged")

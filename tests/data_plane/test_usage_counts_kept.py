@@ -28,7 +28,7 @@ def counted(driver: PipelineDriver) -> dict[tuple[str, int, int], int]:
 def on_disk(path) -> dict[tuple[str, int, int], int]:  # noqa: ANN001
     if not path.exists():
         return {}
-    return {(s, a, b): tokens for s, a, b, tokens, _, _ in json.loads(path.read_text())}
+    return {(s, a, b): tokens for s, a, b, tokens, *_ in json.loads(path.read_text())}
 
 
 async def test_a_serving_node_keeps_its_counts_and_writes_them_when_it_stops(

@@ -37,6 +37,7 @@ CONFIG = json.dumps(
     }
 )
 MAX_LENGTH = 32
+CREDIT = 96  # serve --usage-credit
 
 
 class Node:
@@ -79,7 +80,7 @@ class World:
         info = client_api_pb2.ModelInfo(name="m", num_layers=6, hidden_size=64, vocab_size=100)
         self.sessions = Sessions(
             identity.generate_private_key(), self.placement, lambda n: info if n == "m" else None,
-            lambda: ["m"], billing=self.billing,
+            lambda: ["m"], billing=self.billing, usage_credit=CREDIT,
         )  # fmt: skip
         self.client = identity.generate_private_key()
         self.account = identity.client_account(identity.public_key_bytes(self.client))
@@ -159,6 +160,34 @@ async def test_open_quotes_and_escrows_then_close_pays_receipts_and_refunds(worl
     world.ledger.release_due()
     paid = sum(world.ledger.earnings(n).released for n in world.nodes)
     assert paid == charged
+
+
+async def test_a_paid_sessions_capability_holds_the_client_to_a_credit_across_reroutes(
+    world: World,
+):
+    world.ledger.grant(world.account, 1_000_000, "g1")
+    grant = world.sessions.open_session(world.request())
+    claims = identity.open_capability(world.sessions._public, grant.capability)
+    assert claims.client_public_key == identity.public_key_bytes(world.client)
+    assert claims.usage_credit == CREDIT
+    stage = grant.stages[0]
+    rerouted = world.sessions.reroute(
+        client_api_pb2.RerouteRequest(
+            session_id=grant.session_id, capability=grant.capability, span=stage.layers,
+            exclude_node_ids=[stage.primary.node_id],
+        )
+    )  # fmt: skip
+    renewed = identity.open_capability(world.sessions._public, rerouted.capability)
+    assert (renewed.client_public_key, renewed.usage_credit) == (
+        claims.client_public_key,
+        CREDIT,
+    )
+    # Free nodes: no escrow, and so no credit (an unsigned open is a free session's).
+    for node in world.nodes.values():
+        node.price = 0
+    free = world.sessions.open_session(world.request(sign=False))
+    free_claims = identity.open_capability(world.sessions._public, free.capability)
+    assert not free_claims.client_public_key and free_claims.usage_credit == 0
 
 
 async def test_a_client_cannot_open_past_its_balance_or_its_max_price(world: World):
@@ -365,3 +394,30 @@ def test_the_driver_pays_a_node_that_also_checked_only_for_its_own_calls():
     # One token more than it was sent in all: inflated, not signed at all.
     book.received(node.node_id, 0, 2, node.receipt("s1", 0, 2, 22))
     assert book.countersign("s1", client) == []
+
+
+def test_the_book_keeps_the_receipt_that_counts_most_and_acknowledges_checkers_unbilled():
+    # A node that checks one span and serves another... and, here, answers a check and a
+    # primary call of the same layers out of order: the later-arriving, older receipt
+    # must not replace the newer one.
+    node = Node(1000, 1.0)
+    client = identity.generate_private_key()
+    book = UsageBook()
+    book.sent(node.node_id, 0, 2, 10)
+    book.received(node.node_id, 0, 2, node.receipt("s1", 0, 2, 10))
+    book.received(node.node_id, 0, 2, node.receipt("s1", 0, 2, 6))
+    assert book.owed(node.node_id, 0, 2) == 10
+    signed, tokens = book.countersign_one("s1", node.node_id, 0, 2, client)
+    assert tokens == 10 and ledger_pb2.UsageReceipt.FromString(signed.receipt).tokens == 10
+    book.acknowledged(node.node_id, 0, 2, 10)
+    book.acknowledged(node.node_id, 0, 2, 4)  # an older acknowledgment landing late
+    assert book.owed(node.node_id, 0, 2) == 0
+    # A pure checker: its receipt is acknowledged (billed 0), so that it keeps checking,
+    # but the settlement leaves it out: it pays nothing and bills no ungranted node.
+    checker = Node(1000, 1.0)
+    book.checked(checker.node_id, 0, 2, 8)
+    book.received(checker.node_id, 0, 2, checker.receipt("s1", 0, 2, 8))
+    acknowledged, _ = book.countersign_one("s1", checker.node_id, 0, 2, client)
+    assert acknowledged.billed_tokens == 0
+    assert [s.billed_tokens for s in book.countersign("s1", client)] == [10]
+    assert book.countersign_one("s1", "n-unknown", 0, 2, client) is None

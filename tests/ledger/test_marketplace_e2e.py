@@ -15,22 +15,19 @@ import grpc
 import pytest
 from support.market import (
     GRANT,
-    MODEL,
-    PROMPT,
     audit_cli,
-    available,
     balance_cli,
     earnings_cli,
     expected_shares,
     funded_client,
     generate,
+    kill_paying_client,
     make_market_checkpoint,
     paid_by_node,
     run_cli,
     running_market,
     wait_for,
 )
-from support.procs import run_until_killed
 from support.wrong_clock import set_clock_off
 
 from client import cli as client_cli
@@ -203,26 +200,6 @@ def test_kill_9_inside_settlement_then_restart_pays_exactly_once(market, client_
     assert audit.returncode == 0 and "ledger OK" in audit.stdout, audit.stdout
 
 
-# A paying client that dies (kill -9) after its 7th token: it never closes its session.
-_DIES_AFTER_7_TOKENS = """
-import os, signal, sys
-from pathlib import Path
-from client import billing
-from client.api import Client
-
-address, key_path, model, prompt = sys.argv[1:]
-key = billing.load_key(Path(key_path))
-with Client(address, key=key, settle_every=3) as client:
-    tokens = client.generate(model, token_ids=[int(t) for t in prompt.split(",")],
-                             max_new_tokens=8, stop_at_eos=False)
-    for seen, _ in enumerate(tokens, 1):
-        if seen == 1:
-            print(client.last_run.session_id, flush=True)
-        if seen == 7:
-            os.kill(os.getpid(), signal.SIGKILL)
-"""
-
-
 def test_a_paying_client_that_dies_before_its_close_has_paid_for_what_it_settled(
     market, client_key
 ):
@@ -230,13 +207,7 @@ def test_a_paying_client_that_dies_before_its_close_has_paid_for_what_it_settled
     expires. Periodic settlement (on by default, every 256 tokens; every 3 here) paid the
     nodes for all the client's tokens up to its last settlement; before it, a client that
     died paid nothing at all."""
-    with Client(market.address) as client:
-        wait_for(lambda: available(client), "the model to be served")
-    printed = run_until_killed(
-        _DIES_AFTER_7_TOKENS, market.address, market.workdir / "client.key", MODEL,
-        ",".join(map(str, PROMPT)),
-    )  # fmt: skip
-    session_id = printed.split()[0]
+    session_id = kill_paying_client(market, settle_every=3)
     with sqlite3.connect(market.coordinator_dir / "coordinator.db") as db:
         amount, charged, state = db.execute(
             "SELECT amount, charged, state FROM ledger_holds WHERE hold_id = ?", [session_id]

@@ -47,7 +47,15 @@ def test_a_restarted_meter_counts_on_from_its_saved_counts(tmp_path: Path) -> No
 
 @pytest.mark.parametrize(
     "content",
-    ["{not json", '{"s": 1}', '[["s", 0, 4, -3, 0, 0]]', '[["s", 0, 4, 1.5, 0, 0]]', "[[1, 2]]"],
+    [
+        "{not json",
+        '{"s": 1}',
+        '[["s", 0, 4, -3, 0, 0]]',
+        '[["s", 0, 4, 1.5, 0, 0]]',
+        "[[1, 2]]",
+        '[["s", 0, 4, 3, 0, 0, 9]]',  # more acknowledged than counted
+        '[["s", 0, 4, 3, 0, 0, 1, 1]]',
+    ],
 )
 def test_unreadable_counts_start_again_at_zero_and_are_written_anew(
     tmp_path: Path, content: str, caplog: pytest.LogCaptureFixture
@@ -60,7 +68,7 @@ def test_unreadable_counts_start_again_at_zero_and_are_written_anew(
     assert "unreadable" in caplog.text and "counting from 0" in caplog.text
     assert tokens_of(meter.record("s", 0, 4, 0, 3), identity.public_key_bytes(key))[0] == 3
     meter.save()
-    assert json.loads(path.read_text()) == [["s", 0, 4, 3, 0, 0]]
+    assert json.loads(path.read_text()) == [["s", 0, 4, 3, 0, 0, 0]]  # none acknowledged
 
 
 def test_a_count_that_cannot_be_saved_is_logged_and_the_node_goes_on(
@@ -86,4 +94,4 @@ def test_only_the_most_recently_active_counts_are_written(
         meter.record(session, 0, 4, 0, 1)
     meter.record("a", 0, 4, 1, 1)  # "a" is active again, "b" the oldest now
     meter.save()
-    assert json.loads(path.read_text()) == [["c", 0, 4, 1, 0, 0], ["a", 0, 4, 2, 0, 1]]
+    assert json.loads(path.read_text()) == [["c", 0, 4, 1, 0, 0, 0], ["a", 0, 4, 2, 0, 1, 0]]

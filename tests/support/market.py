@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from support.checkpoints import TINY_SHAPE, make_checkpoint
+from support.procs import run_until_killed
 from support.waiting import wait_for
 
 from client import billing
@@ -207,3 +208,35 @@ def paid_by_node(market: LocalSwarm, session_id: str) -> dict[str, int]:
             [session_id],
         ).fetchall()
     return dict(rows)
+
+
+_DYING_CLIENT = """
+import os, signal, sys
+from pathlib import Path
+from client import billing
+from client.api import Client
+
+address, key_path, model, prompt, settle_every = sys.argv[1:]
+key = billing.load_key(Path(key_path))
+with Client(address, key=key, settle_every=int(settle_every)) as client:
+    tokens = client.generate(model, token_ids=[int(t) for t in prompt.split(",")],
+                             max_new_tokens=8, stop_at_eos=False)
+    for seen, _ in enumerate(tokens, 1):
+        if seen == 1:
+            print(client.last_run.session_id, flush=True)
+        if seen == 7:
+            os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+
+def kill_paying_client(market: LocalSwarm, settle_every: int) -> str:
+    """Run a paying client (the market's client.key) in a process of its own that settles
+    every ``settle_every`` tokens (0: never) and kills itself (kill -9) after its 7th
+    token, so it never closes its session; returns that session's id."""
+    with Client(market.address) as client:
+        wait_for(lambda: available(client), "the model to be served")
+    printed = run_until_killed(
+        _DYING_CLIENT, market.address, market.workdir / "client.key", MODEL,
+        ",".join(map(str, PROMPT)), str(settle_every),
+    )  # fmt: skip
+    return printed.split()[0]

@@ -124,7 +124,7 @@ class OpenSessionRequest(_message.Message):
     def __init__(self, model: _Optional[str] = ..., max_length: _Optional[int] = ..., account: _Optional[str] = ..., max_price: _Optional[int] = ..., prefer: _Optional[str] = ..., client_public_key: _Optional[bytes] = ..., request_unix_ms: _Optional[int] = ..., client_signature: _Optional[bytes] = ..., nonce: _Optional[bytes] = ...) -> None: ...
 
 class CapabilityClaims(_message.Message):
-    __slots__ = ("session_id", "model", "grants", "issued_unix_ms", "expires_unix_ms", "max_tokens", "account")
+    __slots__ = ("session_id", "model", "grants", "issued_unix_ms", "expires_unix_ms", "max_tokens", "account", "client_public_key", "usage_credit")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     GRANTS_FIELD_NUMBER: _ClassVar[int]
@@ -132,6 +132,8 @@ class CapabilityClaims(_message.Message):
     EXPIRES_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
     MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
     ACCOUNT_FIELD_NUMBER: _ClassVar[int]
+    CLIENT_PUBLIC_KEY_FIELD_NUMBER: _ClassVar[int]
+    USAGE_CREDIT_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     model: str
     grants: _containers.RepeatedCompositeFieldContainer[Hop]
@@ -139,7 +141,9 @@ class CapabilityClaims(_message.Message):
     expires_unix_ms: int
     max_tokens: int
     account: str
-    def __init__(self, session_id: _Optional[str] = ..., model: _Optional[str] = ..., grants: _Optional[_Iterable[_Union[Hop, _Mapping]]] = ..., issued_unix_ms: _Optional[int] = ..., expires_unix_ms: _Optional[int] = ..., max_tokens: _Optional[int] = ..., account: _Optional[str] = ...) -> None: ...
+    client_public_key: bytes
+    usage_credit: int
+    def __init__(self, session_id: _Optional[str] = ..., model: _Optional[str] = ..., grants: _Optional[_Iterable[_Union[Hop, _Mapping]]] = ..., issued_unix_ms: _Optional[int] = ..., expires_unix_ms: _Optional[int] = ..., max_tokens: _Optional[int] = ..., account: _Optional[str] = ..., client_public_key: _Optional[bytes] = ..., usage_credit: _Optional[int] = ...) -> None: ...
 
 class SignedCapability(_message.Message):
     __slots__ = ("claims", "signature")

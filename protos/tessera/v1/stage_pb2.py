@@ -27,35 +27,39 @@ from protos.tessera.v1 import client_api_pb2 as tessera_dot_v1_dot_client__api__
 from protos.tessera.v1 import ledger_pb2 as tessera_dot_v1_dot_ledger__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16tessera/v1/stage.proto\x12\ntessera.v1\x1a\x17tessera/v1/common.proto\x1a\x1btessera/v1/client_api.proto\x1a\x17tessera/v1/ledger.proto\"\x8e\x03\n\x0e\x46orwardRequest\x12\x30\n\ncapability\x18\x01 \x01(\x0b\x32\x1c.tessera.v1.SignedCapability\x12\x12\n\nsession_id\x18\x02 \x01(\t\x12\x0c\n\x04step\x18\x03 \x01(\x04\x12\r\n\x05model\x18\x04 \x01(\t\x12&\n\x06layers\x18\x05 \x01(\x0b\x32\x16.tessera.v1.LayerRange\x12\x11\n\tstart_pos\x18\x06 \x01(\r\x12!\n\x05input\x18\x07 \x01(\x0b\x32\x12.tessera.v1.Tensor\x12\x1a\n\x12last_position_only\x18\x08 \x01(\x08\x12\x12\n\nbackground\x18\t \x01(\x08\x12&\n\x08relay_to\x18\n \x03(\x0b\x32\x14.tessera.v1.RelayHop\x12\x0f\n\x07relayed\x18\x0b \x01(\x08\x12*\n\x04ring\x18\x0c \x01(\x0b\x32\x1c.tessera.v1.RingContinuation\x12&\n\x06probes\x18\r \x03(\x0b\x32\x16.tessera.v1.LogitProbe\"1\n\nLogitProbe\x12\x10\n\x08position\x18\x01 \x01(\r\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\"n\n\x0bProbeAnswer\x12\x10\n\x08position\x18\x01 \x01(\r\x12\x0f\n\x07top_ids\x18\x02 \x03(\r\x12\x12\n\ntop_logits\x18\x03 \x03(\x02\x12\x15\n\rprobed_logits\x18\x04 \x03(\x02\x12\x11\n\tlogsumexp\x18\x05 \x01(\x01\"\xa5\x01\n\x10RingContinuation\x12#\n\x05route\x18\x01 \x03(\x0b\x32\x14.tessera.v1.RelayHop\x12\r\n\x05steps\x18\x02 \x01(\r\x12\x13\n\x0btemperature\x18\x03 \x01(\x01\x12\r\n\x05top_p\x18\x04 \x01(\x01\x12\x0c\n\x04seed\x18\x05 \x01(\x04\x12\x16\n\x0estop_token_ids\x18\x06 \x03(\x03\x12\x13\n\x0borigin_step\x18\x07 \x01(\x04\"T\n\x08RelayHop\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12&\n\x06layers\x18\x03 \x01(\x0b\x32\x16.tessera.v1.LayerRange\"Y\n\x11\x44\x65liveriesRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x30\n\ncapability\x18\x02 \x01(\x0b\x32\x1c.tessera.v1.SignedCapability\"\x9a\x01\n\x08\x44\x65livery\x12\x0c\n\x04step\x18\x01 \x01(\x04\x12&\n\x06layers\x18\x02 \x01(\x0b\x32\x16.tessera.v1.LayerRange\x12-\n\x08response\x18\x03 \x01(\x0b\x32\x1b.tessera.v1.ForwardResponse\x12\x12\n\nerror_code\x18\x04 \x01(\r\x12\x15\n\rerror_message\x18\x05 \x01(\t\"\x84\x02\n\x0f\x46orwardResponse\x12\x0c\n\x04step\x18\x01 \x01(\x04\x12\"\n\x06output\x18\x02 \x01(\x0b\x32\x12.tessera.v1.Tensor\x12\x12\n\ncompute_ms\x18\x03 \x01(\x01\x12\x14\n\x0c\x63\x61\x63he_length\x18\x04 \x01(\r\x12\x11\n\tsignature\x18\x05 \x01(\x0c\x12&\n\x05usage\x18\x06 \x01(\x0b\x32\x17.tessera.v1.SignedUsage\x12\x14\n\x0cinput_digest\x18\x07 \x01(\x0c\x12.\n\rprobe_answers\x18\x08 \x03(\x0b\x32\x17.tessera.v1.ProbeAnswer\x12\x14\n\x0crelay_failed\x18\t \x01(\t\"Y\n\x11\x45ndSessionRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x30\n\ncapability\x18\x02 \x01(\x0b\x32\x1c.tessera.v1.SignedCapability\"\x1e\n\x0bPingRequest\x12\x0f\n\x07payload\x18\x01 \x01(\x0c\"0\n\x0cPingResponse\x12\x0f\n\x07payload\x18\x01 \x01(\x0c\x12\x0f\n\x07node_id\x18\x02 \x01(\t2\x8f\x02\n\x05Stage\x12\x46\n\x07\x46orward\x12\x1a.tessera.v1.ForwardRequest\x1a\x1b.tessera.v1.ForwardResponse(\x01\x30\x01\x12>\n\nEndSession\x12\x1d.tessera.v1.EndSessionRequest\x1a\x11.tessera.v1.Empty\x12\x43\n\nDeliveries\x12\x1d.tessera.v1.DeliveriesRequest\x1a\x14.tessera.v1.Delivery0\x01\x12\x39\n\x04Ping\x12\x17.tessera.v1.PingRequest\x1a\x18.tessera.v1.PingResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16tessera/v1/stage.proto\x12\ntessera.v1\x1a\x17tessera/v1/common.proto\x1a\x1btessera/v1/client_api.proto\x1a\x17tessera/v1/ledger.proto\"\x82\x01\n\x12\x41\x63knowledgeRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x30\n\ncapability\x18\x02 \x01(\x0b\x32\x1c.tessera.v1.SignedCapability\x12&\n\x05usage\x18\x03 \x03(\x0b\x32\x17.tessera.v1.SignedUsage\"2\n\x13\x41\x63knowledgeResponse\x12\x1b\n\x13\x61\x63knowledged_tokens\x18\x01 \x03(\x04\"\x8e\x03\n\x0e\x46orwardRequest\x12\x30\n\ncapability\x18\x01 \x01(\x0b\x32\x1c.tessera.v1.SignedCapability\x12\x12\n\nsession_id\x18\x02 \x01(\t\x12\x0c\n\x04step\x18\x03 \x01(\x04\x12\r\n\x05model\x18\x04 \x01(\t\x12&\n\x06layers\x18\x05 \x01(\x0b\x32\x16.tessera.v1.LayerRange\x12\x11\n\tstart_pos\x18\x06 \x01(\r\x12!\n\x05input\x18\x07 \x01(\x0b\x32\x12.tessera.v1.Tensor\x12\x1a\n\x12last_position_only\x18\x08 \x01(\x08\x12\x12\n\nbackground\x18\t \x01(\x08\x12&\n\x08relay_to\x18\n \x03(\x0b\x32\x14.tessera.v1.RelayHop\x12\x0f\n\x07relayed\x18\x0b \x01(\x08\x12*\n\x04ring\x18\x0c \x01(\x0b\x32\x1c.tessera.v1.RingContinuation\x12&\n\x06probes\x18\r \x03(\x0b\x32\x16.tessera.v1.LogitProbe\"1\n\nLogitProbe\x12\x10\n\x08position\x18\x01 \x01(\r\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\"n\n\x0bProbeAnswer\x12\x10\n\x08position\x18\x01 \x01(\r\x12\x0f\n\x07top_ids\x18\x02 \x03(\r\x12\x12\n\ntop_logits\x18\x03 \x03(\x02\x12\x15\n\rprobed_logits\x18\x04 \x03(\x02\x12\x11\n\tlogsumexp\x18\x05 \x01(\x01\"\xa5\x01\n\x10RingContinuation\x12#\n\x05route\x18\x01 \x03(\x0b\x32\x14.tessera.v1.RelayHop\x12\r\n\x05steps\x18\x02 \x01(\r\x12\x13\n\x0btemperature\x18\x03 \x01(\x01\x12\r\n\x05top_p\x18\x04 \x01(\x01\x12\x0c\n\x04seed\x18\x05 \x01(\x04\x12\x16\n\x0estop_token_ids\x18\x06 \x03(\x03\x12\x13\n\x0borigin_step\x18\x07 \x01(\x04\"T\n\x08RelayHop\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12&\n\x06layers\x18\x03 \x01(\x0b\x32\x16.tessera.v1.LayerRange\"Y\n\x11\x44\x65liveriesRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x30\n\ncapability\x18\x02 \x01(\x0b\x32\x1c.tessera.v1.SignedCapability\"\x9a\x01\n\x08\x44\x65livery\x12\x0c\n\x04step\x18\x01 \x01(\x04\x12&\n\x06layers\x18\x02 \x01(\x0b\x32\x16.tessera.v1.LayerRange\x12-\n\x08response\x18\x03 \x01(\x0b\x32\x1b.tessera.v1.ForwardResponse\x12\x12\n\nerror_code\x18\x04 \x01(\r\x12\x15\n\rerror_message\x18\x05 \x01(\t\"\x84\x02\n\x0f\x46orwardResponse\x12\x0c\n\x04step\x18\x01 \x01(\x04\x12\"\n\x06output\x18\x02 \x01(\x0b\x32\x12.tessera.v1.Tensor\x12\x12\n\ncompute_ms\x18\x03 \x01(\x01\x12\x14\n\x0c\x63\x61\x63he_length\x18\x04 \x01(\r\x12\x11\n\tsignature\x18\x05 \x01(\x0c\x12&\n\x05usage\x18\x06 \x01(\x0b\x32\x17.tessera.v1.SignedUsage\x12\x14\n\x0cinput_digest\x18\x07 \x01(\x0c\x12.\n\rprobe_answers\x18\x08 \x03(\x0b\x32\x17.tessera.v1.ProbeAnswer\x12\x14\n\x0crelay_failed\x18\t \x01(\t\"Y\n\x11\x45ndSessionRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x30\n\ncapability\x18\x02 \x01(\x0b\x32\x1c.tessera.v1.SignedCapability\"\x1e\n\x0bPingRequest\x12\x0f\n\x07payload\x18\x01 \x01(\x0c\"0\n\x0cPingResponse\x12\x0f\n\x07payload\x18\x01 \x01(\x0c\x12\x0f\n\x07node_id\x18\x02 \x01(\t2\xdf\x02\n\x05Stage\x12\x46\n\x07\x46orward\x12\x1a.tessera.v1.ForwardRequest\x1a\x1b.tessera.v1.ForwardResponse(\x01\x30\x01\x12>\n\nEndSession\x12\x1d.tessera.v1.EndSessionRequest\x1a\x11.tessera.v1.Empty\x12\x43\n\nDeliveries\x12\x1d.tessera.v1.DeliveriesRequest\x1a\x14.tessera.v1.Delivery0\x01\x12\x39\n\x04Ping\x12\x17.tessera.v1.PingRequest\x1a\x18.tessera.v1.PingResponse\x12N\n\x0b\x41\x63knowledge\x12\x1e.tessera.v1.AcknowledgeRequest\x1a\x1f.tessera.v1.AcknowledgeResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'tessera.v1.stage_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_FORWARDREQUEST']._serialized_start=118
-  _globals['_FORWARDREQUEST']._serialized_end=516
-  _globals['_LOGITPROBE']._serialized_start=518
-  _globals['_LOGITPROBE']._serialized_end=567
-  _globals['_PROBEANSWER']._serialized_start=569
-  _globals['_PROBEANSWER']._serialized_end=679
-  _globals['_RINGCONTINUATION']._serialized_start=682
-  _globals['_RINGCONTINUATION']._serialized_end=847
-  _globals['_RELAYHOP']._serialized_start=849
-  _globals['_RELAYHOP']._serialized_end=933
-  _globals['_DELIVERIESREQUEST']._serialized_start=935
-  _globals['_DELIVERIESREQUEST']._serialized_end=1024
-  _globals['_DELIVERY']._serialized_start=1027
-  _globals['_DELIVERY']._serialized_end=1181
-  _globals['_FORWARDRESPONSE']._serialized_start=1184
-  _globals['_FORWARDRESPONSE']._serialized_end=1444
-  _globals['_ENDSESSIONREQUEST']._serialized_start=1446
-  _globals['_ENDSESSIONREQUEST']._serialized_end=1535
-  _globals['_PINGREQUEST']._serialized_start=1537
-  _globals['_PINGREQUEST']._serialized_end=1567
-  _globals['_PINGRESPONSE']._serialized_start=1569
-  _globals['_PINGRESPONSE']._serialized_end=1617
-  _globals['_STAGE']._serialized_start=1620
-  _globals['_STAGE']._serialized_end=1891
+  _globals['_ACKNOWLEDGEREQUEST']._serialized_start=118
+  _globals['_ACKNOWLEDGEREQUEST']._serialized_end=248
+  _globals['_ACKNOWLEDGERESPONSE']._serialized_start=250
+  _globals['_ACKNOWLEDGERESPONSE']._serialized_end=300
+  _globals['_FORWARDREQUEST']._serialized_start=303
+  _globals['_FORWARDREQUEST']._serialized_end=701
+  _globals['_LOGITPROBE']._serialized_start=703
+  _globals['_LOGITPROBE']._serialized_end=752
+  _globals['_PROBEANSWER']._serialized_start=754
+  _globals['_PROBEANSWER']._serialized_end=864
+  _globals['_RINGCONTINUATION']._serialized_start=867
+  _globals['_RINGCONTINUATION']._serialized_end=1032
+  _globals['_RELAYHOP']._serialized_start=1034
+  _globals['_RELAYHOP']._serialized_end=1118
+  _globals['_DELIVERIESREQUEST']._serialized_start=1120
+  _globals['_DELIVERIESREQUEST']._serialized_end=1209
+  _globals['_DELIVERY']._serialized_start=1212
+  _globals['_DELIVERY']._serialized_end=1366
+  _globals['_FORWARDRESPONSE']._serialized_start=1369
+  _globals['_FORWARDRESPONSE']._serialized_end=1629
+  _globals['_ENDSESSIONREQUEST']._serialized_start=1631
+  _globals['_ENDSESSIONREQUEST']._serialized_end=1720
+  _globals['_PINGREQUEST']._serialized_start=1722
+  _globals['_PINGREQUEST']._serialized_end=1752
+  _globals['_PINGRESPONSE']._serialized_start=1754
+  _globals['_PINGRESPONSE']._serialized_end=1802
+  _globals['_STAGE']._serialized_start=1805
+  _globals['_STAGE']._serialized_end=2156
 # @@protoc_insertion_point(module_scope)

@@ -9,6 +9,22 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class AcknowledgeRequest(_message.Message):
+    __slots__ = ("session_id", "capability", "usage")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    CAPABILITY_FIELD_NUMBER: _ClassVar[int]
+    USAGE_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    capability: _client_api_pb2.SignedCapability
+    usage: _containers.RepeatedCompositeFieldContainer[_ledger_pb2.SignedUsage]
+    def __init__(self, session_id: _Optional[str] = ..., capability: _Optional[_Union[_client_api_pb2.SignedCapability, _Mapping]] = ..., usage: _Optional[_Iterable[_Union[_ledger_pb2.SignedUsage, _Mapping]]] = ...) -> None: ...
+
+class AcknowledgeResponse(_message.Message):
+    __slots__ = ("acknowledged_tokens",)
+    ACKNOWLEDGED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    acknowledged_tokens: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, acknowledged_tokens: _Optional[_Iterable[int]] = ...) -> None: ...
+
 class ForwardRequest(_message.Message):
     __slots__ = ("capability", "session_id", "step", "model", "layers", "start_pos", "input", "last_position_only", "background", "relay_to", "relayed", "ring", "probes")
     CAPABILITY_FIELD_NUMBER: _ClassVar[int]

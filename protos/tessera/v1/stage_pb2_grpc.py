@@ -57,6 +57,11 @@ class StageStub:
                 request_serializer=tessera_dot_v1_dot_stage__pb2.PingRequest.SerializeToString,
                 response_deserializer=tessera_dot_v1_dot_stage__pb2.PingResponse.FromString,
                 _registered_method=True)
+        self.Acknowledge = channel.unary_unary(
+                '/tessera.v1.Stage/Acknowledge',
+                request_serializer=tessera_dot_v1_dot_stage__pb2.AcknowledgeRequest.SerializeToString,
+                response_deserializer=tessera_dot_v1_dot_stage__pb2.AcknowledgeResponse.FromString,
+                _registered_method=True)
 
 
 class StageServicer:
@@ -94,6 +99,16 @@ class StageServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Acknowledge(self, request, context):
+        """A paying client's counter-signed receipts of this node's work in a session: the node
+        computes at most CapabilityClaims.usage_credit past the newest acknowledged one per
+        layer range, and settles them with the coordinator itself, so it is paid for them
+        even if the client never closes the session.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_StageServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -116,6 +131,11 @@ def add_StageServicer_to_server(servicer, server):
                     servicer.Ping,
                     request_deserializer=tessera_dot_v1_dot_stage__pb2.PingRequest.FromString,
                     response_serializer=tessera_dot_v1_dot_stage__pb2.PingResponse.SerializeToString,
+            ),
+            'Acknowledge': grpc.unary_unary_rpc_method_handler(
+                    servicer.Acknowledge,
+                    request_deserializer=tessera_dot_v1_dot_stage__pb2.AcknowledgeRequest.FromString,
+                    response_serializer=tessera_dot_v1_dot_stage__pb2.AcknowledgeResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -228,6 +248,33 @@ class Stage:
             '/tessera.v1.Stage/Ping',
             tessera_dot_v1_dot_stage__pb2.PingRequest.SerializeToString,
             tessera_dot_v1_dot_stage__pb2.PingResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Acknowledge(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tessera.v1.Stage/Acknowledge',
+            tessera_dot_v1_dot_stage__pb2.AcknowledgeRequest.SerializeToString,
+            tessera_dot_v1_dot_stage__pb2.AcknowledgeResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,120 @@
+"""Acknowledging the nodes' usage receipts as a paid session goes (Stage.Acknowledge).
+
+In a paid session each node computes at most the session's credit (token positions x
+batch, ``CapabilityClaims.usage_credit``) on a layer range past the newest receipt the
+client counter-signed and handed back to it; the node settles those receipts with the
+coordinator itself. So a client that withholds its receipts gets little work unpaid, and
+a node is paid even if its client dies before it settles.
+
+Acknowledgments stay off the token's path: once a quarter of the credit is owed on a
+(node, layers) the newest receipt goes back in a task of its own, and the node answers
+in a round trip while the pipeline runs. Only when half of it is owed before a call (a
+big prefill chunk, a replay, a checker's catch-up: many positions in one call) does the
+call wait for the acknowledgment first, so that no node ever reaches its credit and
+refuses an honest client.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Callable, Iterable
+
+import grpc
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+from client.billing import UsageBook
+from client.channels import ChannelPool
+from client.records import HopRecord
+from protos.tessera.v1 import client_api_pb2, stage_pb2, stage_pb2_grpc
+
+log = logging.getLogger(__name__)
+
+ACKNOWLEDGE_TIMEOUT_S = 10.0
+
+_Key = tuple[str, int, int]  # node id, layer start, layer end
+
+
+class Acknowledger:
+    def __init__(
+        self,
+        session_id: str,
+        credit: int,
+        key: Ed25519PrivateKey,
+        book: UsageBook,
+        channels: ChannelPool,
+        capability: Callable[[], client_api_pb2.SignedCapability],
+    ) -> None:
+        self.session_id = session_id
+        self.credit = credit
+        self._key = key
+        self._book = book
+        self._channels = channels
+        self._capability = capability  # the session's newest (reroutes renew it)
+        self._running: dict[_Key, asyncio.Task[None]] = {}
+        self.sent = 0  # acknowledgments the nodes took
+        self.failed = 0  # and those that failed (the node may then refuse a call)
+
+    def noted(self, hop: HopRecord, start: int, end: int) -> None:
+        """A receipt of this node came in: acknowledge it if a quarter of the credit is owed."""
+        if self._book.owed(hop.node_id, start, end) >= max(1, self.credit // 4):
+            self._start(hop, start, end)
+
+    async def ready(self, hops: Iterable[tuple[HopRecord, int, int]]) -> None:
+        """Before calls to these (node, layers): wait for the acknowledgment of any of them
+        that owes half its credit or more."""
+        waits = [
+            self._start(hop, start, end)
+            for hop, start, end in hops
+            if self._book.owed(hop.node_id, start, end) >= max(1, self.credit // 2)
+        ]
+        if waits:
+            # Never an error: a node that took no acknowledgment refuses the call, and the
+            # driver's fail-over handles that as any other refusal.
+            await asyncio.wait(waits, timeout=ACKNOWLEDGE_TIMEOUT_S)
+
+    def _start(self, hop: HopRecord, start: int, end: int) -> asyncio.Task[None]:
+        where = (hop.node_id, start, end)
+        task = self._running.get(where)
+        if task is None or task.done():
+            task = self._running[where] = asyncio.get_running_loop().create_task(
+                self._acknowledge(hop, start, end), name=f"acknowledge {hop.node_id}"
+            )
+        return task
+
+    async def _acknowledge(self, hop: HopRecord, start: int, end: int) -> None:
+        signed = self._book.countersign_one(self.session_id, hop.node_id, start, end, self._key)
+        if signed is None:
+            return  # the client does not agree with the node's count: it is not paid for it
+        usage, tokens = signed
+        request = stage_pb2.AcknowledgeRequest(
+            session_id=self.session_id, capability=self._capability(), usage=[usage]
+        )
+        stub = stage_pb2_grpc.StageStub(self._channels.get(hop.address))
+        began = time.monotonic()
+        try:
+            await stub.Acknowledge(request, timeout=ACKNOWLEDGE_TIMEOUT_S)
+        except grpc.aio.AioRpcError as err:
+            self.failed += 1
+            log.warning(
+                "node %s did not take the acknowledgment of its receipt on layers [%d, %d) "
+                "(%s: %s); it may refuse this session's next call there",
+                hop.node_id, start, end, err.code().name, err.details(),
+            )  # fmt: skip
+            return
+        self.sent += 1
+        self._book.acknowledged(hop.node_id, start, end, tokens)
+        log.debug(
+            "acknowledged %d tokens of node %s on layers [%d, %d) in %.1f ms",
+            tokens, hop.node_id, start, end, (time.monotonic() - began) * 1000,
+        )  # fmt: skip
+
+    async def close(self) -> None:
+        running = [t for t in self._running.values() if not t.done()]
+        for task in running:
+            task.cancel()
+        for task in running:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task

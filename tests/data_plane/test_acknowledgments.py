@@ -1,0 +1,271 @@
+"""A paid session's credit at a node, and Stage.Acknowledge (docs/ledger.md,
+"Acknowledgments"), against a real stage server on loopback.
+
+The node computes at most the session's credit (token positions x batch) on a layer range
+past the newest receipt the client counter-signed and handed back; a client that
+withholds its receipts is refused there. Every malformed, forged or misdirected
+acknowledgment gets the right status, acknowledges nothing, and the node goes on serving.
+"""
+
+from __future__ import annotations
+
+import grpc
+import numpy as np
+import pytest
+from data_plane.stage_harness import (
+    MODEL,
+    NUM_LAYERS,
+    CoordinatorKeys,
+    reference_greedy,
+    session_grant,
+)
+from data_plane.test_stage_server import PROMPT, Session, logits_of
+from support.hostile import refused
+
+from client.acknowledgments import Acknowledger
+from client.channels import ChannelPool
+from client.driver import PipelineDriver
+from node_agent.receipts import UsageMeter
+from protos import codec, identity
+from protos.tessera.v1 import client_api_pb2, ledger_pb2, stage_pb2, stage_pb2_grpc
+
+CREDIT = 8
+
+
+class PaidSession(Session):
+    """A raw stream of a paid session whose client key the test holds."""
+
+    client = identity.generate_private_key()
+
+    def capability(self, **options) -> client_api_pb2.SignedCapability:
+        options.setdefault("client_key", identity.public_key_bytes(self.client))
+        options.setdefault("usage_credit", CREDIT)
+        return super().capability(**options)
+
+    def countersign(
+        self, usage: ledger_pb2.SignedUsage, billed: int | None = None, key=None
+    ) -> ledger_pb2.SignedUsage:
+        receipt = ledger_pb2.UsageReceipt.FromString(usage.receipt)
+        billed = receipt.tokens if billed is None else billed
+        signer = key or self.client
+        return ledger_pb2.SignedUsage(
+            receipt=usage.receipt,
+            node_signature=usage.node_signature,
+            client_signature=signer.sign(identity.usage_countersign_payload(usage.receipt, billed)),
+            billed_tokens=billed,
+        )
+
+    def acknowledge(self, *usage: ledger_pb2.SignedUsage, capability=None):  # noqa: ANN201
+        stub = stage_pb2_grpc.StageStub(self.channel)
+        request = stage_pb2.AcknowledgeRequest(
+            session_id=self.session_id,
+            capability=capability or self.capability(),
+            usage=list(usage),
+        )
+        return stub.Acknowledge(request, timeout=10)
+
+
+def next_token(response: stage_pb2.ForwardResponse) -> int:
+    return int(np.argmax(logits_of(response)[0, -1]))
+
+
+async def test_a_client_that_withholds_its_receipts_gets_no_more_than_its_credit(
+    start_node, keys: CoordinatorKeys
+) -> None:
+    node = await start_node([(0, NUM_LAYERS)])
+    session = PaidSession.open(node, keys, "s-paid")
+    try:
+        # 5 prompt positions, then one a step: below the credit of 8 the node computes.
+        answer = await session.tokens(PROMPT, 0)
+        position = len(PROMPT)
+        while position < CREDIT:
+            answer = await session.tokens([next_token(answer)], position)
+            position += 1
+        owed = ledger_pb2.UsageReceipt.FromString(answer.usage.receipt).tokens
+        assert owed == CREDIT
+        # At the credit: refused, with what to do, until the client acknowledges.
+        details = await refused(
+            session.tokens([next_token(answer)], position),
+            grpc.StatusCode.FAILED_PRECONDITION,
+            f"computed {CREDIT} token positions",
+        )
+        assert "Stage.Acknowledge" in details and "credit is 8" in details
+        await session.close()
+
+        # A new stream of the same session acknowledges the newest receipt: served again.
+        session = PaidSession.open(node, keys, "s-paid")
+        taken = await session.acknowledge(session.countersign(answer.usage, billed=5))
+        assert list(taken.acknowledged_tokens) == [CREDIT]
+        again = await session.tokens([next_token(answer)], position)
+        assert again.cache_length == position + 1
+        # An older receipt acknowledges nothing new (it never lowers what was taken).
+        older = await session.acknowledge(session.countersign(again.usage))
+        assert list(older.acknowledged_tokens) == [CREDIT + 1]
+        stale = await session.acknowledge(session.countersign(answer.usage))
+        assert list(stale.acknowledged_tokens) == [CREDIT + 1]
+    finally:
+        await session.close()
+
+
+async def test_a_free_session_has_no_credit_and_nothing_to_acknowledge(
+    start_node, keys: CoordinatorKeys
+) -> None:
+    node = await start_node([(0, NUM_LAYERS)])
+    session = Session.open(node, keys, "s-free")
+    try:
+        answer = await session.tokens(PROMPT, 0)
+        for position in range(len(PROMPT), len(PROMPT) + CREDIT):
+            answer = await session.tokens([next_token(answer)], position)
+        paid = PaidSession.open(node, keys, "s-free")
+        await refused(
+            paid.acknowledge(paid.countersign(answer.usage), capability=session.capability()),
+            grpc.StatusCode.FAILED_PRECONDITION,
+            "is free",
+        )
+        await paid.close()
+    finally:
+        await session.close()
+
+
+async def test_hostile_acknowledgments_are_refused_and_the_node_goes_on_serving(
+    start_node, keys: CoordinatorKeys
+) -> None:
+    node = await start_node([(0, NUM_LAYERS)])
+    other = await start_node([(0, NUM_LAYERS)])
+    session = PaidSession.open(node, keys, "s-paid")
+    elsewhere = PaidSession.open(other, keys, "s-paid")
+    try:
+        answer = await session.tokens(PROMPT, 0)
+        foreign = await elsewhere.tokens(PROMPT, 0)  # the same session's, at another node
+        good = session.countersign(answer.usage)
+        stub = stage_pb2_grpc.StageStub(session.channel)
+
+        def bare(**fields) -> stage_pb2.AcknowledgeRequest:
+            return stage_pb2.AcknowledgeRequest(session_id="s-paid", **fields)
+
+        # Who may acknowledge: the session's capability, signed by the coordinator.
+        await refused(stub.Acknowledge(bare(usage=[good])), grpc.StatusCode.UNAUTHENTICATED,
+                      "must carry the session's capability")  # fmt: skip
+        forged = session.capability(key=identity.generate_private_key())
+        await refused(session.acknowledge(good, capability=forged),
+                      grpc.StatusCode.UNAUTHENTICATED, "signature")  # fmt: skip
+        await refused(
+            stub.Acknowledge(stage_pb2.AcknowledgeRequest(
+                session_id="x" * 100_000, capability=session.capability(), usage=[good]
+            )),
+            grpc.StatusCode.PERMISSION_DENIED, "not",
+        )  # fmt: skip
+        # Over the 64 MiB message limit: refused by gRPC before the servicer sees it.
+        await refused(
+            stub.Acknowledge(stage_pb2.AcknowledgeRequest(
+                session_id="x" * (codec.MAX_MESSAGE_BYTES + 10), capability=session.capability(),
+            )),
+            grpc.StatusCode.RESOURCE_EXHAUSTED, "larger than max",
+        )  # fmt: skip
+        # How many: one to 64 receipts, each at most 1 KiB.
+        await refused(session.acknowledge(), grpc.StatusCode.INVALID_ARGUMENT, "0 receipts")
+        await refused(session.acknowledge(*[good] * 65), grpc.StatusCode.INVALID_ARGUMENT,
+                      "65 receipts")  # fmt: skip
+        oversized = ledger_pb2.SignedUsage(receipt=b"\x0a" + b"x" * 5000)
+        await refused(session.acknowledge(oversized), grpc.StatusCode.INVALID_ARGUMENT,
+                      "at most 1024")  # fmt: skip
+        garbage = ledger_pb2.SignedUsage(receipt=b"\xff\xff\xff\xff")
+        await refused(session.acknowledge(garbage), grpc.StatusCode.INVALID_ARGUMENT,
+                      "not a UsageReceipt")  # fmt: skip
+        # What: this node's own receipt, of this session, counter-signed by its client key.
+        await refused(session.acknowledge(session.countersign(foreign.usage)),
+                      grpc.StatusCode.UNAUTHENTICATED, "not this node's")  # fmt: skip
+        stranger = identity.generate_private_key()
+        await refused(session.acknowledge(session.countersign(answer.usage, key=stranger)),
+                      grpc.StatusCode.UNAUTHENTICATED, "client key")  # fmt: skip
+        inflated = session.countersign(answer.usage, billed=len(PROMPT) + 1)
+        await refused(session.acknowledge(inflated), grpc.StatusCode.INVALID_ARGUMENT,
+                      "billed tokens")  # fmt: skip
+        tampered = ledger_pb2.UsageReceipt.FromString(answer.usage.receipt)
+        tampered.tokens = 1  # a lower count under the node's own signature of the real one
+        lowered = ledger_pb2.SignedUsage(
+            receipt=tampered.SerializeToString(), node_signature=answer.usage.node_signature
+        )
+        await refused(session.acknowledge(session.countersign(lowered)),
+                      grpc.StatusCode.UNAUTHENTICATED, "node signature")  # fmt: skip
+        other_session = PaidSession.open(node, keys, "s-other")
+        await refused(other_session.acknowledge(good), grpc.StatusCode.INVALID_ARGUMENT,
+                      "for session 's-paid'")  # fmt: skip
+        await other_session.close()
+
+        # Nothing was acknowledged by any of them, and the session goes on.
+        taken = await session.acknowledge(good)
+        assert list(taken.acknowledged_tokens) == [len(PROMPT)]
+        step = await session.tokens([next_token(answer)], len(PROMPT))
+        assert step.cache_length == len(PROMPT) + 1
+    finally:
+        await session.close()
+        await elsewhere.close()
+
+
+@pytest.mark.parametrize("push", [True, False], ids=["pushed", "hop-by-hop"])
+@pytest.mark.parametrize("alongside", [True, False], ids=["alongside", "only-before-calls"])
+async def test_an_honest_driver_acknowledges_as_it_goes_and_is_never_refused(
+    start_node,
+    keys: CoordinatorKeys,
+    checkpoint,
+    push: bool,
+    alongside: bool,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # A credit smaller than the prompt: the prefill alone owes more than half of it, so the
+    # first decode step waits for its acknowledgment; the later ones go out alongside the
+    # pipeline. Without those (a slow link would have them land late), the wait before each
+    # call that would otherwise reach the credit is what keeps the client from refusal.
+    if not alongside:
+        monkeypatch.setattr(Acknowledger, "noted", lambda *_: None)
+    credit = 4
+    client = identity.generate_private_key()
+    first, second = await start_node([(0, 2)]), await start_node([(2, NUM_LAYERS)])
+    grant = session_grant(
+        keys, [(0, 2, first, []), (2, NUM_LAYERS, second, [])],
+        client_key=identity.public_key_bytes(client), usage_credit=credit,
+    )  # fmt: skip
+    driver = PipelineDriver(grant, MODEL)
+    if not push:
+        driver.push_off = "hop by hop, for this test"
+    channels = ChannelPool()
+    driver.acks = Acknowledger(
+        grant.session_id, credit, client, driver.usage, channels, lambda: driver.capability
+    )
+    tokens: list[int] = []
+    try:
+        logits = await driver.step(PROMPT, last_only=True)
+        for _ in range(12):
+            tokens.append(int(np.argmax(logits[0])))
+            logits = await driver.step([tokens[-1]], last_only=True)
+        assert not driver.failovers, driver.failovers
+        assert tokens == reference_greedy(checkpoint, PROMPT, 12)
+        assert driver.acks.sent >= 12 // credit and driver.acks.failed == 0
+        # What each node still counts unacknowledged stays under the credit.
+        for node, (start, end) in ((first, (0, 2)), (second, (2, NUM_LAYERS))):
+            assert node.servicer._usage.owed(grant.session_id, start, end) < credit
+    finally:
+        await driver.close()
+        await channels.close()
+
+
+def test_acknowledgments_survive_a_restart_of_the_node(tmp_path) -> None:
+    key, client = identity.generate_private_key(), identity.generate_private_key()
+    path = tmp_path / "usage.json"
+    meter = UsageMeter(key, path=path)
+    receipt = meter.record("s1", 0, 2, step=1, tokens=10)
+    meter.record("s1", 0, 2, step=2, tokens=1)
+    countersigned = ledger_pb2.SignedUsage(
+        receipt=receipt.receipt,
+        node_signature=receipt.node_signature,
+        client_signature=client.sign(identity.usage_countersign_payload(receipt.receipt, 10)),
+        billed_tokens=10,
+    )
+    meter.acknowledge("s1", countersigned, identity.public_key_bytes(client))
+    assert meter.owed("s1", 0, 2) == 1
+    meter.save()
+    assert UsageMeter(key, path=path).owed("s1", 0, 2) == 1
+    # A file written before acknowledgments were counted (six columns) reads as none made.
+    path.write_text('[["s1", 0, 2, 11, 1, 2]]')
+    assert UsageMeter(key, path=path).owed("s1", 0, 2) == 11

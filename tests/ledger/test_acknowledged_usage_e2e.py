@@ -1,0 +1,117 @@
+"""Acknowledgments end to end, with real processes: a coordinator that gives paid sessions
+a credit of 4 token positions per node (`serve --usage-credit 4`) and three priced node
+agents that settle what they were acknowledged every 0.3 s (docs/ledger.md,
+"Acknowledgments").
+
+- An honest paying client acknowledges as it goes: it is never refused, and pays exactly
+  what it would without a credit.
+- A client that withholds its receipts is refused once it owes a node its credit.
+- A paying client killed before it ever settles (no periodic settlement, no close) has
+  still paid for what it acknowledged: the nodes settled it themselves.
+"""
+
+from __future__ import annotations
+
+import sqlite3
+from collections.abc import Iterator
+
+import pytest
+from support.market import (
+    MODEL,
+    NEW_TOKENS,
+    PRICES,
+    PROMPT,
+    audit_cli,
+    available,
+    expected_shares,
+    funded_client,
+    generate,
+    kill_paying_client,
+    make_market_checkpoint,
+    paid_by_node,
+    price_of,
+    running_market,
+    wait_for,
+)
+
+from client.api import AsyncClient, Client
+from client.errors import TesseraError
+from client.local_swarm import LocalSwarm
+
+pytestmark = pytest.mark.slow
+
+CREDIT = 4
+
+
+@pytest.fixture(scope="module")
+def market(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalSwarm]:
+    checkpoint = make_market_checkpoint(tmp_path_factory.mktemp("ckpt") / "tiny")
+    settle_fast = {name: {"TESSERA_SETTLE_EVERY_S": "0.3"} for name in PRICES}
+    with running_market(
+        tmp_path_factory.mktemp("market"), checkpoint,
+        coordinator_args=("--usage-credit", str(CREDIT)), node_env=settle_fast,
+    ) as swarm:  # fmt: skip
+        yield swarm
+
+
+@pytest.fixture(scope="module")
+def client_key(market: LocalSwarm):
+    return funded_client(market)
+
+
+def test_an_honest_client_acknowledges_as_it_goes_and_pays_exactly_its_usage(market, client_key):
+    result = generate(market, client_key)
+    assert len(result.token_ids) == NEW_TOKENS and not result.failovers, result.failovers
+    assert result.settlement is not None and result.settlement.closed
+    shares = expected_shares(market, result, nodes=3)
+    assert paid_by_node(market, result.session_id) == shares  # no more, no less
+    assert result.settlement.charged == sum(shares.values())
+
+
+def test_a_client_that_withholds_its_receipts_is_refused_at_its_credit(
+    market, client_key, monkeypatch: pytest.MonkeyPatch
+):
+    # The client library with its acknowledgments taken out, as a freeloader would run it.
+    monkeypatch.setattr(AsyncClient, "_hold_to_credit", lambda *_: None)
+    got: list[int] = []
+    with Client(market.address, key=client_key, settle_every=0) as client:
+        wait_for(lambda: available(client), "the model to be served")
+        with pytest.raises(TesseraError) as refused:
+            for token in client.generate(
+                MODEL, token_ids=PROMPT, max_new_tokens=NEW_TOKENS, stop_at_eos=False
+            ):
+                got.append(token.id)
+        result = client.last_run
+    # The prompt's 7 positions are more than the credit: its first token, and no more. The
+    # node refused the next call; no other node serves its layers.
+    assert len(got) <= 1, got
+    assert "that the client has not acknowledged" in str(refused.value), refused.value
+    assert "FAILED_PRECONDITION" in str(refused.value)
+    assert result is not None and len(result.token_ids) <= 1
+
+
+def test_a_client_killed_before_it_settles_has_paid_what_it_acknowledged(market, client_key):
+    """Without the nodes' own settlement this client would have paid nothing: it never
+    sent a receipt to the coordinator (test_marketplace_e2e's dying client settles
+    periodically). Each node of its route is paid at least for all but its credit's worth
+    of the 13 positions it ran (7 prompt, 6 fed back)."""
+    session_id = kill_paying_client(market, settle_every=0)
+    positions = len(PROMPT) + 6
+    layers = 2  # three stages of the 6-layer model
+
+    def settled_by_nodes() -> dict[str, int] | None:
+        paid = paid_by_node(market, session_id)
+        floor = {n: (positions - CREDIT) * layers * price_of(market, n) // 1000 for n in paid}
+        return paid if len(paid) == 3 and all(paid[n] >= floor[n] for n in paid) else None
+
+    wait_for(settled_by_nodes, "the nodes to settle the acknowledged receipts", timeout_s=30)
+    paid = paid_by_node(market, session_id)
+    for node_id, share in paid.items():  # and never more than the positions it ran
+        assert share <= positions * layers * price_of(market, node_id) // 1000
+    with sqlite3.connect(market.coordinator_dir / "coordinator.db") as db:
+        amount, charged, state = db.execute(
+            "SELECT amount, charged, state FROM ledger_holds WHERE hold_id = ?", [session_id]
+        ).fetchone()
+    assert state == "open" and charged == sum(paid.values()) and charged < amount
+    audit = audit_cli(market)
+    assert audit.returncode == 0 and "ledger OK" in audit.stdout, audit.stdout
