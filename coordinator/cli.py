@@ -285,9 +285,9 @@ def _add_serve_parser(subparsers: Any) -> None:
     serve_parser.add_argument(
         "--usage-credit", type=_non_negative_int, default=1024, metavar="TOKENS",
         help="in a paid session, how many token positions a node computes on its layers past "
-        "the newest usage receipt the client acknowledged before it waits for the next one: "
-        "what a client that withholds its receipts gets unpaid, per node and session (0: no "
-        "acknowledgments, the client settles alone; default: %(default)s)",
+        "the newest usage receipt the client acknowledged before it refuses the session's next "
+        "call there: what a client that withholds its receipts gets unpaid, per node and "
+        "session (0: no acknowledgments, the client settles alone; default: %(default)s)",
     )  # fmt: skip
     serve_parser.add_argument(
         "--verify-warmup", type=_positive_int, default=10, metavar="N",
