@@ -11,7 +11,8 @@ Acknowledgments stay off the token's path: once a quarter of the credit is owed 
 in a round trip while the pipeline runs. Only when half of it is owed before a call (a
 big prefill chunk, a replay, a checker's catch-up: many positions in one call) does the
 call wait for the acknowledgment first, so that no node ever reaches its credit and
-refuses an honest client.
+refuses an honest client. When the session ends every node is handed its newest receipt,
+so its own settlement covers the whole session even if the client's close is lost.
 """
 
 from __future__ import annotations
@@ -33,6 +34,8 @@ from protos.tessera.v1 import client_api_pb2, stage_pb2, stage_pb2_grpc
 log = logging.getLogger(__name__)
 
 ACKNOWLEDGE_TIMEOUT_S = 10.0
+# How long the end of a session waits for its last acknowledgments.
+FINAL_WAIT_S = 2.0
 
 _Key = tuple[str, int, int]  # node id, layer start, layer end
 
@@ -54,11 +57,13 @@ class Acknowledger:
         self._channels = channels
         self._capability = capability  # the session's newest (reroutes renew it)
         self._running: dict[_Key, asyncio.Task[None]] = {}
+        self._hops: dict[_Key, HopRecord] = {}  # where each (node, layers) is reached
         self.sent = 0  # acknowledgments the nodes took
         self.failed = 0  # and those that failed (the node may then refuse a call)
 
     def noted(self, hop: HopRecord, start: int, end: int) -> None:
         """A receipt of this node came in: acknowledge it if a quarter of the credit is owed."""
+        self._hops[(hop.node_id, start, end)] = hop
         if self._book.owed(hop.node_id, start, end) >= max(1, self.credit // 4):
             self._start(hop, start, end)
 
@@ -77,6 +82,7 @@ class Acknowledger:
 
     def _start(self, hop: HopRecord, start: int, end: int) -> asyncio.Task[None]:
         where = (hop.node_id, start, end)
+        self._hops[where] = hop
         task = self._running.get(where)
         if task is None or task.done():
             task = self._running[where] = asyncio.get_running_loop().create_task(
@@ -112,7 +118,19 @@ class Acknowledger:
         )  # fmt: skip
 
     async def close(self) -> None:
+        """Hand every node the newest receipt it is owed for, and wait for those a little:
+        a node is then paid for the whole session by its own settlement, even if the
+        client's close never reaches the coordinator."""
+        for _ in range(2):  # what runs may hand over an older receipt: then the newest
+            running = [t for t in self._running.values() if not t.done()]
+            if running:
+                await asyncio.wait(running, timeout=FINAL_WAIT_S)
+            for node_id, start, end in list(self._hops):
+                if self._book.owed(node_id, start, end) > 0:
+                    self._start(self._hops[(node_id, start, end)], start, end)
         running = [t for t in self._running.values() if not t.done()]
+        if running:
+            await asyncio.wait(running, timeout=FINAL_WAIT_S)
         for task in running:
             task.cancel()
         for task in running:

@@ -621,10 +621,10 @@ class PipelineDriver:
     async def close(self) -> None:
         """End the session on every node that served it (best effort) and close streams."""
         self._drop_deferred()
-        if self.acks is not None:
-            await self.acks.close()  # the close settles every receipt anyway
         if self.ring_off is not None and self._ring_started:
             await self._await_ring_answers()
+        if self.acks is not None:
+            await self.acks.close()  # the last receipts, which the nodes settle themselves
         for slot in self._slots:
             slot.close_stream()
         self._subscriptions.close()

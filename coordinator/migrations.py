@@ -27,10 +27,12 @@ from coordinator.jobs.schema import (
 from coordinator.ledger.schema import MIGRATION_NAME as LEDGER_MIGRATION
 from coordinator.ledger.schema import NONCES_MIGRATION_NAME as LEDGER_NONCES_MIGRATION
 from coordinator.ledger.schema import PERIODIC_MIGRATION_NAME as LEDGER_PERIODIC_MIGRATION
+from coordinator.ledger.schema import PRIMARIES_MIGRATION_NAME as LEDGER_PRIMARIES_MIGRATION
 from coordinator.ledger.schema import (
     create_ledger_tables,
     create_nonce_table,
     create_periodic_settlement_tables,
+    create_primaries_table,
 )
 from coordinator.model_store.schema import MIGRATION_NAME as MODEL_STORE_MIGRATION
 from coordinator.model_store.schema import create_model_store_tables
@@ -107,6 +109,7 @@ MIGRATIONS: list[Migration] = [
     Migration(11, JOBS_DATASET_USE_MIGRATION, add_dataset_used_ms),
     Migration(12, PLAN_STORE_MIGRATION, create_plan_table),
     Migration(13, MEASUREMENTS_MIGRATION, create_measurements_table),
+    Migration(14, LEDGER_PRIMARIES_MIGRATION, create_primaries_table),
 ]
 
 

@@ -302,8 +302,9 @@ class StageServicer(stage_pb2_grpc.StageServicer):
                     else grpc.StatusCode.INVALID_ARGUMENT
                 )
                 raise StageError(code, f"receipt {index}: {err}") from None
-            if signed.billed_tokens > 0:  # a checker's alone pays nothing: none to settle
-                self._settler.add(receipt, signed)
+            # Settled even when it bills nothing: the ledger pays a stage's primary its whole
+            # count (a client cannot call all it asked for checks), and skips the rest.
+            self._settler.add(receipt, signed)
             response.acknowledged_tokens.append(acknowledged)
         return response
 

@@ -121,6 +121,7 @@ class Billing:
             nodes,
             expires_ms + HOLD_GRACE_MS,
             request.client_public_key,
+            primaries=[(s.primary.node_id, s.start, s.end) for s in stages],
         )
         log.info("session %s: %d credit units escrowed from %s", session_id, amount, account)
         return quote

@@ -20,8 +20,8 @@ from __future__ import annotations
 import json
 import sqlite3
 import time
-from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, replace
 
 import grpc
 import sqlite_utils
@@ -68,7 +68,10 @@ class Usage:
     node_id: str
     layer_start: int
     layer_end: int
-    tokens: int
+    tokens: int  # what the client agreed to pay for (billed_tokens)
+    # What the node counted (the receipt's tokens, which the client signed too); billed in
+    # full where the node was the session's primary for these layers. None: as tokens.
+    counted: int | None = None
 
 
 @dataclass(frozen=True)
@@ -303,8 +306,11 @@ class Ledger:
         prices: Mapping[str, NodeQuote],
         expires_ms: int,
         client_key: bytes,
+        primaries: Sequence[tuple[str, int, int]] = (),
     ) -> None:
         """Escrow `amount` of the client's credit for a session; refused past its balance.
+        ``primaries`` are its stages' primaries at open, (node id, layer start, end): their
+        receipts there are billed in full (``_billable``).
 
         Not tied to inference: `hold_id` names any paid piece of work (a training job holds
         under "job:<job id>", so it cannot collide with a session id), `client_key` is the
@@ -341,6 +347,12 @@ class Ledger:
                 [hold_id, client_account(client_id), amount, client_key,
                  _canonical(table), self._clock(), expires_ms],
             )  # fmt: skip
+            for node_id, start, end in primaries:
+                self.db.execute(
+                    "INSERT OR IGNORE INTO ledger_hold_primaries "
+                    "(hold_id, node_id, layer_start, layer_end) VALUES (?, ?, ?, ?)",
+                    [hold_id, node_id, start, end],
+                )
             failpoint("hold:before-commit")
 
     def add_prices(
@@ -420,15 +432,18 @@ class Ledger:
                 [hold_id],
             )
         }
+        primaries = self._primaries(hold_id)
         seen: set[str] = set()
         found: list[tuple[Usage, int, int]] = []
-        for usage in usages:
+        for usage in [_billable(u, primaries.get(u.node_id, {})) for u in usages]:
             if usage.receipt_id in seen:
                 raise LedgerError(
                     grpc.StatusCode.INVALID_ARGUMENT, "the same receipt was sent twice"
                 )
             seen.add(usage.receipt_id)
             quote = prices.get(usage.node_id)
+            if quote is None and usage.tokens == 0:
+                continue  # a verification-only replica's checks: nothing to pay
             if quote is None:
                 raise LedgerError(
                     grpc.StatusCode.PERMISSION_DENIED,
@@ -447,6 +462,16 @@ class Ledger:
         if total > left:
             found = [(u, c, add * left // total) for u, c, add in found]
         return found
+
+    def _primaries(self, hold_id: str) -> dict[str, dict[int, int]]:
+        """node id -> {layer start: layer end} of the stages it was primary for at open."""
+        spans: dict[str, dict[int, int]] = {}
+        for node_id, start, end in self.db.execute(
+            "SELECT node_id, layer_start, layer_end FROM ledger_hold_primaries WHERE hold_id = ?",
+            [hold_id],
+        ):
+            spans.setdefault(node_id, {})[int(start)] = int(end)
+        return spans
 
     def _unpaid_nodes(self, hold_id: str) -> set[str]:
         """Nodes whose work in this session is not paid: rejected there, or convicted."""
@@ -720,3 +745,20 @@ class Ledger:
                 [(now, r[0]) for r in rows],
             )
         return sum(int(r[2]) for r in rows) + stake
+
+
+def _billable(usage: Usage, primary_spans: Mapping[int, int]) -> Usage:
+    """The usage with what the client pays for: the node's whole count where its layers are
+    stages it was primary for at open (one, or consecutive ones served as one hop). A
+    stage's checks run on other nodes, so all it computed there was the client's own
+    work, and billed_tokens below that count is the client's word against its own
+    signature of the count. Elsewhere (checkers, alternates and rerouted nodes, whose
+    counts may hold checks) what the client agreed to pay for."""
+    if usage.counted is None or usage.counted <= usage.tokens:
+        return usage
+    at = usage.layer_start
+    while at in primary_spans and at < usage.layer_end:
+        at = primary_spans[at]
+    if at != usage.layer_end:
+        return usage
+    return replace(usage, tokens=usage.counted)

@@ -118,11 +118,13 @@ def _verify_one(
             f"receipt {index}: {item.billed_tokens} billed tokens, but node {receipt.node_id} "
             f"computed only {receipt.tokens}",
         )
-    # Only the tokens the client agreed to pay for: the rest were its verification checks.
+    # The tokens the client agreed to pay for (the rest were its verification checks), and
+    # the node's count, which a stage's primary is paid in full (book._billable).
     return Usage(
         receipt_id=hashlib.sha256(item.receipt).hexdigest(),
         node_id=receipt.node_id,
         layer_start=receipt.layer_start,
         layer_end=receipt.layer_end,
         tokens=item.billed_tokens,
+        counted=receipt.tokens,
     )

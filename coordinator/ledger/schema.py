@@ -138,3 +138,23 @@ def create_nonce_table(db: sqlite_utils.Database) -> None:
         """
     )
     db.execute("CREATE INDEX ledger_request_nonces_seen ON ledger_request_nonces (seen_ms)")
+
+
+PRIMARIES_MIGRATION_NAME = "ledger: each paid session's primaries at open (billed in full)"
+
+
+def create_primaries_table(db: sqlite_utils.Database) -> None:
+    # The node and layers of each stage's primary when a session opened. Everything such a
+    # node computed there was the client's own work (a stage's checks run on other nodes),
+    # so its receipts are billed in full whatever billed_tokens the client claims.
+    db.execute(
+        """
+        CREATE TABLE ledger_hold_primaries (
+            hold_id TEXT NOT NULL,
+            node_id TEXT NOT NULL,
+            layer_start INTEGER NOT NULL,
+            layer_end INTEGER NOT NULL,
+            PRIMARY KEY (hold_id, node_id, layer_start)
+        )
+        """
+    )

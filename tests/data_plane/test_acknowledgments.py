@@ -245,6 +245,13 @@ async def test_an_honest_driver_acknowledges_as_it_goes_and_is_never_refused(
         # What each node still counts unacknowledged stays under the credit.
         for node, (start, end) in ((first, (0, 2)), (second, (2, NUM_LAYERS))):
             assert node.servicer._usage.owed(grant.session_id, start, end) < credit
+        await driver.close()
+        # The end of the session hands each node its newest receipt: what it settles
+        # (its coordinator is unreachable here, so it waits) is the whole session.
+        for node, (start, end) in ((first, (0, 2)), (second, (2, NUM_LAYERS))):
+            waiting = node.servicer._settler._pending[grant.session_id][(start, end)][0]
+            assert waiting == len(PROMPT) + 12
+            assert driver.usage.owed(node.node_id, start, end) == 0
     finally:
         await driver.close()
         await channels.close()

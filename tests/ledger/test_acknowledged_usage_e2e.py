@@ -6,6 +6,7 @@ agents that settle what they were acknowledged every 0.3 s (docs/ledger.md,
 - An honest paying client acknowledges as it goes: it is never refused, and pays exactly
   what it would without a credit.
 - A client that withholds its receipts is refused once it owes a node its credit.
+- A client that bills all its receipts as checks pays the stages' primaries in full.
 - A paying client killed before it ever settles (no periodic settlement, no close) has
   still paid for what it acknowledged: the nodes settled it themselves.
 """
@@ -35,8 +36,10 @@ from support.market import (
 )
 
 from client.api import AsyncClient, Client
+from client.billing import UsageBook
 from client.errors import TesseraError
 from client.local_swarm import LocalSwarm
+from protos import identity
 
 pytestmark = pytest.mark.slow
 
@@ -88,6 +91,37 @@ def test_a_client_that_withholds_its_receipts_is_refused_at_its_credit(
     assert "that the client has not acknowledged" in str(refused.value), refused.value
     assert "FAILED_PRECONDITION" in str(refused.value)
     assert result is not None and len(result.token_ids) <= 1
+
+
+def test_a_client_that_bills_everything_as_checks_still_pays_the_stages_primaries(
+    market, client_key, monkeypatch: pytest.MonkeyPatch
+):
+    """A client that acknowledges its receipts but bills nothing on them ("those were all
+    checks") and never closes: the nodes settle what it acknowledged, and the ledger bills
+    each stage's primary at open its whole count, which the client signed (its stage's
+    checks ran elsewhere). Every node of the route here is a primary: each is paid for
+    every position of the generation it acknowledged."""
+    original = UsageBook._countersigned
+
+    def bills_nothing(self, session_id, where, usage, key):  # noqa: ANN001, ANN202
+        signed = original(self, session_id, where, usage, key)
+        if signed is not None:
+            signed.billed_tokens = 0
+            signed.client_signature = key.sign(
+                identity.usage_countersign_payload(signed.receipt, 0)
+            )
+        return signed
+
+    async def never_closes(self, request):  # noqa: ANN001, ANN202
+        return None
+
+    monkeypatch.setattr(UsageBook, "_countersigned", bills_nothing)
+    monkeypatch.setattr(AsyncClient, "_end_session", never_closes)
+    result = generate(market, client_key)
+    assert len(result.token_ids) == NEW_TOKENS and not result.failovers
+    shares = expected_shares(market, result, nodes=3)  # every position, every stage
+    wait_for(lambda: paid_by_node(market, result.session_id) == shares,
+             "the nodes' settlements to bill the primaries in full", timeout_s=30)  # fmt: skip
 
 
 def test_a_client_killed_before_it_settles_has_paid_what_it_acknowledged(market, client_key):

@@ -18,6 +18,7 @@ from client.billing import UsageBook, sign_open
 from coordinator.db import open_database
 from coordinator.ledger import Ledger, LedgerError, NodeQuote, audit
 from coordinator.ledger.billing import Billing
+from coordinator.ledger.book import Usage, _billable
 from coordinator.placement import Placement, PlacementNode, model_spec
 from coordinator.sessions import SessionError, Sessions
 from protos import identity
@@ -421,3 +422,49 @@ def test_the_book_keeps_the_receipt_that_counts_most_and_acknowledges_checkers_u
     assert acknowledged.billed_tokens == 0
     assert [s.billed_tokens for s in book.countersign("s1", client)] == [10]
     assert book.countersign_one("s1", "n-unknown", 0, 2, client) is None
+
+
+async def test_a_stages_primary_is_billed_its_whole_count_whatever_the_client_claims(
+    world: World,
+):
+    # A client that acknowledges every call as a check (billed 0) to pay nothing: the
+    # primaries at open checked nothing of their own stages (checks run on other nodes), so
+    # their receipts, whose count the client signed, are billed in full. An alternate's
+    # count may hold checks: what the client bills there stands.
+    world.ledger.grant(world.account, 1_000_000, "g1")
+    grant = world.sessions.open_session(world.request())
+    stage = grant.stages[0]
+    start, end = stage.layers.start, stage.layers.end
+    primary, alternate = (
+        world.nodes[stage.primary.node_id],
+        world.nodes[stage.alternates[0].node_id],
+    )
+
+    def billed(node: Node, counted: int, bills: int) -> ledger_pb2.SignedUsage:
+        signed = countersign(node.receipt(grant.session_id, start, end, counted), world.client)
+        signed.billed_tokens = bills
+        signed.client_signature = world.client.sign(
+            identity.usage_countersign_payload(signed.receipt, bills)
+        )
+        return signed
+
+    settle = ledger_pb2.SettleUsageRequest(
+        session_id=grant.session_id, usage=[billed(primary, 20, 0), billed(alternate, 10, 4)]
+    )
+    settlement = world.billing.settle_usage(settle.session_id, settle.usage)
+    layers = end - start
+    assert settlement.charged == (
+        20 * layers * primary.price // 1000 + 4 * layers * alternate.price // 1000
+    )
+
+
+def test_only_a_nodes_own_primary_stages_are_billed_in_full():
+    spans = {0: 2, 2: 4, 6: 8}  # primary of [0, 2), [2, 4) and [6, 8)
+
+    def tokens(start: int, end: int) -> int:
+        usage = Usage("r", "n", start, end, tokens=3, counted=9)
+        return _billable(usage, spans).tokens
+
+    assert tokens(0, 2) == tokens(2, 4) == tokens(0, 4) == tokens(6, 8) == 9  # one hop or two
+    assert tokens(0, 3) == tokens(4, 6) == tokens(2, 8) == tokens(1, 2) == 3
+    assert _billable(Usage("r", "n", 0, 2, tokens=3), spans).tokens == 3  # no count known
