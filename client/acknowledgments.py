@@ -34,8 +34,10 @@ from protos.tessera.v1 import client_api_pb2, stage_pb2, stage_pb2_grpc
 log = logging.getLogger(__name__)
 
 ACKNOWLEDGE_TIMEOUT_S = 10.0
-# How long the end of a session waits for its last acknowledgments.
-FINAL_WAIT_S = 2.0
+# How long a call, and the end of a session, wait for acknowledgments: a healthy node takes
+# one in a round trip, and a hung one must not hold the pipeline up longer than its own
+# deadlines would (the call then goes, and a refusal fails over like any other).
+WAIT_S = 2.0
 
 _Key = tuple[str, int, int]  # node id, layer start, layer end
 
@@ -78,7 +80,7 @@ class Acknowledger:
         if waits:
             # Never an error: a node that took no acknowledgment refuses the call, and the
             # driver's fail-over handles that as any other refusal.
-            await asyncio.wait(waits, timeout=ACKNOWLEDGE_TIMEOUT_S)
+            await asyncio.wait(waits, timeout=WAIT_S)
 
     def _start(self, hop: HopRecord, start: int, end: int) -> asyncio.Task[None]:
         where = (hop.node_id, start, end)
@@ -124,13 +126,13 @@ class Acknowledger:
         for _ in range(2):  # what runs may hand over an older receipt: then the newest
             running = [t for t in self._running.values() if not t.done()]
             if running:
-                await asyncio.wait(running, timeout=FINAL_WAIT_S)
+                await asyncio.wait(running, timeout=WAIT_S)
             for node_id, start, end in list(self._hops):
                 if self._book.owed(node_id, start, end) > 0:
                     self._start(self._hops[(node_id, start, end)], start, end)
         running = [t for t in self._running.values() if not t.done()]
         if running:
-            await asyncio.wait(running, timeout=FINAL_WAIT_S)
+            await asyncio.wait(running, timeout=WAIT_S)
         for task in running:
             task.cancel()
         for task in running:
