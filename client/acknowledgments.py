@@ -82,6 +82,17 @@ class Acknowledger:
             # driver's fail-over handles that as any other refusal.
             await asyncio.wait(waits, timeout=WAIT_S)
 
+    async def settle_up(self, hop: HopRecord, start: int, end: int) -> bool:
+        """After the node refused a call for want of an acknowledgment (one lost on the
+        way, or not there yet): hand it the newest receipt now. Whether it took it, so
+        that the call may go to it again instead of failing over."""
+        task = self._running.get((hop.node_id, start, end))
+        if task is not None and not task.done():
+            await asyncio.wait([task], timeout=WAIT_S)  # it may carry an older receipt
+        sent = self.sent
+        await asyncio.wait([self._start(hop, start, end)], timeout=WAIT_S)
+        return self.sent > sent
+
     def _start(self, hop: HopRecord, start: int, end: int) -> asyncio.Task[None]:
         where = (hop.node_id, start, end)
         self._hops[where] = hop

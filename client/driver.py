@@ -72,7 +72,7 @@ from client.records import FailoverEvent, HopRecord, Receipt, RollbackEvent, Sta
 from client.route_history import RouteHistory, Span, covers
 from client.step_reports import SendReport, StepReporter
 from client.verification import NodeRejected, PendingCheck, StageVerifier
-from protos import codec
+from protos import codec, usage_credit
 from protos.quoting import shown
 from protos.sampling import SamplingParams
 from protos.tessera.v1 import client_api_pb2, common_pb2, stage_pb2, stage_pb2_grpc
@@ -1246,23 +1246,36 @@ class PipelineDriver:
         a try, or the node cannot be reached again at once: the caller fails over. The
         node's cache still holds the session up to this step (or the step too, which it
         then computes again), so the step alone goes again (a node that lost the session
-        answers FAILED_PRECONDITION, and a replay there follows)."""
+        answers FAILED_PRECONDITION, and a replay there follows). Likewise when a paid
+        session's node refused the step for want of an acknowledgment, once it took one."""
         slot = self._slots[index]
         key = (slot.hop.node_id, slot.span)
+        owed = (
+            failure.code == grpc.StatusCode.FAILED_PRECONDITION
+            and self.acks is not None
+            and usage_credit.is_refusal(str(failure))
+        )
         if (
-            failure.code != grpc.StatusCode.UNAVAILABLE
-            or self.config.resume_connect_s <= 0
+            (not owed and (failure.code != grpc.StatusCode.UNAVAILABLE
+                           or self.config.resume_connect_s <= 0))
             or key in self._resumed_this_step
             or key not in self._answered  # it never answered here: nothing to resume
             or self._history.length(slot.span) <= start_pos
-        ):
+        ):  # fmt: skip
             return None
         self._resumed_this_step.add(key)
         slot.close_stream()
-        if not await self._reconnects(slot.hop.address, self.config.resume_connect_s):
+        if owed:
+            assert self.acks is not None
+            if not await self.acks.settle_up(slot.hop, slot.span.start, slot.span.end):
+                return None
+            log.info("node %s wanted an acknowledgment (%s); sending step %d to it again",
+                     slot.hop.node_id, failure, step)  # fmt: skip
+        elif not await self._reconnects(slot.hop.address, self.config.resume_connect_s):
             return None
-        log.info("node %s: the connection broke (%s); sending step %d to it again",
-                 slot.hop.node_id, failure, step)  # fmt: skip
+        else:
+            log.info("node %s: the connection broke (%s); sending step %d to it again",
+                     slot.hop.node_id, failure, step)  # fmt: skip
         failovers = len(self.failovers)
         _, full, full_dtype = self._history.replay_input(slot.span)
         tokens = int(full.shape[1]) - start_pos

@@ -58,7 +58,7 @@ from node_agent.shard_manager import (
     shard_manager_for,
 )
 from node_agent.usage_settlement import UsageSettler, settle_every_s
-from protos import codec, identity, logit_probes, output_check
+from protos import codec, identity, logit_probes, output_check, usage_credit
 from protos.quoting import shown
 from protos.sampling import SamplingParams, draw_at
 from protos.tessera.v1 import client_api_pb2, common_pb2, stage_pb2, stage_pb2_grpc
@@ -494,11 +494,7 @@ class StageServicer(stage_pb2_grpc.StageServicer):
         if owed >= claims.usage_credit:
             raise StageError(
                 grpc.StatusCode.FAILED_PRECONDITION,
-                f"this node computed {owed} token positions on layers [{start}, {end}) of "
-                f"session {session_id} that the client has not acknowledged, and the "
-                f"session's credit is {claims.usage_credit}: send Stage.Acknowledge with the "
-                "node's newest receipt counter-signed (the tessera client does this as it "
-                "goes), then this call again",
+                usage_credit.refusal(owed, start, end, session_id, claims.usage_credit),
             )
 
     def _extend_chain(

@@ -204,21 +204,29 @@ async def test_hostile_acknowledgments_are_refused_and_the_node_goes_on_serving(
 
 
 @pytest.mark.parametrize("push", [True, False], ids=["pushed", "hop-by-hop"])
-@pytest.mark.parametrize("alongside", [True, False], ids=["alongside", "only-before-calls"])
-async def test_an_honest_driver_acknowledges_as_it_goes_and_is_never_refused(
+@pytest.mark.parametrize("when", ["alongside", "before-calls", "when-refused"])
+async def test_an_honest_driver_acknowledges_as_it_goes_and_is_never_failed_over(
     start_node,
     keys: CoordinatorKeys,
     checkpoint,
     push: bool,
-    alongside: bool,
+    when: str,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     # A credit smaller than the prompt: the prefill alone owes more than half of it, so the
     # first decode step waits for its acknowledgment; the later ones go out alongside the
     # pipeline. Without those (a slow link would have them land late), the wait before each
     # call that would otherwise reach the credit is what keeps the client from refusal.
-    if not alongside:
+    # Without that too (an acknowledgment lost on the way), a refused step is acknowledged
+    # and sent to the same node again: no stage here has another node to fail over to.
+    if when != "alongside":
         monkeypatch.setattr(Acknowledger, "noted", lambda *_: None)
+    if when == "when-refused":
+
+        async def never_before(self, hops) -> None:  # noqa: ANN001
+            return None
+
+        monkeypatch.setattr(Acknowledger, "ready", never_before)
     credit = 4
     client = identity.generate_private_key()
     first, second = await start_node([(0, 2)]), await start_node([(2, NUM_LAYERS)])
@@ -239,12 +247,18 @@ async def test_an_honest_driver_acknowledges_as_it_goes_and_is_never_refused(
         for _ in range(12):
             tokens.append(int(np.argmax(logits[0])))
             logits = await driver.step([tokens[-1]], last_only=True)
-        assert not driver.failovers, driver.failovers
         assert tokens == reference_greedy(checkpoint, PROMPT, 12)
+        if when == "when-refused":  # the same node again each time, never a replay
+            assert driver.failovers and {e.via for e in driver.failovers} == {"resume"}
+            assert all(e.replacement_node_ids == (e.failed_node_id,) for e in driver.failovers)
+        else:
+            assert not driver.failovers, driver.failovers
         assert driver.acks.sent >= 12 // credit and driver.acks.failed == 0
-        # What each node still counts unacknowledged stays under the credit.
+        # What each node still counts unacknowledged stays under the credit (or reaches it,
+        # and no further, where only a refusal brings the acknowledgment).
+        most = credit if when == "when-refused" else credit - 1
         for node, (start, end) in ((first, (0, 2)), (second, (2, NUM_LAYERS))):
-            assert node.servicer._usage.owed(grant.session_id, start, end) < credit
+            assert node.servicer._usage.owed(grant.session_id, start, end) <= most
         await driver.close()
         # The end of the session hands each node its newest receipt: what it settles
         # (its coordinator is unreachable here, so it waits) is the whole session.
