@@ -58,7 +58,7 @@ class Acknowledger:
         self._book = book
         self._channels = channels
         self._capability = capability  # the session's newest (reroutes renew it)
-        self._running: dict[_Key, asyncio.Task[None]] = {}
+        self._running: dict[_Key, asyncio.Task[bool]] = {}
         self._hops: dict[_Key, HopRecord] = {}  # where each (node, layers) is reached
         self.sent = 0  # acknowledgments the nodes took
         self.failed = 0  # and those that failed (the node may then refuse a call)
@@ -79,7 +79,7 @@ class Acknowledger:
         ]
         if waits:
             # Never an error: a node that took no acknowledgment refuses the call, and the
-            # driver's fail-over handles that as any other refusal.
+            # driver then acknowledges again (settle_up) or fails it over.
             await asyncio.wait(waits, timeout=WAIT_S)
 
     async def settle_up(self, hop: HopRecord, start: int, end: int) -> bool:
@@ -89,11 +89,11 @@ class Acknowledger:
         task = self._running.get((hop.node_id, start, end))
         if task is not None and not task.done():
             await asyncio.wait([task], timeout=WAIT_S)  # it may carry an older receipt
-        sent = self.sent
-        await asyncio.wait([self._start(hop, start, end)], timeout=WAIT_S)
-        return self.sent > sent
+        task = self._start(hop, start, end)
+        await asyncio.wait([task], timeout=WAIT_S)
+        return task.done() and not task.cancelled() and task.result()
 
-    def _start(self, hop: HopRecord, start: int, end: int) -> asyncio.Task[None]:
+    def _start(self, hop: HopRecord, start: int, end: int) -> asyncio.Task[bool]:
         where = (hop.node_id, start, end)
         self._hops[where] = hop
         task = self._running.get(where)
@@ -103,10 +103,11 @@ class Acknowledger:
             )
         return task
 
-    async def _acknowledge(self, hop: HopRecord, start: int, end: int) -> None:
+    async def _acknowledge(self, hop: HopRecord, start: int, end: int) -> bool:
+        """Whether the node took its newest receipt."""
         signed = self._book.countersign_one(self.session_id, hop.node_id, start, end, self._key)
         if signed is None:
-            return  # the client does not agree with the node's count: it is not paid for it
+            return False  # the client disagrees with the node's count: it is not paid for it
         usage, tokens = signed
         request = stage_pb2.AcknowledgeRequest(
             session_id=self.session_id, capability=self._capability(), usage=[usage]
@@ -122,25 +123,25 @@ class Acknowledger:
                 "(%s: %s); it may refuse this session's next call there",
                 hop.node_id, start, end, err.code().name, err.details(),
             )  # fmt: skip
-            return
+            return False
         self.sent += 1
         self._book.acknowledged(hop.node_id, start, end, tokens)
         log.debug(
             "acknowledged %d tokens of node %s on layers [%d, %d) in %.1f ms",
             tokens, hop.node_id, start, end, (time.monotonic() - began) * 1000,
         )  # fmt: skip
+        return True
 
     async def close(self) -> None:
         """Hand every node the newest receipt it is owed for, and wait for those a little:
         a node is then paid for the whole session by its own settlement, even if the
         client's close never reaches the coordinator."""
-        for _ in range(2):  # what runs may hand over an older receipt: then the newest
-            running = [t for t in self._running.values() if not t.done()]
-            if running:
-                await asyncio.wait(running, timeout=WAIT_S)
-            for node_id, start, end in list(self._hops):
-                if self._book.owed(node_id, start, end) > 0:
-                    self._start(self._hops[(node_id, start, end)], start, end)
+        running = [t for t in self._running.values() if not t.done()]
+        if running:  # these may hand over older receipts: then the newest, below
+            await asyncio.wait(running, timeout=WAIT_S)
+        for node_id, start, end in list(self._hops):
+            if self._book.owed(node_id, start, end) > 0:
+                self._start(self._hops[(node_id, start, end)], start, end)
         running = [t for t in self._running.values() if not t.done()]
         if running:
             await asyncio.wait(running, timeout=WAIT_S)
