@@ -613,14 +613,10 @@ class AsyncClient:
             lambda: driver.capability,
         )
 
-        def answered(hop: HopRecord, start: int, end: int, usage: ledger_pb2.SignedUsage) -> None:
-            driver.usage.received(hop.node_id, start, end, usage)
-            acks.noted(hop, start, end)
-
         async def before(hop: HopRecord, start: int, end: int) -> None:
             await acks.ready([(hop, start, end)])
 
-        verifier.on_check_answered, verifier.before_check = answered, before
+        verifier.on_check_answered, verifier.before_check = driver.received, before
 
     def _close_request(
         self, driver: PipelineDriver, grant: client_api_pb2.SessionGrant

@@ -75,7 +75,7 @@ from client.verification import NodeRejected, PendingCheck, StageVerifier
 from protos import codec, usage_credit
 from protos.quoting import shown
 from protos.sampling import SamplingParams
-from protos.tessera.v1 import client_api_pb2, common_pb2, stage_pb2, stage_pb2_grpc
+from protos.tessera.v1 import client_api_pb2, common_pb2, ledger_pb2, stage_pb2, stage_pb2_grpc
 
 log = logging.getLogger(__name__)
 
@@ -433,6 +433,13 @@ class PipelineDriver:
     @property
     def route(self) -> list[HopRecord]:
         return [slot.hop for slot in self._slots]
+
+    def received(self, hop: HopRecord, start: int, end: int, usage: ledger_pb2.SignedUsage) -> None:
+        """A node's usage receipt came in, with its answer to a call or to a check: booked,
+        and acknowledged when due (a paid session's)."""
+        self.usage.received(hop.node_id, start, end, usage)
+        if self.acks is not None:
+            self.acks.noted(hop, start, end)
 
     @property
     def capability(self) -> client_api_pb2.SignedCapability:
@@ -1420,9 +1427,7 @@ class PipelineDriver:
         A sampled check of it is settled later, before the step returns (``_walk``)."""
         request, tokens, replay = call.request, call.tokens, call.replay
         step = request.step
-        self.usage.received(slot.hop.node_id, slot.span.start, slot.span.end, response.usage)
-        if self.acks is not None:
-            self.acks.noted(slot.hop, slot.span.start, slot.span.end)
+        self.received(slot.hop, slot.span.start, slot.span.end, response.usage)
         output = self._check_output(
             slot, response, step, call.batch, tokens, request.start_pos, call.last_position_only
         )

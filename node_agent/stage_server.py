@@ -71,7 +71,6 @@ MAX_STOP_IDS = 64
 USAGE_FILE = "usage/inference.json"
 # Receipts one Acknowledge may carry: one per layer range this node serves in the session.
 MAX_ACKNOWLEDGED = 64
-MAX_RECEIPT_BYTES = 1024
 
 
 @dataclass(frozen=True)
@@ -285,11 +284,11 @@ class StageServicer(stage_pb2_grpc.StageServicer):
             )
         response = stage_pb2.AcknowledgeResponse()
         for index, signed in enumerate(request.usage):
-            if len(signed.receipt) > MAX_RECEIPT_BYTES:
+            if len(signed.receipt) > usage_credit.MAX_RECEIPT_BYTES:
                 raise StageError(
                     grpc.StatusCode.INVALID_ARGUMENT,
                     f"receipt {index} is {len(signed.receipt)} bytes; a receipt is at most "
-                    f"{MAX_RECEIPT_BYTES}",
+                    f"{usage_credit.MAX_RECEIPT_BYTES}",
                 )
             try:
                 receipt, acknowledged = self._usage.acknowledge(

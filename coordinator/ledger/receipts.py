@@ -19,9 +19,9 @@ from coordinator.ledger.amounts import INT64_MAX, LedgerError
 from coordinator.ledger.book import Usage
 from protos import identity
 from protos.tessera.v1 import ledger_pb2
+from protos.usage_credit import MAX_RECEIPT_BYTES
 
 MAX_RECEIPTS = 4096
-MAX_RECEIPT_BYTES = 1024
 
 
 def _refuse(code: grpc.StatusCode, message: str) -> LedgerError:

@@ -59,10 +59,14 @@ class Node:
         )
 
 
-def countersign(usage: ledger_pb2.SignedUsage, key) -> ledger_pb2.SignedUsage:
+def countersign(
+    usage: ledger_pb2.SignedUsage, key, billed: int | None = None
+) -> ledger_pb2.SignedUsage:
+    """The client's counter-signature, billing ``billed`` tokens (default: all it counts)."""
     signed = ledger_pb2.SignedUsage()
     signed.CopyFrom(usage)
-    signed.billed_tokens = ledger_pb2.UsageReceipt.FromString(usage.receipt).tokens
+    counted = ledger_pb2.UsageReceipt.FromString(usage.receipt).tokens
+    signed.billed_tokens = counted if billed is None else billed
     signed.client_signature = key.sign(
         identity.usage_countersign_payload(usage.receipt, signed.billed_tokens)
     )
@@ -441,12 +445,8 @@ async def test_a_stages_primary_is_billed_its_whole_count_whatever_the_client_cl
     )
 
     def billed(node: Node, counted: int, bills: int) -> ledger_pb2.SignedUsage:
-        signed = countersign(node.receipt(grant.session_id, start, end, counted), world.client)
-        signed.billed_tokens = bills
-        signed.client_signature = world.client.sign(
-            identity.usage_countersign_payload(signed.receipt, bills)
-        )
-        return signed
+        receipt = node.receipt(grant.session_id, start, end, counted)
+        return countersign(receipt, world.client, billed=bills)
 
     settle = ledger_pb2.SettleUsageRequest(
         session_id=grant.session_id, usage=[billed(primary, 20, 0), billed(alternate, 10, 4)]
