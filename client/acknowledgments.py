@@ -13,6 +13,9 @@ big prefill chunk, a replay, a checker's catch-up: many positions in one call) d
 call wait for the acknowledgment first, so that no node ever reaches its credit and
 refuses an honest client. When the session ends every node is handed its newest receipt,
 so its own settlement covers the whole session even if the client's close is lost.
+
+A paid training job is held to its receipts the same way, in samples run forward
+(TrainingStage.Acknowledge, with the job id for the session): client/training_driver.py.
 """
 
 from __future__ import annotations
@@ -21,15 +24,15 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable
+from typing import Protocol
 
 import grpc
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from client.billing import UsageBook
 from client.channels import ChannelPool
-from client.records import HopRecord
-from protos.tessera.v1 import client_api_pb2, stage_pb2, stage_pb2_grpc
+from protos.tessera.v1 import client_api_pb2, stage_pb2, stage_pb2_grpc, training_pb2_grpc
 
 log = logging.getLogger(__name__)
 
@@ -42,6 +45,27 @@ WAIT_S = 2.0
 _Key = tuple[str, int, int]  # node id, layer start, layer end
 
 
+class Reachable(Protocol):
+    """A node of the pipeline: a session's Reachable or a job's TrainingHop."""
+
+    @property
+    def node_id(self) -> str: ...
+    @property
+    def address(self) -> str: ...
+
+
+# The Acknowledge of the node's service: Stage for sessions, TrainingStage for jobs.
+AcknowledgeRpc = Callable[..., Awaitable[stage_pb2.AcknowledgeResponse]]
+
+
+def stage_rpc(channel: grpc.aio.Channel) -> AcknowledgeRpc:
+    return stage_pb2_grpc.StageStub(channel).Acknowledge
+
+
+def training_rpc(channel: grpc.aio.Channel) -> AcknowledgeRpc:
+    return training_pb2_grpc.TrainingStageStub(channel).Acknowledge
+
+
 class Acknowledger:
     def __init__(
         self,
@@ -51,25 +75,28 @@ class Acknowledger:
         book: UsageBook,
         channels: ChannelPool,
         capability: Callable[[], client_api_pb2.SignedCapability],
+        rpc: Callable[[grpc.aio.Channel], AcknowledgeRpc] = stage_rpc,
     ) -> None:
+        """``session_id``: the session's, or a training job's id (its receipts name it)."""
         self.session_id = session_id
         self.credit = credit
         self._key = key
         self._book = book
         self._channels = channels
         self._capability = capability  # the session's newest (reroutes renew it)
+        self._rpc = rpc
         self._running: dict[_Key, asyncio.Task[bool]] = {}
-        self._hops: dict[_Key, HopRecord] = {}  # where each (node, layers) is reached
+        self._hops: dict[_Key, Reachable] = {}  # where each (node, layers) is reached
         self.sent = 0  # acknowledgments the nodes took
         self.failed = 0  # and those that failed (the node may then refuse a call)
 
-    def noted(self, hop: HopRecord, start: int, end: int) -> None:
+    def noted(self, hop: Reachable, start: int, end: int) -> None:
         """A receipt of this node came in: acknowledge it if a quarter of the credit is owed."""
         self._hops[(hop.node_id, start, end)] = hop
         if self._book.owed(hop.node_id, start, end) >= max(1, self.credit // 4):
             self._start(hop, start, end)
 
-    async def ready(self, hops: Iterable[tuple[HopRecord, int, int]]) -> None:
+    async def ready(self, hops: Iterable[tuple[Reachable, int, int]]) -> None:
         """Before calls to these (node, layers): wait for the acknowledgment of any of them
         that owes half its credit or more."""
         waits = [
@@ -82,7 +109,7 @@ class Acknowledger:
             # driver then acknowledges again (settle_up) or fails it over.
             await asyncio.wait(waits, timeout=WAIT_S)
 
-    async def settle_up(self, hop: HopRecord, start: int, end: int) -> bool:
+    async def settle_up(self, hop: Reachable, start: int, end: int) -> bool:
         """After the node refused a call for want of an acknowledgment (one lost on the
         way, or not there yet): hand it the newest receipt now. Whether it took it, so
         that the call may go to it again instead of failing over."""
@@ -93,7 +120,7 @@ class Acknowledger:
         await asyncio.wait([task], timeout=WAIT_S)
         return task.done() and not task.cancelled() and task.result()
 
-    def _start(self, hop: HopRecord, start: int, end: int) -> asyncio.Task[bool]:
+    def _start(self, hop: Reachable, start: int, end: int) -> asyncio.Task[bool]:
         where = (hop.node_id, start, end)
         self._hops[where] = hop
         task = self._running.get(where)
@@ -103,7 +130,7 @@ class Acknowledger:
             )
         return task
 
-    async def _acknowledge(self, hop: HopRecord, start: int, end: int) -> bool:
+    async def _acknowledge(self, hop: Reachable, start: int, end: int) -> bool:
         """Whether the node took its newest receipt."""
         signed = self._book.countersign_one(self.session_id, hop.node_id, start, end, self._key)
         if signed is None:
@@ -112,10 +139,10 @@ class Acknowledger:
         request = stage_pb2.AcknowledgeRequest(
             session_id=self.session_id, capability=self._capability(), usage=[usage]
         )
-        stub = stage_pb2_grpc.StageStub(self._channels.get(hop.address))
+        acknowledge = self._rpc(self._channels.get(hop.address))
         began = time.monotonic()
         try:
-            await stub.Acknowledge(request, timeout=ACKNOWLEDGE_TIMEOUT_S)
+            await acknowledge(request, timeout=ACKNOWLEDGE_TIMEOUT_S)
         except grpc.aio.AioRpcError as err:
             self.failed += 1
             log.warning(

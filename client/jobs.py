@@ -205,7 +205,8 @@ class JobRunner:
     after_step: Callable[[int], Any] | None = None
     # With a key the job is paid: it signs the open (the coordinator escrows the quote,
     # refused above max_price) and counter-signs the nodes' usage receipts, which settle
-    # at every checkpoint and at the end (docs/ledger.md, "Jobs").
+    # at every checkpoint and at the end, and which the nodes settle themselves once
+    # acknowledged (docs/ledger.md, "Jobs").
     key: Ed25519PrivateKey | None = None
     max_price: int = 0
     driver_config: TrainingDriverConfig | None = None  # timeouts and step deadlines
@@ -239,6 +240,9 @@ class JobRunner:
             checkers=[_hop(c) for c in session.checkers],
             check_probability=None,
             disputes=self._dispute,
+            # A paid job's nodes hold the runner to its receipts: it acknowledges them as it
+            # goes, and each node settles them itself (docs/ledger.md, "Jobs").
+            key=self.key,
         )
         try:
             failure: StageFailed | None = None

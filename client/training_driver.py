@@ -35,7 +35,9 @@ from typing import Any, TypeVar
 
 import grpc
 import numpy as np
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
+from client.acknowledgments import Acknowledger, training_rpc
 from client.billing import UsageBook
 from client.channels import ChannelPool
 from client.driver import CLIENT_FAULT_CODES
@@ -50,7 +52,7 @@ from client.training_verification import (
     full_answer,
     logged_call,
 )
-from protos import codec
+from protos import codec, identity, usage_credit
 from protos.tessera.v1 import (
     client_api_pb2,
     common_pb2,
@@ -150,6 +152,7 @@ class TrainingDriver:
         check_seed: int | None = None,
         usage: UsageBook | None = None,
         disputes: DisputeReporter | None = None,
+        key: Ed25519PrivateKey | None = None,
     ) -> None:
         """``checkers``: independent replicas (another node, of another operator, granted
         by the capability) of some stages' layers. In a sampled fraction of checkpoint
@@ -158,7 +161,9 @@ class TrainingDriver:
         ``check_probability``, or when None each primary node's own ``check_probability``
         from the capability (set by the coordinator from its trust). ``disputes``: where a
         mismatch goes for arbitration (the coordinator's ReportTrainingDispute); without
-        it a mismatch always fails the primary."""
+        it a mismatch always fails the primary. ``key``: the paying client's, which
+        acknowledges the nodes' receipts as the job goes when the capability gives them a
+        credit (client/acknowledgments.py)."""
         _check_hops(hops)
         if hyper.micro_batches < 1:
             raise ValueError(f"hyper.micro_batches must be >= 1, got {hyper.micro_batches}")
@@ -192,6 +197,30 @@ class TrainingDriver:
         self._owns_channels = channels is None
         self._channels = channels or ChannelPool()
         self._version: int | None = None  # unknown until open()
+        self.acks = self._acknowledger(key)
+
+    def _acknowledger(self, key: Ed25519PrivateKey | None) -> Acknowledger | None:
+        """In a paid job each node runs at most the capability's credit of samples past the
+        receipts this client acknowledged: acknowledge as the job goes."""
+        claims = client_api_pb2.CapabilityClaims()
+        claims.ParseFromString(self._capability.claims)
+        if key is None or not claims.usage_credit or not claims.client_public_key:
+            return None
+        if claims.client_public_key != identity.public_key_bytes(key):
+            log.warning(
+                "job %s is paid by another client key than this runner's: its nodes will "
+                "refuse work past %d unacknowledged samples", self.job_id, claims.usage_credit,
+            )  # fmt: skip
+            return None
+        return Acknowledger(
+            self.job_id,
+            claims.usage_credit,
+            key,
+            self.usage,
+            self._channels,
+            lambda: self._capability,
+            rpc=training_rpc,
+        )
 
     @property
     def version(self) -> int | None:
@@ -289,7 +318,10 @@ class TrainingDriver:
         self.shadows.replace({i: (h.node_id, h.start, h.end) for i, h in self._checkers.items()})
 
     async def close(self) -> None:
-        """Free the training state on every stage (best effort) and close channels."""
+        """Hand the nodes their last receipts, free the training state on every stage (best
+        effort) and close channels."""
+        if self.acks is not None:
+            await self.acks.close()
         request = training_pb2.CloseTrainingRequest(capability=self._capability, job_id=self.job_id)
 
         async def close_one(hop: TrainingHop) -> None:
@@ -414,10 +446,11 @@ class TrainingDriver:
             if index == last:
                 request.labels.CopyFrom(codec.encode(labels, "int64"))
             hop = self.hops[index]
+            await self._acknowledged_before(index, step)
             self.usage.sent(hop.node_id, hop.start, hop.end, int(tokens.shape[0]))
             reply, shadow = await self._pair(index, "ForwardTrain", request, step, "forward")
             self._check_signature(index, self.signatures.forward, request, reply)
-            self.usage.received(hop.node_id, hop.start, hop.end, reply.usage)
+            self._received(hop, reply.usage)
             if shadow is not None:
                 compare = self.shadows.compare
                 await self._checked(index, KIND.FORWARD, request, reply, shadow, compare)
@@ -534,8 +567,25 @@ class TrainingDriver:
             self.shadows.drop(index, str(err))
             return None
         if method == "ForwardTrain":
-            self.usage.received(hop.node_id, hop.start, hop.end, reply.usage)
+            self._received(hop, reply.usage)
         return reply
+
+    async def _acknowledged_before(self, index: int, step: int) -> None:
+        """Before a forward of stage ``index`` (and of its shadow, when one runs): wait for
+        the acknowledgment of a node that is owed half its credit."""
+        if self.acks is None:
+            return
+        hops = [self.hops[index]]
+        if self.shadows.active(index, step, "forward") is not None:
+            hops.append(self._checkers[index])
+        await self.acks.ready((h, h.start, h.end) for h in hops)
+
+    def _received(self, hop: TrainingHop, usage: Any) -> None:
+        """Book a forward reply's receipt, and acknowledge it when a quarter of the credit
+        is owed (off the step's path)."""
+        self.usage.received(hop.node_id, hop.start, hop.end, usage)
+        if self.acks is not None:
+            self.acks.noted(hop, hop.start, hop.end)
 
     async def _checked(
         self,
@@ -623,7 +673,9 @@ class TrainingDriver:
     async def _call(self, index: int, method: str, request: object) -> Any:
         return await self._call_hop(index, self.hops[index], method, request)
 
-    async def _call_hop(self, index: int, hop: TrainingHop, method: str, request: object) -> Any:
+    async def _call_hop(
+        self, index: int, hop: TrainingHop, method: str, request: object, *, resumed: bool = False
+    ) -> Any:
         stub = training_pb2_grpc.TrainingStageStub(self._channels.get(hop.address))
         timeout = self.deadlines.timeout(hop.node_id, method)
         began = time.monotonic()
@@ -631,6 +683,17 @@ class TrainingDriver:
             reply = await getattr(stub, method)(request, timeout=timeout)
         except grpc.aio.AioRpcError as err:
             code, details = err.code(), err.details() or ""
+            if (
+                code == grpc.StatusCode.FAILED_PRECONDITION
+                and usage_credit.is_refusal(details)
+                and self.acks is not None
+                and not resumed
+                and await self.acks.settle_up(hop, hop.start, hop.end)
+            ):
+                # Refused for want of an acknowledgment (one lost on the way, or not there
+                # yet), which the node has now taken: the same call again, not a re-sync.
+                log.info("%s on %s waited for an acknowledgment; sent again", method, hop.node_id)
+                return await self._call_hop(index, hop, method, request, resumed=True)
             if code == grpc.StatusCode.DEADLINE_EXCEEDED:
                 details = f"no answer within {timeout:.1f} s ({details})"
             if code in CLIENT_FAULT_CODES:

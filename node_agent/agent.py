@@ -28,6 +28,7 @@ from node_agent.context import AgentContext
 from node_agent.data_plane import (
     advertised_address,
     build_stage_servicer,
+    build_training_servicer,
     split_host_port,
     start_server,
 )
@@ -168,10 +169,12 @@ class NodeAgent:
         self._begin_leave(_Leave(reason, self.config.drain_timeout_s, self_initiated=True))
 
     async def run(self) -> int:
-        # Kept, to close when the agent stops: it writes the usage counts and settles what
-        # clients acknowledged (node_agent/stage_server.py).
+        # Kept, to close when the agent stops: they write the usage counts and settle what
+        # clients acknowledged (node_agent/stage_server.py, training_server.py). The stage
+        # servicer first: it creates the shard manager both share.
         servicer = self._stage_servicer or build_stage_servicer(self.ctx)
-        server, port = await start_server(self.ctx, self.config.listen, servicer)
+        training = build_training_servicer(self.ctx)
+        server, port = await start_server(self.ctx, self.config.listen, servicer, training)
         listen_host, _ = split_host_port(self.config.listen)
         local = "127.0.0.1" if listen_host in ("", "0.0.0.0", "::", "[::]") else listen_host
         self._data_plane = (local, port)
@@ -198,6 +201,7 @@ class NodeAgent:
             await channel.close()
             await server.stop(grace=1.0)
             await _close_quietly(servicer)
+            await _close_quietly(training)
             log.info("node agent stopped")
 
     # ----- the loop -----------------------------------------------------------------
@@ -714,7 +718,7 @@ async def _until_none(
 
 
 async def _close_quietly(handler: object) -> None:
-    """Call the optional close() (sync or async) of the shard handler or the stage server:
+    """Call the optional close() (sync or async) of the shard handler or a data-plane service:
     frees memory and files, keeps what must outlive the process."""
     close = getattr(handler, "close", None)
     if close is None:

@@ -44,9 +44,10 @@ import numpy as np
 import torch
 
 from node_agent import failpoints
+from node_agent.acknowledgments import check_credit, take_acknowledgments
 from node_agent.context import AgentContext
 from node_agent.data_plane import answer_ping
-from node_agent.receipts import ReceiptForged, ReceiptRefused, UsageMeter, save_usage
+from node_agent.receipts import UsageMeter, save_usage
 from node_agent.relay import DeliveryHub, RelayLimits, RelayLinks, Subscriber, SubscriptionEnded
 from node_agent.runtime import CacheBudgetError, CacheFullError, StageKVCache
 from node_agent.shard_manager import (
@@ -57,8 +58,9 @@ from node_agent.shard_manager import (
     session_of,
     shard_manager_for,
 )
+from node_agent.stage_errors import StageError
 from node_agent.usage_settlement import UsageSettler, settle_every_s
-from protos import codec, identity, logit_probes, output_check, usage_credit
+from protos import codec, identity, logit_probes, output_check
 from protos.quoting import shown
 from protos.sampling import SamplingParams, draw_at
 from protos.tessera.v1 import client_api_pb2, common_pb2, stage_pb2, stage_pb2_grpc
@@ -69,8 +71,6 @@ log = logging.getLogger(__name__)
 MAX_STOP_IDS = 64
 # Where the usage counts of inference sessions are kept, in the data dir (receipts.py).
 USAGE_FILE = "usage/inference.json"
-# Receipts one Acknowledge may carry: one per layer range this node serves in the session.
-MAX_ACKNOWLEDGED = 64
 
 
 @dataclass(frozen=True)
@@ -88,15 +88,6 @@ class StageLimits:
     relay: RelayLimits = field(default_factory=RelayLimits)
     # How often acknowledged receipts go to the coordinator (node_agent.usage_settlement).
     settle_every_s: float = field(default_factory=settle_every_s)
-
-
-class StageError(Exception):
-    """Ends the current stream with ``code`` and a message meant for a person."""
-
-    def __init__(self, code: grpc.StatusCode, message: str) -> None:
-        super().__init__(message)
-        self.code = code
-        self.message = message
 
 
 @dataclass
@@ -268,44 +259,8 @@ class StageServicer(stage_pb2_grpc.StageServicer):
             raise  # abort raises; this keeps type checkers content
 
     def _acknowledge(self, request: stage_pb2.AcknowledgeRequest) -> stage_pb2.AcknowledgeResponse:
-        # Not checked for expiry: paying for work done needs no right to ask for more.
         claims = self._session_claims("Acknowledge", request)
-        if not claims.client_public_key:
-            raise StageError(
-                grpc.StatusCode.FAILED_PRECONDITION,
-                f"session {claims.session_id} is free (its capability names no client key): "
-                "there is nothing to acknowledge",
-            )
-        if not 1 <= len(request.usage) <= MAX_ACKNOWLEDGED:
-            raise StageError(
-                grpc.StatusCode.INVALID_ARGUMENT,
-                f"{len(request.usage)} receipts; send 1 to {MAX_ACKNOWLEDGED}, the newest one "
-                "of each layer range this node serves in the session",
-            )
-        response = stage_pb2.AcknowledgeResponse()
-        for index, signed in enumerate(request.usage):
-            if len(signed.receipt) > usage_credit.MAX_RECEIPT_BYTES:
-                raise StageError(
-                    grpc.StatusCode.INVALID_ARGUMENT,
-                    f"receipt {index} is {len(signed.receipt)} bytes; a receipt is at most "
-                    f"{usage_credit.MAX_RECEIPT_BYTES}",
-                )
-            try:
-                receipt, acknowledged = self._usage.acknowledge(
-                    claims.session_id, signed, claims.client_public_key
-                )
-            except ReceiptRefused as err:
-                code = (
-                    grpc.StatusCode.UNAUTHENTICATED
-                    if isinstance(err, ReceiptForged)
-                    else grpc.StatusCode.INVALID_ARGUMENT
-                )
-                raise StageError(code, f"receipt {index}: {err}") from None
-            # Settled even when it bills nothing: the ledger pays a stage's primary its whole
-            # count (a client cannot call all it asked for checks), and skips the rest.
-            self._settler.add(receipt, signed)
-            response.acknowledged_tokens.append(acknowledged)
-        return response
+        return take_acknowledgments(self._usage, self._settler, claims, request.usage)
 
     async def Deliveries(  # noqa: N802 - gRPC method name
         self, request: stage_pb2.DeliveriesRequest, context: grpc.aio.ServicerContext
@@ -434,7 +389,7 @@ class StageServicer(stage_pb2_grpc.StageServicer):
         if request.probes:
             _check_probes(request, shard, batch, tokens, self.limits)
         self._check_length(request, claims, shard, batch, tokens)
-        self._check_credit(claims, request.session_id, start, end)
+        check_credit(self._usage, claims, request.session_id, start, end)
         shard.enter()
         try:
             # One lock per cache, not per session: a check this node runs for one span of a
@@ -481,20 +436,6 @@ class StageServicer(stage_pb2_grpc.StageServicer):
             probe_answers=probed,
             relay_failed=relay_failed,
         )
-
-    def _check_credit(
-        self, claims: client_api_pb2.CapabilityClaims, session_id: str, start: int, end: int
-    ) -> None:
-        """A paid session's client must keep acknowledging this node's receipts: past the
-        session's credit of unacknowledged work the node computes nothing more for it."""
-        if not claims.client_public_key or claims.usage_credit == 0:
-            return
-        owed = self._usage.owed(session_id, start, end)
-        if owed >= claims.usage_credit:
-            raise StageError(
-                grpc.StatusCode.FAILED_PRECONDITION,
-                usage_credit.refusal(owed, start, end, session_id, claims.usage_credit),
-            )
 
     def _extend_chain(
         self, session_key: str, start_pos: int, array: np.ndarray, request: stage_pb2.ForwardRequest

@@ -38,6 +38,7 @@ import numpy as np
 import torch
 
 from node_agent import failpoints
+from node_agent.acknowledgments import check_credit, take_acknowledgments
 from node_agent.checkpoint_client import CheckpointClient, CheckpointRef, CheckpointTransferError
 from node_agent.context import AgentContext
 from node_agent.receipts import UsageMeter, save_usage
@@ -53,9 +54,17 @@ from node_agent.runtime.training import (
     training_memory,
 )
 from node_agent.shard_manager import LoadedShard, ShardManager
-from node_agent.stage_server import StageError, check_expiry, check_grant, open_capability
+from node_agent.stage_errors import StageError
+from node_agent.stage_server import check_expiry, check_grant, open_capability
+from node_agent.usage_settlement import UsageSettler, settle_every_s
 from protos import codec, identity, output_check
-from protos.tessera.v1 import client_api_pb2, common_pb2, training_pb2, training_pb2_grpc
+from protos.tessera.v1 import (
+    client_api_pb2,
+    common_pb2,
+    stage_pb2,
+    training_pb2,
+    training_pb2_grpc,
+)
 
 log = logging.getLogger(__name__)
 
@@ -78,6 +87,8 @@ class TrainingLimits:
     idle_ttl_s: float = 1800.0
     # The idle sweep, which also writes the usage counts to disk: what a kill -9 can lose.
     expiry_interval_s: float = 5.0
+    # How often acknowledged receipts go to the coordinator (node_agent.usage_settlement).
+    settle_every_s: float = field(default_factory=settle_every_s)
 
 
 @dataclass
@@ -148,6 +159,11 @@ class TrainingStageServicer(training_pb2_grpc.TrainingStageServicer):
         # client pays for per sample-layer (docs/ledger.md, "Jobs"). Kept after a job
         # closes, so a resumed job's receipts stay cumulative.
         self._usage = UsageMeter(ctx.private_key, path=ctx.data_dir / USAGE_FILE)
+        # A paid job's runner acknowledges those receipts as it goes (Acknowledge); the node
+        # settles them itself, so it is paid even if the runner never reports again.
+        self._settler = UsageSettler(
+            ctx.coordinator_address, ctx.channel_options, self.limits.settle_every_s
+        )
 
     # ---- RPCs -----------------------------------------------------------------------
 
@@ -185,6 +201,11 @@ class TrainingStageServicer(training_pb2_grpc.TrainingStageServicer):
         self, request: training_pb2.CloseTrainingRequest, context: grpc.aio.ServicerContext
     ) -> common_pb2.Empty:
         return await self._answer(context, "CloseTraining", lambda: self._close(request))
+
+    async def Acknowledge(  # noqa: N802 - gRPC method name
+        self, request: stage_pb2.AcknowledgeRequest, context: grpc.aio.ServicerContext
+    ) -> stage_pb2.AcknowledgeResponse:
+        return await self._answer(context, "Acknowledge", lambda: self._acknowledge(request))
 
     async def _answer(
         self, context: grpc.aio.ServicerContext, name: str, work: Callable[[], Awaitable[T]]
@@ -423,6 +444,8 @@ class TrainingStageServicer(training_pb2_grpc.TrainingStageServicer):
                     f"micro-batch {mb} of step {request.step} {state} on {job.describe()}; "
                     "each micro-batch runs forward once per step",
                 )
+            # A paid job's runner must keep acknowledging this node's sample receipts.
+            check_credit(self._usage, claims, job.job_id, job.start, job.end, training=True)
             recompute, held, reserve = self._activation_plan(job, tokens)
             trainer = job.trainer
 
@@ -684,6 +707,17 @@ class TrainingStageServicer(training_pb2_grpc.TrainingStageServicer):
         log.info("training of job %s closed", request.job_id)
         return common_pb2.Empty()
 
+    async def _acknowledge(
+        self, request: stage_pb2.AcknowledgeRequest
+    ) -> stage_pb2.AcknowledgeResponse:
+        # Not checked for expiry: paying for work done needs no right to ask for more.
+        claims = self._claims(
+            request.capability, request.session_id, request.HasField("capability"), expiry=False
+        )
+        return take_acknowledgments(
+            self._usage, self._settler, claims, request.usage, training=True
+        )
+
     async def _drop_job(self, job_id: str) -> None:
         job = self._jobs.pop(job_id, None)
         if job is not None:
@@ -727,11 +761,17 @@ class TrainingStageServicer(training_pb2_grpc.TrainingStageServicer):
         for job_id in list(self._jobs):
             await self._drop_job(job_id)
         save_usage(self._usage)
+        await self._settler.close()
 
     # ---- validation -----------------------------------------------------------------
 
     def _claims(
-        self, signed: client_api_pb2.SignedCapability, job_id: str, present: bool
+        self,
+        signed: client_api_pb2.SignedCapability,
+        job_id: str,
+        present: bool,
+        *,
+        expiry: bool = True,
     ) -> client_api_pb2.CapabilityClaims:
         if not present:
             raise StageError(
@@ -740,7 +780,8 @@ class TrainingStageServicer(training_pb2_grpc.TrainingStageServicer):
                 "the job's training session",
             )
         claims = open_capability(self._ctx, signed)
-        check_expiry(claims, self._clock())
+        if expiry:
+            check_expiry(claims, self._clock())
         if not _JOB_ID.match(job_id):
             raise StageError(
                 grpc.StatusCode.INVALID_ARGUMENT,

@@ -13,12 +13,18 @@ UNACKNOWLEDGED = "that the client has not acknowledged"
 MAX_RECEIPT_BYTES = 1024
 
 
-def refusal(owed: int, start: int, end: int, session_id: str, credit: int) -> str:
+def refusal(
+    owed: int, start: int, end: int, session_id: str, credit: int, *, training: bool = False
+) -> str:
+    """A session's words (token positions x batch), or a training job's (samples)."""
+    unit, what, service = (
+        ("samples", "job", "TrainingStage") if training else ("token positions", "session", "Stage")
+    )
     return (
-        f"this node computed {owed} token positions on layers [{start}, {end}) of session "
-        f"{session_id} {UNACKNOWLEDGED}, and the session's credit is {credit}: send "
-        "Stage.Acknowledge with the node's newest receipt counter-signed (the tessera client "
-        "does this as it goes), then this call again"
+        f"this node computed {owed} {unit} on layers [{start}, {end}) of {what} "
+        f"{session_id} {UNACKNOWLEDGED}, and the {what}'s credit is {credit}: send "
+        f"{service}.Acknowledge with the node's newest receipt counter-signed (the tessera "
+        "client does this as it goes), then this call again"
     )
 
 

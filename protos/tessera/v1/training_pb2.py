@@ -25,53 +25,54 @@ _sym_db = _symbol_database.Default()
 from protos.tessera.v1 import common_pb2 as tessera_dot_v1_dot_common__pb2
 from protos.tessera.v1 import client_api_pb2 as tessera_dot_v1_dot_client__api__pb2
 from protos.tessera.v1 import ledger_pb2 as tessera_dot_v1_dot_ledger__pb2
+from protos.tessera.v1 import stage_pb2 as tessera_dot_v1_dot_stage__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19tessera/v1/training.proto\x12\ntessera.v1\x1a\x17tessera/v1/common.proto\x1a\x1btessera/v1/client_api.proto\x1a\x17tessera/v1/ledger.proto\"\xcd\x01\n\rTrainingHyper\x12\x0c\n\x04mode\x18\x01 \x01(\t\x12\x11\n\tlora_rank\x18\x02 \x01(\r\x12\x12\n\nlora_alpha\x18\x03 \x01(\x02\x12\n\n\x02lr\x18\x04 \x01(\x01\x12\r\n\x05\x62\x65ta1\x18\x05 \x01(\x01\x12\r\n\x05\x62\x65ta2\x18\x06 \x01(\x01\x12\x0b\n\x03\x65ps\x18\x07 \x01(\x01\x12\x14\n\x0cweight_decay\x18\x08 \x01(\x01\x12\x15\n\rmax_grad_norm\x18\t \x01(\x01\x12\x0c\n\x04seed\x18\n \x01(\x04\x12\x15\n\rmicro_batches\x18\x0b \x01(\r\"\xe6\x01\n\x13OpenTrainingRequest\x12\x30\n\ncapability\x18\x01 \x01(\x0b\x32\x1c.tessera.v1.SignedCapability\x12\x0e\n\x06job_id\x18\x02 \x01(\t\x12\r\n\x05model\x18\x03 \x01(\t\x12&\n\x06layers\x18\x04 \x01(\x0b\x32\x16.tessera.v1.LayerRange\x12(\n\x05hyper\x18\x05 \x01(\x0b\x32\x19.tessera.v1.TrainingHyper\x12\x14\n\x0crestore_step\x18\x06 \x01(\x04\x12\x16\n\x0erestore_sha256\x18\x07 \x01(\t\"S\n\x14OpenTrainingResponse\x12\x0c\n\x04step\x18\x01 \x01(\x04\x12\x18\n\x10trainable_params\x18\x02 \x01(\x04\x12\x13\n\x0bstate_bytes\x18\x03 \x01(\x04\"\xc1\x01\n\x13TrainForwardRequest\x12\x30\n\ncapability\x18\x01 \x01(\x0b\x32\x1c.tessera.v1.SignedCapability\x12\x0e\n\x06job_id\x18\x02 \x01(\t\x12\x0c\n\x04step\x18\x03 \x01(\x04\x12\x13\n\x0bmicro_batch\x18\x04 \x01(\r\x12!\n\x05input\x18\x05 \x01(\x0b\x32\x12.tessera.v1.Tensor\x12\"\n\x06labels\x18\x06 \x01(\x0b\x32\x12.tessera.v1.Tensor\"\xe6\x01\n\x14TrainForwardResponse\x12\x0c\n\x04step\x18\x01 \x01(\x04\x12\x13\n\x0bmicro_batch\x18\x02 \x01(\r\x12\"\n\x06output\x18\x03 \x01(\x0b\x32\x12.tessera.v1.Tensor\x12\x0c\n\x04loss\x18\x04 \x01(\x01\x12\x14\n\x0clabel_tokens\x18\x05 \x01(\x04\x12\x12\n\ncompute_ms\x18\x06 \x01(\x01\x12\x11\n\tsignature\x18\x07 \x01(\x0c\x12\x14\n\x0cinput_digest\x18\x08 \x01(\x0c\x12&\n\x05usage\x18\t \x01(\x0b\x32\x17.tessera.v1.SignedUsage\"\xa4\x01\n\x14TrainBackwardRequest\x12\x30\n\ncapability\x18\x01 \x01(\x0b\x32\x1c.tessera.v1.SignedCapability\x12\x0e\n\x06job_id\x18\x02 \x01(\t\x12\x0c\n\x04step\x18\x03 \x01(\x04\x12\x13\n\x0bmicro_batch\x18\x04 \x01(\r\x12\'\n\x0bgrad_output\x18\x05 \x01(\x0b\x32\x12.tessera.v1.Tensor\"\x9f\x01\n\x15TrainBackwardResponse\x12\x0c\n\x04step\x18\x01 \x01(\x04\x12\x13\n\x0bmicro_batch\x18\x02 \x01(\r\x12&\n\ngrad_input\x18\x03 \x01(\x0b\x32\x12.tessera.v1.Tensor\x12\x12\n\ncompute_ms\x18\x04 \x01(\x01\x12\x11\n\tsignature\x18\x05 \x01(\x0c\x12\x14\n\x0cinput_digest\x18\x06 \x01(\x0c\"a\n\x0fGradNormRequest\x12\x30\n\ncapability\x18\x01 \x01(\x0b\x32\x1c.tessera.v1.SignedCapability\x12\x0e\n\x06job_id\x18\x02 \x01(\t\x12\x0c\n\x04step\x18\x03 \x01(\x04\"T\n\x10GradNormResponse\x12\x0c\n\x04step\x18\x01 \x01(\x04\x12\x0f\n\x07sq_norm\x18\x02 \x01(\x01\x12\x0e\n\x06\x66inite\x18\x03 \x01(\x08\x12\x11\n\tsignature\x18\x04 \x01(\x0c\"y\n\x14OptimizerStepRequest\x12\x30\n\ncapability\x18\x01 \x01(\x0b\x32\x1c.tessera.v1.SignedCapability\x12\x0e\n\x06job_id\x18\x02 \x01(\t\x12\x0c\n\x04step\x18\x03 \x01(\x04\x12\x11\n\tclip_coef\x18\x04 \x01(\x01\"8\n\x15OptimizerStepResponse\x12\x0c\n\x04step\x18\x01 \x01(\x04\x12\x11\n\tsignature\x18\x02 \x01(\x0c\"g\n\x15SaveCheckpointRequest\x12\x30\n\ncapability\x18\x01 \x01(\x0b\x32\x1c.tessera.v1.SignedCapability\x12\x0e\n\x06job_id\x18\x02 \x01(\t\x12\x0c\n\x04step\x18\x03 \x01(\x04\"_\n\x16SaveCheckpointResponse\x12\x0c\n\x04step\x18\x01 \x01(\x04\x12\x0e\n\x06sha256\x18\x02 \x01(\t\x12\x13\n\x0btotal_bytes\x18\x03 \x01(\x04\x12\x12\n\nconsistent\x18\x04 \x01(\x08\"X\n\x14\x43loseTrainingRequest\x12\x30\n\ncapability\x18\x01 \x01(\x0b\x32\x1c.tessera.v1.SignedCapability\x12\x0e\n\x06job_id\x18\x02 \x01(\t\"}\n\x10\x43heckpointHeader\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x0c\n\x04step\x18\x02 \x01(\x04\x12&\n\x06layers\x18\x03 \x01(\x0b\x32\x16.tessera.v1.LayerRange\x12\x13\n\x0btotal_bytes\x18\x04 \x01(\x04\x12\x0e\n\x06sha256\x18\x05 \x01(\t\"]\n\x0f\x43heckpointChunk\x12,\n\x06header\x18\x01 \x01(\x0b\x32\x1c.tessera.v1.CheckpointHeader\x12\x0e\n\x06offset\x18\x02 \x01(\x04\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\"L\n\x11\x43heckpointReceipt\x12\x0e\n\x06sha256\x18\x01 \x01(\t\x12\x13\n\x0btotal_bytes\x18\x02 \x01(\x04\x12\x12\n\nconsistent\x18\x03 \x01(\x08\"a\n\x19\x44ownloadCheckpointRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x0c\n\x04step\x18\x02 \x01(\x04\x12&\n\x06layers\x18\x03 \x01(\x0b\x32\x16.tessera.v1.LayerRange2\xc7\x04\n\rTrainingStage\x12Q\n\x0cOpenTraining\x12\x1f.tessera.v1.OpenTrainingRequest\x1a .tessera.v1.OpenTrainingResponse\x12Q\n\x0c\x46orwardTrain\x12\x1f.tessera.v1.TrainForwardRequest\x1a .tessera.v1.TrainForwardResponse\x12T\n\rBackwardTrain\x12 .tessera.v1.TrainBackwardRequest\x1a!.tessera.v1.TrainBackwardResponse\x12\x45\n\x08GradNorm\x12\x1b.tessera.v1.GradNormRequest\x1a\x1c.tessera.v1.GradNormResponse\x12T\n\rOptimizerStep\x12 .tessera.v1.OptimizerStepRequest\x1a!.tessera.v1.OptimizerStepResponse\x12W\n\x0eSaveCheckpoint\x12!.tessera.v1.SaveCheckpointRequest\x1a\".tessera.v1.SaveCheckpointResponse\x12\x44\n\rCloseTraining\x12 .tessera.v1.CloseTrainingRequest\x1a\x11.tessera.v1.Empty2\xbd\x01\n\rTrainingStore\x12P\n\x10UploadCheckpoint\x12\x1b.tessera.v1.CheckpointChunk\x1a\x1d.tessera.v1.CheckpointReceipt(\x01\x12Z\n\x12\x44ownloadCheckpoint\x12%.tessera.v1.DownloadCheckpointRequest\x1a\x1b.tessera.v1.CheckpointChunk0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19tessera/v1/training.proto\x12\ntessera.v1\x1a\x17tessera/v1/common.proto\x1a\x1btessera/v1/client_api.proto\x1a\x17tessera/v1/ledger.proto\x1a\x16tessera/v1/stage.proto\"\xcd\x01\n\rTrainingHyper\x12\x0c\n\x04mode\x18\x01 \x01(\t\x12\x11\n\tlora_rank\x18\x02 \x01(\r\x12\x12\n\nlora_alpha\x18\x03 \x01(\x02\x12\n\n\x02lr\x18\x04 \x01(\x01\x12\r\n\x05\x62\x65ta1\x18\x05 \x01(\x01\x12\r\n\x05\x62\x65ta2\x18\x06 \x01(\x01\x12\x0b\n\x03\x65ps\x18\x07 \x01(\x01\x12\x14\n\x0cweight_decay\x18\x08 \x01(\x01\x12\x15\n\rmax_grad_norm\x18\t \x01(\x01\x12\x0c\n\x04seed\x18\n \x01(\x04\x12\x15\n\rmicro_batches\x18\x0b \x01(\r\"\xe6\x01\n\x13OpenTrainingRequest\x12\x30\n\ncapability\x18\x01 \x01(\x0b\x32\x1c.tessera.v1.SignedCapability\x12\x0e\n\x06job_id\x18\x02 \x01(\t\x12\r\n\x05model\x18\x03 \x01(\t\x12&\n\x06layers\x18\x04 \x01(\x0b\x32\x16.tessera.v1.LayerRange\x12(\n\x05hyper\x18\x05 \x01(\x0b\x32\x19.tessera.v1.TrainingHyper\x12\x14\n\x0crestore_step\x18\x06 \x01(\x04\x12\x16\n\x0erestore_sha256\x18\x07 \x01(\t\"S\n\x14OpenTrainingResponse\x12\x0c\n\x04step\x18\x01 \x01(\x04\x12\x18\n\x10trainable_params\x18\x02 \x01(\x04\x12\x13\n\x0bstate_bytes\x18\x03 \x01(\x04\"\xc1\x01\n\x13TrainForwardRequest\x12\x30\n\ncapability\x18\x01 \x01(\x0b\x32\x1c.tessera.v1.SignedCapability\x12\x0e\n\x06job_id\x18\x02 \x01(\t\x12\x0c\n\x04step\x18\x03 \x01(\x04\x12\x13\n\x0bmicro_batch\x18\x04 \x01(\r\x12!\n\x05input\x18\x05 \x01(\x0b\x32\x12.tessera.v1.Tensor\x12\"\n\x06labels\x18\x06 \x01(\x0b\x32\x12.tessera.v1.Tensor\"\xe6\x01\n\x14TrainForwardResponse\x12\x0c\n\x04step\x18\x01 \x01(\x04\x12\x13\n\x0bmicro_batch\x18\x02 \x01(\r\x12\"\n\x06output\x18\x03 \x01(\x0b\x32\x12.tessera.v1.Tensor\x12\x0c\n\x04loss\x18\x04 \x01(\x01\x12\x14\n\x0clabel_tokens\x18\x05 \x01(\x04\x12\x12\n\ncompute_ms\x18\x06 \x01(\x01\x12\x11\n\tsignature\x18\x07 \x01(\x0c\x12\x14\n\x0cinput_digest\x18\x08 \x01(\x0c\x12&\n\x05usage\x18\t \x01(\x0b\x32\x17.tessera.v1.SignedUsage\"\xa4\x01\n\x14TrainBackwardRequest\x12\x30\n\ncapability\x18\x01 \x01(\x0b\x32\x1c.tessera.v1.SignedCapability\x12\x0e\n\x06job_id\x18\x02 \x01(\t\x12\x0c\n\x04step\x18\x03 \x01(\x04\x12\x13\n\x0bmicro_batch\x18\x04 \x01(\r\x12\'\n\x0bgrad_output\x18\x05 \x01(\x0b\x32\x12.tessera.v1.Tensor\"\x9f\x01\n\x15TrainBackwardResponse\x12\x0c\n\x04step\x18\x01 \x01(\x04\x12\x13\n\x0bmicro_batch\x18\x02 \x01(\r\x12&\n\ngrad_input\x18\x03 \x01(\x0b\x32\x12.tessera.v1.Tensor\x12\x12\n\ncompute_ms\x18\x04 \x01(\x01\x12\x11\n\tsignature\x18\x05 \x01(\x0c\x12\x14\n\x0cinput_digest\x18\x06 \x01(\x0c\"a\n\x0fGradNormRequest\x12\x30\n\ncapability\x18\x01 \x01(\x0b\x32\x1c.tessera.v1.SignedCapability\x12\x0e\n\x06job_id\x18\x02 \x01(\t\x12\x0c\n\x04step\x18\x03 \x01(\x04\"T\n\x10GradNormResponse\x12\x0c\n\x04step\x18\x01 \x01(\x04\x12\x0f\n\x07sq_norm\x18\x02 \x01(\x01\x12\x0e\n\x06\x66inite\x18\x03 \x01(\x08\x12\x11\n\tsignature\x18\x04 \x01(\x0c\"y\n\x14OptimizerStepRequest\x12\x30\n\ncapability\x18\x01 \x01(\x0b\x32\x1c.tessera.v1.SignedCapability\x12\x0e\n\x06job_id\x18\x02 \x01(\t\x12\x0c\n\x04step\x18\x03 \x01(\x04\x12\x11\n\tclip_coef\x18\x04 \x01(\x01\"8\n\x15OptimizerStepResponse\x12\x0c\n\x04step\x18\x01 \x01(\x04\x12\x11\n\tsignature\x18\x02 \x01(\x0c\"g\n\x15SaveCheckpointRequest\x12\x30\n\ncapability\x18\x01 \x01(\x0b\x32\x1c.tessera.v1.SignedCapability\x12\x0e\n\x06job_id\x18\x02 \x01(\t\x12\x0c\n\x04step\x18\x03 \x01(\x04\"_\n\x16SaveCheckpointResponse\x12\x0c\n\x04step\x18\x01 \x01(\x04\x12\x0e\n\x06sha256\x18\x02 \x01(\t\x12\x13\n\x0btotal_bytes\x18\x03 \x01(\x04\x12\x12\n\nconsistent\x18\x04 \x01(\x08\"X\n\x14\x43loseTrainingRequest\x12\x30\n\ncapability\x18\x01 \x01(\x0b\x32\x1c.tessera.v1.SignedCapability\x12\x0e\n\x06job_id\x18\x02 \x01(\t\"}\n\x10\x43heckpointHeader\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x0c\n\x04step\x18\x02 \x01(\x04\x12&\n\x06layers\x18\x03 \x01(\x0b\x32\x16.tessera.v1.LayerRange\x12\x13\n\x0btotal_bytes\x18\x04 \x01(\x04\x12\x0e\n\x06sha256\x18\x05 \x01(\t\"]\n\x0f\x43heckpointChunk\x12,\n\x06header\x18\x01 \x01(\x0b\x32\x1c.tessera.v1.CheckpointHeader\x12\x0e\n\x06offset\x18\x02 \x01(\x04\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\"L\n\x11\x43heckpointReceipt\x12\x0e\n\x06sha256\x18\x01 \x01(\t\x12\x13\n\x0btotal_bytes\x18\x02 \x01(\x04\x12\x12\n\nconsistent\x18\x03 \x01(\x08\"a\n\x19\x44ownloadCheckpointRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x0c\n\x04step\x18\x02 \x01(\x04\x12&\n\x06layers\x18\x03 \x01(\x0b\x32\x16.tessera.v1.LayerRange2\x97\x05\n\rTrainingStage\x12Q\n\x0cOpenTraining\x12\x1f.tessera.v1.OpenTrainingRequest\x1a .tessera.v1.OpenTrainingResponse\x12Q\n\x0c\x46orwardTrain\x12\x1f.tessera.v1.TrainForwardRequest\x1a .tessera.v1.TrainForwardResponse\x12T\n\rBackwardTrain\x12 .tessera.v1.TrainBackwardRequest\x1a!.tessera.v1.TrainBackwardResponse\x12\x45\n\x08GradNorm\x12\x1b.tessera.v1.GradNormRequest\x1a\x1c.tessera.v1.GradNormResponse\x12T\n\rOptimizerStep\x12 .tessera.v1.OptimizerStepRequest\x1a!.tessera.v1.OptimizerStepResponse\x12W\n\x0eSaveCheckpoint\x12!.tessera.v1.SaveCheckpointRequest\x1a\".tessera.v1.SaveCheckpointResponse\x12\x44\n\rCloseTraining\x12 .tessera.v1.CloseTrainingRequest\x1a\x11.tessera.v1.Empty\x12N\n\x0b\x41\x63knowledge\x12\x1e.tessera.v1.AcknowledgeRequest\x1a\x1f.tessera.v1.AcknowledgeResponse2\xbd\x01\n\rTrainingStore\x12P\n\x10UploadCheckpoint\x12\x1b.tessera.v1.CheckpointChunk\x1a\x1d.tessera.v1.CheckpointReceipt(\x01\x12Z\n\x12\x44ownloadCheckpoint\x12%.tessera.v1.DownloadCheckpointRequest\x1a\x1b.tessera.v1.CheckpointChunk0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'tessera.v1.training_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_TRAININGHYPER']._serialized_start=121
-  _globals['_TRAININGHYPER']._serialized_end=326
-  _globals['_OPENTRAININGREQUEST']._serialized_start=329
-  _globals['_OPENTRAININGREQUEST']._serialized_end=559
-  _globals['_OPENTRAININGRESPONSE']._serialized_start=561
-  _globals['_OPENTRAININGRESPONSE']._serialized_end=644
-  _globals['_TRAINFORWARDREQUEST']._serialized_start=647
-  _globals['_TRAINFORWARDREQUEST']._serialized_end=840
-  _globals['_TRAINFORWARDRESPONSE']._serialized_start=843
-  _globals['_TRAINFORWARDRESPONSE']._serialized_end=1073
-  _globals['_TRAINBACKWARDREQUEST']._serialized_start=1076
-  _globals['_TRAINBACKWARDREQUEST']._serialized_end=1240
-  _globals['_TRAINBACKWARDRESPONSE']._serialized_start=1243
-  _globals['_TRAINBACKWARDRESPONSE']._serialized_end=1402
-  _globals['_GRADNORMREQUEST']._serialized_start=1404
-  _globals['_GRADNORMREQUEST']._serialized_end=1501
-  _globals['_GRADNORMRESPONSE']._serialized_start=1503
-  _globals['_GRADNORMRESPONSE']._serialized_end=1587
-  _globals['_OPTIMIZERSTEPREQUEST']._serialized_start=1589
-  _globals['_OPTIMIZERSTEPREQUEST']._serialized_end=1710
-  _globals['_OPTIMIZERSTEPRESPONSE']._serialized_start=1712
-  _globals['_OPTIMIZERSTEPRESPONSE']._serialized_end=1768
-  _globals['_SAVECHECKPOINTREQUEST']._serialized_start=1770
-  _globals['_SAVECHECKPOINTREQUEST']._serialized_end=1873
-  _globals['_SAVECHECKPOINTRESPONSE']._serialized_start=1875
-  _globals['_SAVECHECKPOINTRESPONSE']._serialized_end=1970
-  _globals['_CLOSETRAININGREQUEST']._serialized_start=1972
-  _globals['_CLOSETRAININGREQUEST']._serialized_end=2060
-  _globals['_CHECKPOINTHEADER']._serialized_start=2062
-  _globals['_CHECKPOINTHEADER']._serialized_end=2187
-  _globals['_CHECKPOINTCHUNK']._serialized_start=2189
-  _globals['_CHECKPOINTCHUNK']._serialized_end=2282
-  _globals['_CHECKPOINTRECEIPT']._serialized_start=2284
-  _globals['_CHECKPOINTRECEIPT']._serialized_end=2360
-  _globals['_DOWNLOADCHECKPOINTREQUEST']._serialized_start=2362
-  _globals['_DOWNLOADCHECKPOINTREQUEST']._serialized_end=2459
-  _globals['_TRAININGSTAGE']._serialized_start=2462
-  _globals['_TRAININGSTAGE']._serialized_end=3045
-  _globals['_TRAININGSTORE']._serialized_start=3048
-  _globals['_TRAININGSTORE']._serialized_end=3237
+  _globals['_TRAININGHYPER']._serialized_start=145
+  _globals['_TRAININGHYPER']._serialized_end=350
+  _globals['_OPENTRAININGREQUEST']._serialized_start=353
+  _globals['_OPENTRAININGREQUEST']._serialized_end=583
+  _globals['_OPENTRAININGRESPONSE']._serialized_start=585
+  _globals['_OPENTRAININGRESPONSE']._serialized_end=668
+  _globals['_TRAINFORWARDREQUEST']._serialized_start=671
+  _globals['_TRAINFORWARDREQUEST']._serialized_end=864
+  _globals['_TRAINFORWARDRESPONSE']._serialized_start=867
+  _globals['_TRAINFORWARDRESPONSE']._serialized_end=1097
+  _globals['_TRAINBACKWARDREQUEST']._serialized_start=1100
+  _globals['_TRAINBACKWARDREQUEST']._serialized_end=1264
+  _globals['_TRAINBACKWARDRESPONSE']._serialized_start=1267
+  _globals['_TRAINBACKWARDRESPONSE']._serialized_end=1426
+  _globals['_GRADNORMREQUEST']._serialized_start=1428
+  _globals['_GRADNORMREQUEST']._serialized_end=1525
+  _globals['_GRADNORMRESPONSE']._serialized_start=1527
+  _globals['_GRADNORMRESPONSE']._serialized_end=1611
+  _globals['_OPTIMIZERSTEPREQUEST']._serialized_start=1613
+  _globals['_OPTIMIZERSTEPREQUEST']._serialized_end=1734
+  _globals['_OPTIMIZERSTEPRESPONSE']._serialized_start=1736
+  _globals['_OPTIMIZERSTEPRESPONSE']._serialized_end=1792
+  _globals['_SAVECHECKPOINTREQUEST']._serialized_start=1794
+  _globals['_SAVECHECKPOINTREQUEST']._serialized_end=1897
+  _globals['_SAVECHECKPOINTRESPONSE']._serialized_start=1899
+  _globals['_SAVECHECKPOINTRESPONSE']._serialized_end=1994
+  _globals['_CLOSETRAININGREQUEST']._serialized_start=1996
+  _globals['_CLOSETRAININGREQUEST']._serialized_end=2084
+  _globals['_CHECKPOINTHEADER']._serialized_start=2086
+  _globals['_CHECKPOINTHEADER']._serialized_end=2211
+  _globals['_CHECKPOINTCHUNK']._serialized_start=2213
+  _globals['_CHECKPOINTCHUNK']._serialized_end=2306
+  _globals['_CHECKPOINTRECEIPT']._serialized_start=2308
+  _globals['_CHECKPOINTRECEIPT']._serialized_end=2384
+  _globals['_DOWNLOADCHECKPOINTREQUEST']._serialized_start=2386
+  _globals['_DOWNLOADCHECKPOINTREQUEST']._serialized_end=2483
+  _globals['_TRAININGSTAGE']._serialized_start=2486
+  _globals['_TRAININGSTAGE']._serialized_end=3149
+  _globals['_TRAININGSTORE']._serialized_start=3152
+  _globals['_TRAININGSTORE']._serialized_end=3341
 # @@protoc_insertion_point(module_scope)

@@ -1,6 +1,7 @@
 from protos.tessera.v1 import common_pb2 as _common_pb2
 from protos.tessera.v1 import client_api_pb2 as _client_api_pb2
 from protos.tessera.v1 import ledger_pb2 as _ledger_pb2
+from protos.tessera.v1 import stage_pb2 as _stage_pb2
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
 from collections.abc import Mapping as _Mapping

@@ -4,6 +4,7 @@ import grpc
 import warnings
 
 from protos.tessera.v1 import common_pb2 as tessera_dot_v1_dot_common__pb2
+from protos.tessera.v1 import stage_pb2 as tessera_dot_v1_dot_stage__pb2
 from protos.tessera.v1 import training_pb2 as tessera_dot_v1_dot_training__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
@@ -74,6 +75,11 @@ class TrainingStageStub:
                 request_serializer=tessera_dot_v1_dot_training__pb2.CloseTrainingRequest.SerializeToString,
                 response_deserializer=tessera_dot_v1_dot_common__pb2.Empty.FromString,
                 _registered_method=True)
+        self.Acknowledge = channel.unary_unary(
+                '/tessera.v1.TrainingStage/Acknowledge',
+                request_serializer=tessera_dot_v1_dot_stage__pb2.AcknowledgeRequest.SerializeToString,
+                response_deserializer=tessera_dot_v1_dot_stage__pb2.AcknowledgeResponse.FromString,
+                _registered_method=True)
 
 
 class TrainingStageServicer:
@@ -138,6 +144,16 @@ class TrainingStageServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Acknowledge(self, request, context):
+        """A paying job runner's counter-signed receipts of this node's samples, as
+        Stage.Acknowledge does for a session (session_id is the job id): the node runs at most
+        CapabilityClaims.usage_credit samples forward past the newest acknowledged one per
+        layer range, and settles them with the coordinator itself (Ledger.SettleUsage).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_TrainingStageServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -175,6 +191,11 @@ def add_TrainingStageServicer_to_server(servicer, server):
                     servicer.CloseTraining,
                     request_deserializer=tessera_dot_v1_dot_training__pb2.CloseTrainingRequest.FromString,
                     response_serializer=tessera_dot_v1_dot_common__pb2.Empty.SerializeToString,
+            ),
+            'Acknowledge': grpc.unary_unary_rpc_method_handler(
+                    servicer.Acknowledge,
+                    request_deserializer=tessera_dot_v1_dot_stage__pb2.AcknowledgeRequest.FromString,
+                    response_serializer=tessera_dot_v1_dot_stage__pb2.AcknowledgeResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -370,6 +391,33 @@ class TrainingStage:
             '/tessera.v1.TrainingStage/CloseTraining',
             tessera_dot_v1_dot_training__pb2.CloseTrainingRequest.SerializeToString,
             tessera_dot_v1_dot_common__pb2.Empty.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Acknowledge(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tessera.v1.TrainingStage/Acknowledge',
+            tessera_dot_v1_dot_stage__pb2.AcknowledgeRequest.SerializeToString,
+            tessera_dot_v1_dot_stage__pb2.AcknowledgeResponse.FromString,
             options,
             channel_credentials,
             insecure,
