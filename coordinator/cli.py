@@ -290,6 +290,12 @@ def _add_serve_parser(subparsers: Any) -> None:
         "session (0: no acknowledgments, the client settles alone; default: %(default)s)",
     )  # fmt: skip
     serve_parser.add_argument(
+        "--training-usage-credit", type=_non_negative_int, default=256, metavar="SAMPLES",
+        help="the same for a paid training job: how many samples a stage node runs forward "
+        "past the newest receipt the job's runner acknowledged (0: no acknowledgments, the "
+        "runner settles at its checkpoints alone; default: %(default)s)",
+    )  # fmt: skip
+    serve_parser.add_argument(
         "--verify-warmup", type=_positive_int, default=10, metavar="N",
         help="a node's outputs are all checked until it has N consecutive verified results; "
         "then the checking probability falls as N/results (default: %(default)s)",
@@ -345,6 +351,7 @@ def _run_serve(args: argparse.Namespace) -> int:
         challenge_window_s=args.challenge_window,
         fee_bps=args.fee_bps,
         usage_credit_tokens=args.usage_credit,
+        training_usage_credit_samples=args.training_usage_credit,
         verify_warmup=args.verify_warmup,
         verify_min_probability=args.verify_min_probability,
         canary_interval_s=args.canary_interval,

@@ -76,6 +76,8 @@ class Settings:
     # A paid session's credit at each node: token positions x batch a node computes on a
     # layer range past the newest receipt the client acknowledged (0: no acknowledgments).
     usage_credit_tokens: int = 1024
+    # The same for a paid training job, in samples (sequences) run forward.
+    training_usage_credit_samples: int = 256
     ledger_sweep_s: float = 1.0
     # Verifier (docs/verification.md): every output of a node is checked until it has this
     # many consecutive verified results, then with probability warmup/results, never less

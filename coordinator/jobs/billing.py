@@ -18,7 +18,13 @@ import grpc
 
 from coordinator.jobs.repository import JobRecord, StageRecord
 from coordinator.ledger.amounts import INT64_MAX, LedgerError, quote_amount
-from coordinator.ledger.billing import HOLD_GRACE_MS, accept_once, check_fresh, check_nonce
+from coordinator.ledger.billing import (
+    HOLD_GRACE_MS,
+    accept_once,
+    check_fresh,
+    check_nonce,
+    job_hold_id,
+)
 from coordinator.ledger.book import Ledger, NodeQuote, SettlementResult
 from coordinator.ledger.receipts import verify_usage
 from coordinator.model_store.errors import StoreError
@@ -30,8 +36,7 @@ log = logging.getLogger("tessera.jobs")
 PriceOf = Callable[[str], NodeQuote]
 
 
-def hold_id(job_id: str) -> str:
-    return f"job:{job_id}"
+hold_id = job_hold_id
 
 
 def _refused(err: LedgerError) -> StoreError:
@@ -39,9 +44,19 @@ def _refused(err: LedgerError) -> StoreError:
 
 
 class JobBilling:
-    def __init__(self, ledger: Ledger, training_price_of: PriceOf) -> None:
+    def __init__(self, ledger: Ledger, training_price_of: PriceOf, usage_credit: int = 0) -> None:
         self.ledger = ledger
         self._price_of = training_price_of
+        # A paid job's credit at each stage node, in samples (CapabilityClaims.usage_credit).
+        self.usage_credit = usage_credit
+
+    def credit(self, job_id: str) -> tuple[bytes, int]:
+        """The client key that counter-signs a paid job's receipts and the credit its nodes
+        give it; (b"", 0) for a free job, a settled one, or with acknowledgments off."""
+        held = self.ledger.hold(hold_id(job_id))
+        if self.usage_credit == 0 or held is None or held["state"] != "open":
+            return b"", 0
+        return bytes(held["client_key"]), self.usage_credit  # type: ignore[arg-type]
 
     def quote(self, job: JobRecord, stages: Sequence[StageRecord]) -> int:
         """steps x batch_size x sum over stages of layers x that node's price per
@@ -126,10 +141,19 @@ class JobBilling:
             prices,
             expires_ms + HOLD_GRACE_MS,
             request.client_public_key,
+            # Its first stage nodes train and never check their own stages (checkers are
+            # other nodes): their receipts there are billed whole, whatever the runner
+            # says it billed.
+            primaries=[(s.node_id, s.start, s.end) for s in stages],
         )
         log.info("job %s: %d credit units escrowed from %s", job.id, amount, signer)
         quote.account = signer
         return quote
+
+    def billed_whole(self, job_id: str) -> set[str]:
+        """The nodes whose receipts of the job are billed in full (its first stage nodes),
+        which therefore must never check it."""
+        return set(self.ledger.primaries(hold_id(job_id)))
 
     def _signer(self, request: jobs_pb2.OpenTrainingSessionRequest) -> str:
         """The account of the key that signed ``request``, once the signature, the stamp

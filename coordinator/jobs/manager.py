@@ -897,6 +897,8 @@ class JobManager:
             return {}
         holders = placement.ready_holders(job.model)
         taken = {s.node_id for s in job.stages} | self._recently_failed(job.id)
+        if self.billing is not None:  # a shadow's samples there would be billed as work
+            taken |= self.billing.billed_whole(job.id)
         chosen: dict[int, StageRecord] = {}
         for index, stage in enumerate(job.stages):
             account = self._hop(stage).account
@@ -946,6 +948,10 @@ class JobManager:
             max_tokens=min(job.batch_size * job.seq_len, 2**32 - 1),
             account=job.account,
         )
+        if self.billing is not None:
+            # A paid job: each node runs at most the credit past what the runner
+            # acknowledged, and settles those receipts itself (docs/ledger.md, "Jobs").
+            claims.client_public_key, claims.usage_credit = self.billing.credit(job.id)
         parts = (
             self.repo.checkpoint_parts(job.id, job.checkpoint_step) if job.checkpoint_step else []
         )

@@ -566,7 +566,10 @@ class TrainingStoreServicer(training_pb2_grpc.TrainingStoreServicer):
 
 def _billing(ctx: CoordinatorContext) -> JobBilling | None:
     ledger = getattr(ctx, "ledger", None)
-    return JobBilling(ledger.ledger, ledger.training_price_of) if ledger is not None else None
+    if ledger is None:
+        return None
+    credit = ctx.settings.training_usage_credit_samples
+    return JobBilling(ledger.ledger, ledger.training_price_of, usage_credit=credit)
 
 
 def build(ctx: CoordinatorContext) -> Jobs:

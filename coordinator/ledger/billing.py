@@ -34,6 +34,12 @@ NONCE_BYTES = 16
 HOLD_GRACE_MS = 600_000
 
 
+def job_hold_id(job_id: str) -> str:
+    """A training job's hold: its receipts name the job id as their session, and the
+    prefix keeps it from colliding with a session id."""
+    return f"job:{job_id}"
+
+
 class Billing:
     def __init__(self, ledger: Ledger, price_of: PriceOf) -> None:
         self.ledger = ledger
@@ -148,8 +154,14 @@ class Billing:
     def settle_usage(
         self, session_id: str, usage: Sequence[ledger_pb2.SignedUsage]
     ) -> ledger_pb2.Settlement:
-        """Periodic settlement of an open session (SettleUsage)."""
-        hold = self.ledger.hold(session_id)
+        """Periodic settlement of an open session (SettleUsage), or of a training job's
+        hold when ``session_id`` is a job id: a node settles the receipts a job's runner
+        acknowledged this way too."""
+        hold_id = session_id
+        hold = self.ledger.hold(hold_id)
+        if hold is None:
+            hold_id = job_hold_id(session_id)
+            hold = self.ledger.hold(hold_id)
         if hold is None:
             raise LedgerError(
                 grpc.StatusCode.NOT_FOUND,
@@ -157,9 +169,9 @@ class Billing:
                 "settle",
             )
         usages = verify_usage(session_id, list(usage), bytes(hold["client_key"]))  # type: ignore[arg-type]
-        result = self.ledger.settle_usage(session_id, usages)
-        log.info("session %s: %d charged so far (periodic, %d receipts)", session_id,
-                 result.charged, len(usages))  # fmt: skip
+        result = self.ledger.settle_usage(hold_id, usages)
+        log.info("%s: %d charged so far (periodic, %d receipts)", hold_id, result.charged,
+                 len(usages))  # fmt: skip
         return _settlement(result)
 
 

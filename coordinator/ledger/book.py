@@ -432,7 +432,7 @@ class Ledger:
                 [hold_id],
             )
         }
-        primaries = self._primaries(hold_id)
+        primaries = self.primaries(hold_id)
         seen: set[str] = set()
         found: list[tuple[Usage, int, int]] = []
         for usage in [_billable(u, primaries.get(u.node_id, {})) for u in usages]:
@@ -463,7 +463,7 @@ class Ledger:
             found = [(u, c, add * left // total) for u, c, add in found]
         return found
 
-    def _primaries(self, hold_id: str) -> dict[str, dict[int, int]]:
+    def primaries(self, hold_id: str) -> dict[str, dict[int, int]]:
         """node id -> {layer start: layer end} of the stages it was primary for at open."""
         spans: dict[str, dict[int, int]] = {}
         for node_id, start, end in self.db.execute(

@@ -16,13 +16,14 @@ import grpc
 import numpy as np
 import pytest
 from jobs.jobs_harness import JobsCoordinator, jc, start_jobs, tiny_model  # noqa: F401
+from jobs.test_training_checkers import report_failure
 from support.hostile import refused
 
 from client import billing
 from coordinator.ledger.audit import audit
 from coordinator.ledger.book import Ledger
 from protos import identity
-from protos.tessera.v1 import jobs_pb2, ledger_pb2
+from protos.tessera.v1 import client_api_pb2, jobs_pb2, ledger_pb2, ledger_pb2_grpc
 
 PRICES = (3, 5, 7)  # credit units per sample-layer, one node per stage
 STEPS, BATCH = 6, 4
@@ -312,3 +313,90 @@ async def test_nodes_without_a_training_price_get_the_coordinators_default(
     layers = {h.node_id: h.layers.end - h.layers.start for h in session.hops}
     assert session.quote.amount == STEPS * BATCH * sum(layers[n] * price[n] for n in layers)
     assert _ledger(served).hold(f"job:{job.job_id}") is not None
+
+
+async def test_a_paid_job_gives_its_nodes_a_credit_and_they_settle_its_receipts_themselves(
+    market: JobsCoordinator,
+) -> None:
+    """The capability of a paid job names the client key and the coordinator's credit
+    (`serve --training-usage-credit`, 256 samples by default); its stage nodes settle the
+    runner's acknowledged receipts with Ledger.SettleUsage under the job id, and their
+    receipts are billed whole even where the runner bills them as checks."""
+    job = await _job(market)
+    client = _funded(market, 10_000_000)
+    session = await market.stub.OpenTrainingSession(_open_request(job.job_id, client))
+    claims = _claims(session)
+    assert claims.client_public_key == identity.public_key_bytes(client)
+    assert claims.usage_credit == 256
+    by_node = {n.node_id: n for n in market.nodes}
+    price = {n.node_id: p for n, p in zip(market.nodes, PRICES, strict=True)}
+    ledger = ledger_pb2_grpc.LedgerStub(market.channel)
+    first, *_ = session.hops
+    layers = first.layers.end - first.layers.start
+    receipt = _receipt(by_node[first.node_id].key, job.job_id, first.layers.start,
+                       first.layers.end, 8)  # fmt: skip
+    # The runner calls all 8 samples checks (billed 0): the stage node is paid for 8.
+    settled = await ledger.SettleUsage(
+        ledger_pb2.SettleUsageRequest(
+            session_id=job.job_id, usage=[_countersigned(receipt, client, 0)]
+        )
+    )
+    assert settled.charged == 8 * layers * price[first.node_id]
+    assert _ledger(market).hold(f"job:{job.job_id}")["charged"] == settled.charged
+    # The same receipt again pays nothing; one not counter-signed by the payer is refused.
+    again = ledger_pb2.SettleUsageRequest(
+        session_id=job.job_id, usage=[_countersigned(receipt, client, 8)]
+    )
+    assert (await ledger.SettleUsage(again)).charged == settled.charged
+    forged = ledger_pb2.SettleUsageRequest(
+        session_id=job.job_id,
+        usage=[_countersigned(receipt, identity.generate_private_key(), 8)],
+    )
+    await refused(ledger.SettleUsage(forged), grpc.StatusCode.UNAUTHENTICATED, "not counter-signed")
+    # After the job ends its hold is settled: a node's late settlement is refused as final.
+    done = jobs_pb2.FinishJobRequest(
+        job_id=job.job_id, capability=session.capability, state=jobs_pb2.JOB_STATE_FAILED
+    )
+    await market.stub.FinishJob(done)
+    await refused(ledger.SettleUsage(again), grpc.StatusCode.FAILED_PRECONDITION, "settled")
+    result = audit(market.coordinator.ctx.db)
+    assert result.ok, result.violations
+
+
+async def test_a_free_job_gives_no_credit(jc: JobsCoordinator) -> None:  # noqa: F811
+    dataset = await jc.upload(TOKENS)
+    job = await jc.submit(dataset.id, steps=2, batch_size=2)
+    session = await jc.stub.OpenTrainingSession(_open_request(job.job_id))
+    claims = _claims(session)
+    assert (claims.client_public_key, claims.usage_credit) == (b"", 0)
+
+
+def _claims(session: jobs_pb2.TrainingSession) -> client_api_pb2.CapabilityClaims:
+    return client_api_pb2.CapabilityClaims.FromString(session.capability.claims)
+
+
+async def test_a_first_stage_node_never_checks_the_job_it_is_billed_whole_for(
+    start_jobs: Callable[..., Awaitable[JobsCoordinator]],  # noqa: F811 - the fixture
+) -> None:
+    """Its receipts of the job are billed in full (a client cannot call its work checks),
+    so its shadow samples there would be billed as work: after it fails and its cool-down
+    is over, it is still never the job's checker. Six nodes of six operators: checkers
+    are needed and possible."""
+    served = await start_jobs(nodes=0)
+    for index in range(6):
+        await served.add_node(f"n{index}", f"op{index}", price_per_sample_layer_units=3)
+    await served.ready(replicas=2)
+    await served.all_ready()
+    job = await _job(served)
+    client = _funded(served, 10_000_000)
+    session = await served.stub.OpenTrainingSession(_open_request(job.job_id, client))
+    first = {h.node_id for h in session.hops}
+    assert session.checkers and not first & {c.node_id for c in session.checkers}
+    for stage in range(2):
+        request = jobs_pb2.StageFailureRequest(
+            job_id=job.job_id, capability=session.capability, stage=stage,
+            node_id=session.hops[stage].node_id, cause="test",
+        )  # fmt: skip
+        session = await report_failure(served, request)
+        served.jobs.manager._failed.clear()  # the failed node's cool-down is over
+        assert session.checkers and not first & {c.node_id for c in session.checkers}
