@@ -12,10 +12,18 @@ from support.procs import start_coordinator, start_node
 
 from coordinator.settings import Settings
 from node_agent import __version__
+from node_agent import agent as agent_module
 from node_agent.agent import AgentConfig, ExitCode, NodeAgent
 from node_agent.backoff import Backoff
 from node_agent.data_plane import NoModelStageServicer
-from protos.tessera.v1 import common_pb2, coordinator_pb2, node_pb2, stage_pb2, stage_pb2_grpc
+from protos.tessera.v1 import (
+    common_pb2,
+    coordinator_pb2,
+    node_pb2,
+    stage_pb2,
+    stage_pb2_grpc,
+    training_pb2_grpc,
+)
 
 
 class Sessions:
@@ -334,3 +342,24 @@ def test_a_node_agent_too_old_for_the_coordinator_exits_and_says_how_to_upgrade(
         assert f"this node agent is Tessera {__version__}" in log, log[-2000:]
         assert "takes 99.0.0 or newer" in log and "pip install -U" in log, log[-2000:]
         assert "retrying" not in log, log[-2000:]
+
+
+async def test_the_training_service_is_closed_when_the_agent_stops(
+    agent_ctx, scripted_coordinator, wait_until, monkeypatch
+) -> None:
+    """Closing it writes the training usage counts and settles what job runners
+    acknowledged (node_agent/training_server.py): without it only the idle sweep would."""
+
+    class Recording(training_pb2_grpc.TrainingStageServicer):
+        closed = 0
+
+        async def close(self) -> None:
+            Recording.closed += 1
+
+    monkeypatch.setattr(agent_module, "build_training_servicer", lambda ctx: Recording())
+    agent = make_agent(agent_ctx, scripted_coordinator)
+    task = asyncio.create_task(agent.run())
+    await wait_until(lambda: scripted_coordinator.registrations, what="registration")
+    assert Recording.closed == 0
+    assert await stop(agent, task) == ExitCode.OK
+    assert Recording.closed == 1
