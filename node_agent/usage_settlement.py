@@ -33,8 +33,8 @@ MAX_PENDING_SESSIONS = 4096
 SETTLE_TIMEOUT_S = 30.0
 # The last round, as the node stops: a coordinator that is down must not hold the stop up.
 CLOSING_TIMEOUT_S = 5.0
-# A refusal that another try would meet again: the session closed (its client settled),
-# its hold expired, or the coordinator does not know it.
+# A refusal that another try would meet again: the session closed or expired too long ago
+# (the coordinator settles a closed one for 15 minutes), or the coordinator does not know it.
 _FINAL = {
     grpc.StatusCode.FAILED_PRECONDITION,
     grpc.StatusCode.NOT_FOUND,
@@ -125,12 +125,8 @@ class UsageSettler:
         try:
             settlement = await stub.SettleUsage(request, timeout=SETTLE_TIMEOUT_S)
         except grpc.aio.AioRpcError as err:
-            if err.code() in _FINAL:
-                # Closed (its client settled it: the usual end of a short session) or
-                # expired, or refused: nobody can settle it now.
-                usual = err.code() == grpc.StatusCode.FAILED_PRECONDITION
-                log.log(
-                    logging.DEBUG if usual else logging.WARNING,
+            if err.code() in _FINAL:  # closed too long ago, or refused: nobody can now
+                log.warning(
                     "session %s not settled by this node (%s): %s",
                     session_id, err.code().name, err.details(),
                 )  # fmt: skip

@@ -34,6 +34,10 @@ ESCROW = "escrow"
 FEE = "fee"
 SLASHED = "slashed"
 MAX_NAME = 128
+# How long after a hold closed (settled by its client, or expired) a receipt its client
+# counter-signed is still paid, from the client's balance: a node's own settlement of what
+# the client acknowledged may reach the coordinator after the client's close.
+LATE_SETTLEMENT_MS = 15 * 60 * 1000
 
 
 def client_account(client_id: str) -> str:
@@ -229,13 +233,13 @@ class Ledger:
     def hold(self, hold_id: str) -> dict[str, object] | None:
         row = self.db.execute(
             "SELECT hold_id, account, amount, state, client_key, prices, expires_ms, charged, "
-            "refunded, fee FROM ledger_holds WHERE hold_id = ?",
+            "refunded, fee, closed_ms FROM ledger_holds WHERE hold_id = ?",
             [hold_id],
         ).fetchone()
         if row is None:
             return None
         keys = ("hold_id", "account", "amount", "state", "client_key", "prices", "expires_ms",
-                "charged", "refunded", "fee")  # fmt: skip
+                "charged", "refunded", "fee", "closed_ms")  # fmt: skip
         hold = dict(zip(keys, row, strict=True))
         hold["prices"] = {
             node: NodeQuote(price, operator)
@@ -395,14 +399,26 @@ class Ledger:
     def settle_usage(self, hold_id: str, usages: list[Usage]) -> SettlementResult:
         """Periodic settlement of an open session: pay what these cumulative receipts add
         over what was paid before; the hold shrinks by the charge. A repeated or older
-        receipt adds nothing, so any replay pays nothing twice."""
-        hold = self._open_hold(hold_id)
-        if hold["state"] != "open":
+        receipt adds nothing, so any replay pays nothing twice.
+
+        After the hold closed (its client's close, or its expiry), for LATE_SETTLEMENT_MS:
+        a late settlement, paid from the client's balance instead of the escrow, still
+        within the quote (what was refunded) and the balance. The receipts are the ones
+        the client counter-signed, so it agreed to pay them; its nodes settle them on
+        their own, a few seconds apart, and a close must not outrun them."""
+        hold = self.hold(hold_id)
+        if hold is None:
+            raise LedgerError(grpc.StatusCode.NOT_FOUND, f"no escrow hold for session {hold_id!r}")
+        if hold["state"] == "open":
+            return self._pay(hold, usages, close=False)
+        closed_ms = int(hold["closed_ms"] or 0)  # type: ignore[call-overload]
+        if self._clock() > closed_ms + LATE_SETTLEMENT_MS:
             raise LedgerError(
                 grpc.StatusCode.FAILED_PRECONDITION,
-                f"session {hold_id} is already settled; its receipts were paid at close",
+                f"session {hold_id} is {hold['state']} since more than "
+                f"{LATE_SETTLEMENT_MS // 60_000} minutes: its usage can no longer be settled",
             )
-        return self._pay(hold, usages, close=False)
+        return self._pay(hold, usages, close=False, late=True)
 
     def _open_hold(self, hold_id: str) -> dict[str, object]:
         hold = self.hold(hold_id)
@@ -458,10 +474,7 @@ class Ledger:
                 add = 0 if usage.node_id in unpaid else max(0, charge - charged_before)
                 found.append((usage, charge, add))
         left = int(hold["amount"]) - int(hold["charged"])  # type: ignore[call-overload]
-        total = sum(add for _, _, add in found)
-        if total > left:
-            found = [(u, c, add * left // total) for u, c, add in found]
-        return found
+        return _capped(found, left)
 
     def primaries(self, hold_id: str) -> dict[str, dict[int, int]]:
         """node id -> {layer start: layer end} of the stages it was primary for at open."""
@@ -485,8 +498,10 @@ class Ledger:
         }
 
     def _pay(
-        self, hold: Mapping[str, object], usages: list[Usage], *, close: bool
+        self, hold: Mapping[str, object], usages: list[Usage], *, close: bool, late: bool = False
     ) -> SettlementResult:
+        """Pay the receipts' increments from the escrow (``late``: from the client's
+        balance, the hold being closed); ``close`` also refunds the rest and closes it."""
         hold_id = str(hold["hold_id"])
         prices: dict[str, NodeQuote] = hold["prices"]  # type: ignore[assignment]
         amount = int(hold["amount"])  # type: ignore[call-overload]
@@ -495,6 +510,9 @@ class Ledger:
         client = str(hold["account"])
         unpaid = self._unpaid_nodes(hold_id)
         increments = self._increments(hold, usages, unpaid)
+        if late:  # what was refunded may have been spent since: never below 0
+            increments = _capped(increments, self._balance(client))
+        source = client if late else ESCROW
         now = self._clock()
         entries: list[tuple[str, int]] = []
         earnings: list[tuple[Usage, str, int]] = []
@@ -504,13 +522,13 @@ class Ledger:
                 continue
             fee = charge * self.fee_bps // 10_000
             operator = prices[usage.node_id].operator
-            entries += [(ESCROW, -charge), (pending_account(operator), charge - fee)]
+            entries += [(source, -charge), (pending_account(operator), charge - fee)]
             if fee:
                 entries.append((FEE, fee))
             fee_total += fee
             if charge - fee:
                 earnings.append((usage, operator, charge - fee))
-        charged = charged_before + sum(-a for acct, a in entries if acct == ESCROW)
+        charged = charged_before + sum(-a for acct, a in entries if acct == source)
         refunded = amount - charged if close else 0
         if refunded:
             entries += [(ESCROW, -refunded), (client, refunded)]
@@ -533,6 +551,8 @@ class Ledger:
                 # settlement does not pay it after all.
                 with self.db.atomic():
                     self._record_paid(paid_rows)
+                if late:
+                    return self._settled(hold)
                 return SettlementResult(hold_id, amount, charged_before, 0, fee_before, False)
             txid = f"usage:{hold_id}:{self._count_usage_settlements(hold_id) + 1}"
             params = {"receipts": sorted(u.receipt_id for u, _, _ in increments)}
@@ -542,12 +562,19 @@ class Ledger:
                 if self._existing(txid, params):
                     return self._settled(self.hold(hold_id) or hold)
                 self._post(txid, "settle" if close else "usage", params, entries)
-                self.db.execute(
-                    "UPDATE ledger_holds SET state = ?, closed_ms = ?, charged = ?, "
-                    "refunded = ?, fee = ? WHERE hold_id = ? AND state = 'open'",
-                    [state, now if close else None, charged, refunded, fee_before + fee_total,
-                     hold_id],
-                )  # fmt: skip
+                if late:  # the client paid part of what it was refunded
+                    self.db.execute(
+                        "UPDATE ledger_holds SET charged = ?, refunded = refunded - ?, fee = ? "
+                        "WHERE hold_id = ? AND state != 'open'",
+                        [charged, charged - charged_before, fee_before + fee_total, hold_id],
+                    )
+                else:
+                    self.db.execute(
+                        "UPDATE ledger_holds SET state = ?, closed_ms = ?, charged = ?, "
+                        "refunded = ?, fee = ? WHERE hold_id = ? AND state = 'open'",
+                        [state, now if close else None, charged, refunded,
+                         fee_before + fee_total, hold_id],
+                    )  # fmt: skip
                 failpoint("settle:mid")
                 self._record_paid(paid_rows)
                 self.db.conn.executemany(
@@ -567,6 +594,8 @@ class Ledger:
                 f"a receipt of session {hold_id} was already paid ({exc})",
             ) from None
         failpoint("settle:after-commit")
+        if late:
+            return self._settled(self.hold(hold_id) or hold)
         return SettlementResult(hold_id, amount, charged, refunded, fee_before + fee_total, close)
 
     def _record_paid(self, rows: list[tuple[str, str, int, int, int, int]]) -> None:
@@ -745,6 +774,14 @@ class Ledger:
                 [(now, r[0]) for r in rows],
             )
         return sum(int(r[2]) for r in rows) + stake
+
+
+def _capped(found: list[tuple[Usage, int, int]], left: int) -> list[tuple[Usage, int, int]]:
+    """Scale what each receipt adds so that together they take no more than ``left``."""
+    total = sum(add for _, _, add in found)
+    if total > left:
+        return [(u, c, add * left // total) for u, c, add in found]
+    return found
 
 
 def _billable(usage: Usage, primary_spans: Mapping[int, int]) -> Usage:

@@ -93,14 +93,17 @@ def test_a_client_that_withholds_its_receipts_is_refused_at_its_credit(
     assert result is not None and len(result.token_ids) <= 1
 
 
+@pytest.mark.parametrize("close", ["never", "at-once"])
 def test_a_client_that_bills_everything_as_checks_still_pays_the_stages_primaries(
-    market, client_key, monkeypatch: pytest.MonkeyPatch
+    market, client_key, monkeypatch: pytest.MonkeyPatch, close: str
 ):
     """A client that acknowledges its receipts but bills nothing on them ("those were all
-    checks") and never closes: the nodes settle what it acknowledged, and the ledger bills
-    each stage's primary at open its whole count, which the client signed (its stage's
-    checks ran elsewhere). Every node of the route here is a primary: each is paid for
-    every position of the generation it acknowledged."""
+    checks"), and never closes, or closes at once (its close carries no receipt and
+    refunds the whole escrow, before the nodes settle): the nodes settle what it
+    acknowledged, after its close from its balance, and the ledger bills each stage's
+    primary at open its whole count, which the client signed (its stage's checks ran
+    elsewhere). Every node of the route here is a primary: each is paid for every
+    position of the generation it acknowledged."""
     original = UsageBook._countersigned
 
     def bills_nothing(self, session_id, where, usage, key):  # noqa: ANN001, ANN202
@@ -116,9 +119,12 @@ def test_a_client_that_bills_everything_as_checks_still_pays_the_stages_primarie
         return None
 
     monkeypatch.setattr(UsageBook, "_countersigned", bills_nothing)
-    monkeypatch.setattr(AsyncClient, "_end_session", never_closes)
+    if close == "never":
+        monkeypatch.setattr(AsyncClient, "_end_session", never_closes)
     result = generate(market, client_key)
     assert len(result.token_ids) == NEW_TOKENS and not result.failovers
+    if close == "at-once":
+        assert result.settlement is not None and result.settlement.closed
     shares = expected_shares(market, result, nodes=3)  # every position, every stage
     wait_for(lambda: paid_by_node(market, result.session_id) == shares,
              "the nodes' settlements to bill the primaries in full", timeout_s=30)  # fmt: skip

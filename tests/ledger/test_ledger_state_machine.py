@@ -41,6 +41,7 @@ class LedgerMachine(RuleBasedStateMachine):
         self.open: dict[str, int] = {}  # session -> escrow left (the hold shrinks)
         self.quoted: dict[str, int] = {}  # session -> escrow at open
         self.closed: set[str] = set()
+        self.refunded: dict[str, int] = {}  # closed session -> what is left of its quote
         # Cumulative receipts sent so far per session, oldest first, for replays.
         self.receipts: dict[str, list[Usage]] = {}
         self.sessions = itertools.count()
@@ -128,6 +129,25 @@ class LedgerMachine(RuleBasedStateMachine):
         assert again == result
         del self.open[session]
         self.closed.add(session)
+        self.refunded[session] = result.refunded
+        if result.refunded and data.draw(st.booleans()):  # a node's settlement right after
+            self._settle_late(
+                session, data.draw(st.lists(st.integers(0, 200), min_size=1, max_size=4))
+            )
+
+    @precondition(lambda self: any(self.refunded.values()))
+    @rule(data=st.data(), added=st.lists(st.integers(0, 200), min_size=1, max_size=4))
+    def settle_late(self, data: st.DataObject, added: list[int]) -> None:
+        """A node's settlement after the close (or the expiry): paid from the client's
+        balance, never past the quote or below a zero balance (the invariants)."""
+        session = data.draw(st.sampled_from(sorted(s for s, r in self.refunded.items() if r)))
+        self._settle_late(session, added)
+
+    def _settle_late(self, session: str, added: list[int]) -> None:
+        result = self.ledger.settle_usage(session, self._usages(session, added))
+        assert result.closed and result.charged + result.refunded == self.quoted[session]
+        assert result.refunded <= self.refunded[session], "a late settlement refunded"
+        self.refunded[session] = result.refunded
 
     # Verification outcomes land before, between or after settlements of the session.
     @rule(node=st.sampled_from(sorted(NODES)), data=st.data())
@@ -154,7 +174,8 @@ class LedgerMachine(RuleBasedStateMachine):
         self.now += ms
         self.ledger.release_due()
         for session in self.ledger.expire_holds():
-            del self.open[session]
+            self.refunded[session] = self.open.pop(session)
+            self.closed.add(session)
 
     @invariant()
     def conserved_and_consistent(self) -> None:

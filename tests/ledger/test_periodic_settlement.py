@@ -13,6 +13,7 @@ from coordinator.db import open_database
 from coordinator.ledger import Ledger, LedgerError, NodeQuote, Usage, audit
 from coordinator.ledger.book import (
     ESCROW,
+    LATE_SETTLEMENT_MS,
     SLASHED,
     client_account,
     operator_account,
@@ -79,7 +80,7 @@ def test_periodic_settlement_never_pays_past_the_escrow(ledger: Ledger) -> None:
     assert final.charged <= QUOTE and final.charged + final.refunded == QUOTE
 
 
-def test_periodic_settlement_refuses_closed_expired_unknown_and_hostile_input(
+def test_periodic_settlement_refuses_unknown_hostile_and_too_late_input(
     ledger: Ledger,
 ) -> None:
     for usages, code in (
@@ -96,14 +97,47 @@ def test_periodic_settlement_refuses_closed_expired_unknown_and_hostile_input(
         ledger.settle_usage("nope", [receipt("n1", 10)])
     assert err.value.code == grpc.StatusCode.NOT_FOUND
     ledger.settle("s1", [receipt("n1", 10)])
-    with pytest.raises(LedgerError) as err:
-        ledger.settle_usage("s1", [receipt("n1", 20)])
-    assert err.value.code == grpc.StatusCode.FAILED_PRECONDITION
     ledger.open_hold("s2", "calice", 500, PRICES, 0, b"k" * 32)
     ledger.expire_holds()
-    with pytest.raises(LedgerError) as err:
-        ledger.settle_usage("s2", [receipt("n1", 10)])
-    assert err.value.code == grpc.StatusCode.FAILED_PRECONDITION
+    # Late settlement is taken for LATE_SETTLEMENT_MS after a hold closed, then no more.
+    ledger.clock["ms"] += LATE_SETTLEMENT_MS + 1  # type: ignore[attr-defined]
+    for hold_id in ("s1", "s2"):
+        with pytest.raises(LedgerError) as err:
+            ledger.settle_usage(hold_id, [receipt("n1", 20)])
+        assert err.value.code == grpc.StatusCode.FAILED_PRECONDITION
+        assert "no longer be settled" in err.value.message
+
+
+def test_a_closed_or_expired_hold_pays_late_receipts_from_the_clients_balance(
+    ledger: Ledger,
+) -> None:
+    """A node's own settlement of receipts the client acknowledged may arrive after the
+    client's close: they are paid from the client's balance, within the quote."""
+    ledger.settle_usage("s1", [receipt("n1", 100)])  # 300
+    final = ledger.settle("s1", [receipt("n1", 100)])  # closed at once, refunded 9700
+    assert (final.charged, final.refunded) == (300, QUOTE - 300)
+    late = ledger.settle_usage("s1", [receipt("n1", 300), receipt("n2", 50)])  # +600 +300
+    assert (late.charged, late.refunded, late.closed) == (1200, QUOTE - 1200, True)
+    assert ledger.balance(client_account("calice")) == 100_000 - 1200
+    assert ledger.balance(pending_account("op1")) == 900
+    assert ledger.balance(pending_account("op2")) == 300
+    assert ledger.balance(ESCROW) == 0, "the escrow was refunded at close; it is not touched"
+    # A replay pays nothing twice; a newer receipt never pays past the quote.
+    assert ledger.settle_usage("s1", [receipt("n1", 300)]).charged == 1200
+    capped = ledger.settle_usage("s1", [receipt("n1", 10_000)])
+    assert (capped.charged, capped.refunded) == (QUOTE, 0)
+    # An expired hold likewise, and never past what the client has: it spent the rest.
+    ledger.open_hold("s2", "calice", QUOTE, PRICES, 0, b"k" * 32)
+    ledger.expire_holds()
+    spent = ledger.balance(client_account("calice")) - 150
+    ledger.open_hold("elsewhere", "calice", spent, PRICES, 10**15, b"k" * 32)
+    assert ledger.balance(client_account("calice")) == 150
+    short = ledger.settle_usage("s2", [receipt("n1", 101)])  # 303 due, 150 left
+    assert (short.charged, short.refunded) == (150, QUOTE - 150)
+    assert ledger.balance(client_account("calice")) == 0
+    # What could not be paid is not paid later either (as under the escrow's cap).
+    ledger.grant("calice", 1000, "g2")
+    assert ledger.settle_usage("s2", [receipt("n1", 101)]).charged == 150
 
 
 def test_an_expired_hold_refunds_only_what_periodic_settlement_left(ledger: Ledger) -> None:

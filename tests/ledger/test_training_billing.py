@@ -353,12 +353,24 @@ async def test_a_paid_job_gives_its_nodes_a_credit_and_they_settle_its_receipts_
         usage=[_countersigned(receipt, identity.generate_private_key(), 8)],
     )
     await refused(ledger.SettleUsage(forged), grpc.StatusCode.UNAUTHENTICATED, "not counter-signed")
-    # After the job ends its hold is settled: a node's late settlement is refused as final.
+    # The job ends without its runner's receipts: the hold is settled, the rest refunded.
+    # A node's settlement that arrives after it is still paid, from the client's balance.
     done = jobs_pb2.FinishJobRequest(
         job_id=job.job_id, capability=session.capability, state=jobs_pb2.JOB_STATE_FAILED
     )
     await market.stub.FinishJob(done)
-    await refused(ledger.SettleUsage(again), grpc.StatusCode.FAILED_PRECONDITION, "settled")
+    assert _ledger(market).hold(f"job:{job.job_id}")["state"] == "settled"
+    assert (await ledger.SettleUsage(again)).charged == settled.charged
+    newer = _receipt(by_node[first.node_id].key, job.job_id, first.layers.start,
+                     first.layers.end, 12)  # fmt: skip
+    late = await ledger.SettleUsage(
+        ledger_pb2.SettleUsageRequest(
+            session_id=job.job_id, usage=[_countersigned(newer, client, 12)]
+        )
+    )
+    assert late.closed and late.charged == 12 * layers * price[first.node_id]
+    hold = _ledger(market).hold(f"job:{job.job_id}")
+    assert hold["charged"] + hold["refunded"] == hold["amount"]
     result = audit(market.coordinator.ctx.db)
     assert result.ok, result.violations
 
