@@ -37,6 +37,10 @@ from protos.tessera.v1 import client_api_pb2, stage_pb2, stage_pb2_grpc, trainin
 log = logging.getLogger(__name__)
 
 ACKNOWLEDGE_TIMEOUT_S = 10.0
+# A session that makes no call for this long (its caller paused) acknowledges what it owes:
+# a node counts a client's idle sessions' unacknowledged work against its other sessions
+# after 30 s (node_agent/receipts.py, RESIDUE_IDLE_S).
+IDLE_ACK_S = 5.0
 # How long a call, and the end of a session, wait for acknowledgments: a healthy node takes
 # one in a round trip, and a hung one must not hold the pipeline up longer than its own
 # deadlines would (the call then goes, and a refusal fails over like any other).
@@ -86,15 +90,30 @@ class Acknowledger:
         self._capability = capability  # the session's newest (reroutes renew it)
         self._rpc = rpc
         self._running: dict[_Key, asyncio.Task[bool]] = {}
+        self._idle: dict[_Key, asyncio.TimerHandle] = {}  # acknowledges a paused session
         self._hops: dict[_Key, Reachable] = {}  # where each (node, layers) is reached
         self.sent = 0  # acknowledgments the nodes took
         self.failed = 0  # and those that failed (the node may then refuse a call)
 
     def noted(self, hop: Reachable, start: int, end: int) -> None:
-        """A receipt of this node came in: acknowledge it if a quarter of the credit is owed."""
-        self._hops[(hop.node_id, start, end)] = hop
+        """A receipt of this node came in: acknowledge it if a quarter of the credit is owed,
+        else once no other comes for IDLE_ACK_S."""
+        where = (hop.node_id, start, end)
+        self._hops[where] = hop
+        timer = self._idle.pop(where, None)
+        if timer is not None:
+            timer.cancel()
         if self._book.owed(hop.node_id, start, end) >= max(1, self.credit // 4):
             self._start(hop, start, end)
+        else:
+            self._idle[where] = asyncio.get_running_loop().call_later(
+                IDLE_ACK_S, self._acknowledge_idle, where
+            )
+
+    def _acknowledge_idle(self, where: _Key) -> None:
+        self._idle.pop(where, None)
+        if self._book.owed(*where) > 0:
+            self._start(self._hops[where], where[1], where[2])
 
     async def ready(self, hops: Iterable[tuple[Reachable, int, int]]) -> None:
         """Before calls to these (node, layers): wait for the acknowledgment of any of them
@@ -163,6 +182,9 @@ class Acknowledger:
         """Hand every node the newest receipt it is owed for, and wait for those a little:
         a node is then paid for the whole session by its own settlement, even if the
         client's close never reaches the coordinator."""
+        for timer in self._idle.values():
+            timer.cancel()
+        self._idle.clear()
         running = [t for t in self._running.values() if not t.done()]
         if running:  # these may hand over older receipts: then the newest, below
             await asyncio.wait(running, timeout=WAIT_S)

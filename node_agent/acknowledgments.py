@@ -45,6 +45,14 @@ def check_credit(
                 owed, start, end, session_id, claims.usage_credit, training=training
             ),
         )
+    # The credit again in another short session, never acknowledged, would be work for
+    # free: what the client's ended or idle sessions left unacknowledged counts too.
+    residue = meter.residue(claims.client_public_key, session_id)
+    if residue >= claims.usage_credit:
+        raise StageError(
+            grpc.StatusCode.FAILED_PRECONDITION,
+            usage_credit.residue_refusal(residue, claims.usage_credit, training=training),
+        )
 
 
 def take_acknowledgments(

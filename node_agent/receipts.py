@@ -16,6 +16,12 @@ In a paid session the client also acknowledges receipts as it goes (Stage.Acknow
 the node's own receipt, counter-signed): ``owed`` is what the node computed past the
 newest acknowledged one, which the stage server keeps under the session's credit, so a
 client that withholds its receipts gets little work unpaid (docs/ledger.md).
+
+The credit is per session, so a client could take it again and again in short sessions
+that it never acknowledges. ``residue`` is what a client's other sessions left
+unacknowledged here once they ended or went idle: past the credit, the node serves that
+client's sessions no more until it acknowledges them, or the residue is old enough that
+their holds can no longer be settled anyway.
 """
 
 from __future__ import annotations
@@ -24,8 +30,10 @@ import itertools
 import json
 import logging
 import os
+import time
 from collections import OrderedDict
-from dataclasses import astuple, dataclass
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
@@ -42,6 +50,14 @@ MAX_TRACKED = 65_536
 # Only the counts of this many sessions, the most recently active, are written to disk: a
 # write every few seconds must stay small. An older session counts from 0 after a restart.
 MAX_SAVED = 4096
+# A paid session counts towards its client's residue once it ended (EndSession) or made no
+# call for this long: an honest client acknowledges a session's receipts as it ends, and
+# its paused sessions within a few seconds (client/acknowledgments.py).
+RESIDUE_IDLE_S = 30.0
+# ... and stops counting once it made no call for this long: the coordinator settles a
+# closed or expired session for 15 minutes, so past that its receipts cannot be paid any
+# more, and an honest client that crashed is not shut out for good.
+RESIDUE_TTL_S = 900.0
 
 
 @dataclass
@@ -50,6 +66,13 @@ class _Tally:
     first_step: int
     last_step: int
     acknowledged: int = 0  # the tokens of the newest receipt the client counter-signed
+    # Not saved: a restarted node counts no residue for the sessions it had before.
+    client: bytes = b""  # the key of a paid session's client
+    ended: bool = False  # EndSession came while some of it was not acknowledged
+    active_s: float = 0.0  # the meter's clock at its last call
+
+    def row(self) -> list[int]:
+        return [self.tokens, self.first_step, self.last_step, self.acknowledged]
 
 
 class ReceiptRefused(ValueError):
@@ -68,8 +91,12 @@ class UsageMeter:
         private_key: Ed25519PrivateKey,
         max_tracked: int = MAX_TRACKED,
         path: Path | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self._key = private_key
+        self._clock = clock
+        # client key -> the (session, layers) of its paid sessions counted here
+        self._by_client: dict[bytes, set[tuple[str, int, int]]] = {}
         self._public = identity.public_key_bytes(private_key)
         self._node_id = identity.node_id(self._public)
         self._max = max_tracked
@@ -80,17 +107,28 @@ class UsageMeter:
             self._load(path)
 
     def record(
-        self, session_id: str, layer_start: int, layer_end: int, step: int, tokens: int
+        self,
+        session_id: str,
+        layer_start: int,
+        layer_end: int,
+        step: int,
+        tokens: int,
+        client: bytes = b"",
     ) -> ledger_pb2.SignedUsage:
-        """Count `tokens` computed at `step`; returns the signed cumulative receipt."""
+        """Count `tokens` computed at `step` (for `client`, the key of a paid session's
+        client); returns the signed cumulative receipt."""
         key = (session_id, layer_start, layer_end)
         tally = self._tallies.get(key)
         if tally is None:
             tally = self._tallies[key] = _Tally(0, step, step)
             while len(self._tallies) > self._max:
-                self._tallies.popitem(last=False)
+                self._drop(*self._tallies.popitem(last=False))
         else:
             self._tallies.move_to_end(key)
+        if client and not tally.client:
+            tally.client = client
+            self._by_client.setdefault(client, set()).add(key)
+        tally.active_s = self._clock()
         tally.tokens += tokens
         self._dirty = True
         tally.first_step = min(tally.first_step, step)
@@ -143,13 +181,17 @@ class UsageMeter:
             raise ReceiptRefused(
                 f"{signed.billed_tokens} billed tokens, but the receipt counts {receipt.tokens}"
             )
-        tally = self._tallies.get((session_id, receipt.layer_start, receipt.layer_end))
+        key = (session_id, receipt.layer_start, receipt.layer_end)
+        tally = self._tallies.get(key)
         if tally is None:  # forgotten (ended, or past MAX_TRACKED): nothing left to owe
             return receipt, receipt.tokens
         if receipt.tokens > tally.acknowledged:
             tally.acknowledged = min(receipt.tokens, tally.tokens)
             self._dirty = True
-        return receipt, tally.acknowledged
+        acknowledged = tally.acknowledged
+        if tally.ended and acknowledged == tally.tokens:  # its last receipt came after the end
+            self._drop(key, self._tallies.pop(key))
+        return receipt, acknowledged
 
     def owed(self, session_id: str, layer_start: int, layer_end: int) -> int:
         """Tokens computed for the session on these layers past the newest acknowledged
@@ -157,10 +199,47 @@ class UsageMeter:
         tally = self._tallies.get((session_id, layer_start, layer_end))
         return 0 if tally is None else tally.tokens - tally.acknowledged
 
+    def residue(self, client: bytes, session_id: str) -> int:
+        """What ``client``'s paid sessions other than ``session_id`` computed here and left
+        unacknowledged, counting those that ended or idled RESIDUE_IDLE_S, in the last
+        RESIDUE_TTL_S."""
+        now = self._clock()
+        total = 0
+        for key in list(self._by_client.get(client, ())):
+            tally = self._tallies.get(key)
+            if tally is None:
+                self._by_client[client].discard(key)
+                continue
+            idle = now - tally.active_s
+            if idle >= RESIDUE_TTL_S and tally.ended:  # can no longer be paid: forgotten
+                self._drop(key, self._tallies.pop(key))
+                self._dirty = True
+                continue
+            if key[0] == session_id or idle >= RESIDUE_TTL_S:
+                continue
+            if tally.ended or idle >= RESIDUE_IDLE_S:
+                total += tally.tokens - tally.acknowledged
+        return total
+
     def forget(self, session_id: str) -> None:
+        """The session ended. A paid one's counts stay while some of it is unacknowledged
+        (its last receipts may still come, and until then they are its client's residue)."""
         for key in [k for k in self._tallies if k[0] == session_id]:
-            del self._tallies[key]
+            tally = self._tallies[key]
+            if tally.client and tally.acknowledged < tally.tokens:
+                tally.ended = True
+                continue
+            self._drop(key, self._tallies.pop(key))
             self._dirty = True
+
+    def _drop(self, key: tuple[str, int, int], tally: _Tally) -> None:
+        """A tally left the meter: it no longer counts for its client."""
+        if tally.client:
+            keys = self._by_client.get(tally.client)
+            if keys is not None:
+                keys.discard(key)
+                if not keys:
+                    del self._by_client[tally.client]
 
     def save(self) -> None:
         """Write the counts to the meter's file if they changed (atomically: a node killed
@@ -168,7 +247,7 @@ class UsageMeter:
         if self._path is None or not self._dirty:
             return
         recent = itertools.islice(reversed(self._tallies.items()), MAX_SAVED)
-        rows = [[*key, *astuple(tally)] for key, tally in recent][::-1]
+        rows = [[*key, *tally.row()] for key, tally in recent][::-1]
         self._path.parent.mkdir(parents=True, exist_ok=True)
         partial = self._path.with_suffix(".partial")
         partial.write_text(json.dumps(rows, separators=(",", ":")))

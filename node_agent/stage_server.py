@@ -431,7 +431,14 @@ class StageServicer(stage_pb2_grpc.StageServicer):
             compute_ms=compute_ms,
             cache_length=cache_length,
             signature=signature,
-            usage=self._usage.record(request.session_id, start, end, request.step, batch * tokens),
+            usage=self._usage.record(
+                request.session_id,
+                start,
+                end,
+                request.step,
+                batch * tokens,
+                claims.client_public_key,
+            ),  # fmt: skip
             input_digest=input_digest,
             probe_answers=probed,
             relay_failed=relay_failed,

@@ -479,7 +479,9 @@ class TrainingStageServicer(training_pb2_grpc.TrainingStageServicer):
         self._sign(response, "forward", job, mb, payload, request.input, labels_sent)
         samples = int(x.shape[0])
         response.usage.CopyFrom(
-            self._usage.record(job.job_id, job.start, job.end, request.step, samples)
+            self._usage.record(
+                job.job_id, job.start, job.end, request.step, samples, claims.client_public_key
+            )
         )
         return response
 

@@ -8,6 +8,7 @@ refusal reaches the client as a message only, so the words are the contract."""
 from __future__ import annotations
 
 UNACKNOWLEDGED = "that the client has not acknowledged"
+LEFT_UNACKNOWLEDGED = "ended or idled with work left unacknowledged"
 # The most bytes of a serialized UsageReceipt that a node (Acknowledge) or the coordinator
 # (settlement) takes: a real one is about 150.
 MAX_RECEIPT_BYTES = 1024
@@ -25,6 +26,18 @@ def refusal(
         f"{session_id} {UNACKNOWLEDGED}, and the {what}'s credit is {credit}: send "
         f"{service}.Acknowledge with the node's newest receipt counter-signed (the tessera "
         "client does this as it goes), then this call again"
+    )
+
+
+def residue_refusal(residue: int, credit: int, *, training: bool = False) -> str:
+    """The refusal of a client whose other sessions (jobs) here ended or idled with work it
+    never acknowledged: acknowledging this session's receipts does not lift it."""
+    unit, what = ("samples", "jobs") if training else ("token positions", "sessions")
+    return (
+        f"this client's other {what} on this node {LEFT_UNACKNOWLEDGED}: {residue} {unit}, "
+        f"and a client's credit is {credit}. Its nodes serve it again once it acknowledges "
+        "those receipts (the tessera client does as each ends), or once they are 15 "
+        "minutes old; until then use other nodes"
     )
 
 

@@ -9,6 +9,8 @@ acknowledgment gets the right status, acknowledges nothing, and the node goes on
 
 from __future__ import annotations
 
+import asyncio
+
 import grpc
 import numpy as np
 import pytest
@@ -22,11 +24,12 @@ from data_plane.stage_harness import (
 from data_plane.test_stage_server import PROMPT, Session, logits_of
 from support.hostile import refused
 
+from client import acknowledgments
 from client.acknowledgments import Acknowledger
 from client.channels import ChannelPool
 from client.driver import PipelineDriver
 from node_agent.receipts import UsageMeter
-from protos import codec, identity
+from protos import codec, identity, usage_credit
 from protos.tessera.v1 import client_api_pb2, ledger_pb2, stage_pb2, stage_pb2_grpc
 
 CREDIT = 8
@@ -63,6 +66,22 @@ class PaidSession(Session):
             usage=list(usage),
         )
         return stub.Acknowledge(request, timeout=10)
+
+
+async def paid_pipeline(start_node, keys: CoordinatorKeys, credit: int):  # noqa: ANN001, ANN201
+    """Two nodes in a paid session of a fresh client key, and a driver that acknowledges."""
+    client = identity.generate_private_key()
+    first, second = await start_node([(0, 2)]), await start_node([(2, NUM_LAYERS)])
+    grant = session_grant(
+        keys, [(0, 2, first, []), (2, NUM_LAYERS, second, [])],
+        client_key=identity.public_key_bytes(client), usage_credit=credit,
+    )  # fmt: skip
+    driver = PipelineDriver(grant, MODEL)
+    channels = ChannelPool()
+    driver.acks = Acknowledger(
+        grant.session_id, credit, client, driver.usage, channels, lambda: driver.capability
+    )
+    return driver, channels, (first, second), grant
 
 
 def next_token(response: stage_pb2.ForwardResponse) -> int:
@@ -228,19 +247,9 @@ async def test_an_honest_driver_acknowledges_as_it_goes_and_is_never_failed_over
 
         monkeypatch.setattr(Acknowledger, "ready", never_before)
     credit = 4
-    client = identity.generate_private_key()
-    first, second = await start_node([(0, 2)]), await start_node([(2, NUM_LAYERS)])
-    grant = session_grant(
-        keys, [(0, 2, first, []), (2, NUM_LAYERS, second, [])],
-        client_key=identity.public_key_bytes(client), usage_credit=credit,
-    )  # fmt: skip
-    driver = PipelineDriver(grant, MODEL)
+    driver, channels, (first, second), grant = await paid_pipeline(start_node, keys, credit)
     if not push:
         driver.push_off = "hop by hop, for this test"
-    channels = ChannelPool()
-    driver.acks = Acknowledger(
-        grant.session_id, credit, client, driver.usage, channels, lambda: driver.capability
-    )
     tokens: list[int] = []
     try:
         logits = await driver.step(PROMPT, last_only=True)
@@ -290,3 +299,71 @@ def test_acknowledgments_survive_a_restart_of_the_node(tmp_path) -> None:
     # A file written before acknowledgments were counted (six columns) reads as none made.
     path.write_text('[["s1", 0, 2, 11, 1, 2]]')
     assert UsageMeter(key, path=path).owed("s1", 0, 2) == 11
+
+
+async def test_a_client_cannot_take_the_credit_again_in_a_new_session(
+    start_node, keys: CoordinatorKeys
+) -> None:
+    """A session ended with its credit's worth unacknowledged: the client's next session
+    on this node is refused until it acknowledges those receipts; other clients are not."""
+    node = await start_node([(0, NUM_LAYERS)])
+    first = PaidSession.open(node, keys, "s-short")
+    try:
+        answer = await first.tokens(PROMPT, 0)
+        position = len(PROMPT)
+        while position < CREDIT:  # just under the credit, never acknowledged
+            answer = await first.tokens([next_token(answer)], position)
+            position += 1
+        end = stage_pb2.EndSessionRequest(session_id="s-short", capability=first.capability())
+        await stage_pb2_grpc.StageStub(first.channel).EndSession(end, timeout=10)
+    finally:
+        await first.close()
+    again = PaidSession.open(node, keys, "s-again")
+    stranger = PaidSession.open(node, keys, "s-stranger")
+    stranger.client = identity.generate_private_key()
+    try:
+        details = await refused(
+            again.tokens(PROMPT, 0),
+            grpc.StatusCode.FAILED_PRECONDITION,
+            f"{CREDIT} token positions, and a client's credit is {CREDIT}",
+        )
+        assert "other sessions on this node ended or idled" in details
+        assert not usage_credit.is_refusal(details), "acknowledging s-again would not lift it"
+        assert (await stranger.tokens(PROMPT, 0)).cache_length == len(PROMPT)
+        # The ended session's last receipt, acknowledged late (as its client's close does).
+        late = PaidSession.open(node, keys, "s-short")
+        try:
+            taken = await late.acknowledge(late.countersign(answer.usage))
+        finally:
+            await late.close()
+        assert list(taken.acknowledged_tokens) == [CREDIT]
+        await again.close()
+        again = PaidSession.open(node, keys, "s-again")
+        assert (await again.tokens(PROMPT, 0)).cache_length == len(PROMPT)
+    finally:
+        await again.close()
+        await stranger.close()
+
+
+async def test_a_paused_session_acknowledges_what_it_owes(
+    start_node, keys: CoordinatorKeys, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Below a quarter of the credit nothing is acknowledged alongside; once the session
+    makes no call for IDLE_ACK_S (its caller paused), it acknowledges all it owes, so that
+    its nodes never count it against the client's other sessions."""
+    monkeypatch.setattr(acknowledgments, "IDLE_ACK_S", 0.2)
+    driver, channels, (first, second), grant = await paid_pipeline(start_node, keys, 64)
+    spans = ((first, (0, 2)), (second, (2, NUM_LAYERS)))
+    try:
+        logits = await driver.step(PROMPT, last_only=True)
+        for _ in range(3):
+            logits = await driver.step([int(np.argmax(logits[0]))], last_only=True)
+        owed = [n.servicer._usage.owed(grant.session_id, *span) for n, span in spans]
+        assert owed == [len(PROMPT) + 3] * 2 and driver.acks.sent == 0
+        deadline = asyncio.get_running_loop().time() + 5
+        while driver.acks.sent < 2 and asyncio.get_running_loop().time() < deadline:
+            await asyncio.sleep(0.05)
+        assert [n.servicer._usage.owed(grant.session_id, *span) for n, span in spans] == [0, 0]
+    finally:
+        await driver.close()
+        await channels.close()

@@ -14,8 +14,8 @@ from node_agent import cli, receipts  # noqa: E402
 _honest = receipts.UsageMeter.record
 
 
-def _inflated(self, session_id, layer_start, layer_end, step, tokens):  # noqa: ANN001, ANN202
-    return _honest(self, session_id, layer_start, layer_end, step, tokens * 10)
+def _inflated(self, session_id, layer_start, layer_end, step, tokens, *rest):  # noqa: ANN001, ANN002, ANN202
+    return _honest(self, session_id, layer_start, layer_end, step, tokens * 10, *rest)
 
 
 receipts.UsageMeter.record = _inflated  # type: ignore[method-assign]

@@ -75,9 +75,12 @@ def test_a_client_that_withholds_its_receipts_is_refused_at_its_credit(
     market, client_key, monkeypatch: pytest.MonkeyPatch
 ):
     # The client library with its acknowledgments taken out, as a freeloader would run it.
+    # Its own account: the nodes then serve that account nothing more (the session's
+    # residue, below).
     monkeypatch.setattr(AsyncClient, "_hold_to_credit", lambda *_: None)
     got: list[int] = []
-    with Client(market.address, key=client_key, settle_every=0) as client:
+    freeloader = funded_client(market, "freeloader")
+    with Client(market.address, key=freeloader, settle_every=0) as client:
         wait_for(lambda: available(client), "the model to be served")
         with pytest.raises(TesseraError) as refused:
             for token in client.generate(
@@ -91,6 +94,14 @@ def test_a_client_that_withholds_its_receipts_is_refused_at_its_credit(
     assert "that the client has not acknowledged" in str(refused.value), refused.value
     assert "FAILED_PRECONDITION" in str(refused.value)
     assert result is not None and len(result.token_ids) <= 1
+    # Nor does it get the credit again in a new session: the one it left unacknowledged
+    # ended, and counts against its next ones on that node. Other clients are served.
+    with Client(market.address, key=freeloader, settle_every=0) as client:
+        with pytest.raises(TesseraError) as again:
+            for token in client.generate(MODEL, token_ids=PROMPT, max_new_tokens=NEW_TOKENS):
+                got.append(token.id)
+    assert "other sessions on this node ended or idled" in str(again.value), again.value
+    assert len(got) <= 1, got
 
 
 @pytest.mark.parametrize("close", ["never", "at-once"])

@@ -95,3 +95,41 @@ def test_only_the_most_recently_active_counts_are_written(
     meter.record("a", 0, 4, 1, 1)  # "a" is active again, "b" the oldest now
     meter.save()
     assert json.loads(path.read_text()) == [["c", 0, 4, 1, 0, 0, 0], ["a", 0, 4, 2, 0, 1, 0]]
+
+
+def test_a_clients_ended_or_idle_sessions_left_unacknowledged_are_its_residue() -> None:
+    """What a paid session left unacknowledged counts against its client's other sessions
+    once it ended or idled RESIDUE_IDLE_S, and no more after RESIDUE_TTL_S (its hold can
+    no longer be settled then)."""
+    now = [0.0]
+    key, client, other = (identity.generate_private_key() for _ in range(3))
+    alice, bob = identity.public_key_bytes(client), identity.public_key_bytes(other)
+    meter = UsageMeter(key, clock=lambda: now[0])
+
+    def countersigned(signed: ledger_pb2.SignedUsage) -> ledger_pb2.SignedUsage:
+        tokens = ledger_pb2.UsageReceipt.FromString(signed.receipt).tokens
+        signature = client.sign(identity.usage_countersign_payload(signed.receipt, tokens))
+        return ledger_pb2.SignedUsage(
+            receipt=signed.receipt, node_signature=signed.node_signature,
+            client_signature=signature, billed_tokens=tokens,
+        )  # fmt: skip
+
+    first = meter.record("s-1", 0, 4, 0, 7, alice)
+    meter.record("s-1", 4, 8, 0, 3, alice)
+    meter.record("s-free", 0, 4, 0, 50)  # a free session: nobody's residue
+    meter.record("s-bob", 0, 4, 0, 40, bob)
+    assert meter.residue(alice, "s-2") == 0, "s-1 is live"
+    meter.forget("s-1")  # EndSession, with 10 positions unacknowledged
+    assert meter.residue(alice, "s-2") == 10 and meter.residue(alice, "s-1") == 0
+    assert meter.residue(bob, "s-3") == 0
+    # Its last receipt on [0, 4) comes after the end: that range leaves the meter.
+    meter.acknowledge("s-1", countersigned(first), alice)
+    assert meter.residue(alice, "s-2") == 3
+    assert meter.owed("s-1", 0, 4) == 0
+    # A live session that idles counts too, until its work is too old to be paid.
+    now[0] = receipts.RESIDUE_IDLE_S
+    assert meter.residue(bob, "s-3") == 40 and meter.residue(bob, "s-bob") == 0
+    now[0] = receipts.RESIDUE_TTL_S
+    assert meter.residue(alice, "s-2") == 0 and meter.residue(bob, "s-3") == 0
+    assert meter.owed("s-1", 4, 8) == 0, "the ended session's old counts were dropped"
+    assert meter.owed("s-bob", 0, 4) == 40, "a live session's count stays"

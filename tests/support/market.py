@@ -114,14 +114,15 @@ def running_market(
         yield swarm
 
 
-def funded_client(market: LocalSwarm) -> Ed25519PrivateKey:
-    """A client key in the market's work dir, granted GRANT credits with the admin CLI
-    (twice with one request id: granted once)."""
-    key = billing.load_key(market.workdir / "client.key", create=True)
+def funded_client(market: LocalSwarm, name: str = "client") -> Ed25519PrivateKey:
+    """A client key in the market's work dir (`name`.key), granted GRANT credits with the
+    admin CLI (twice with one request id: granted once)."""
+    key = billing.load_key(market.workdir / f"{name}.key", create=True)
     account = billing.account_of(key)
+    request_id = "g1" if name == "client" else f"g1-{name}"
     for _ in range(2):
         run_cli("coordinator.cli", "credits", "grant", account, str(GRANT), "--request-id",
-                "g1", "--data-dir", str(market.coordinator_dir))  # fmt: skip
+                request_id, "--data-dir", str(market.coordinator_dir))  # fmt: skip
     return key
 
 
