@@ -50,7 +50,7 @@ _Key = tuple[str, int, int]  # node id, layer start, layer end
 
 
 class Reachable(Protocol):
-    """A node of the pipeline: a session's Reachable or a job's TrainingHop."""
+    """A node of the pipeline: a session's HopRecord or a job's TrainingHop."""
 
     @property
     def node_id(self) -> str: ...

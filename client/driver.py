@@ -1628,7 +1628,11 @@ class PipelineDriver:
         if failure.code == grpc.StatusCode.UNAVAILABLE and self._reporter is not None:
             self._reporter.unreachable(failed.node_id)  # the coordinator dials it back
         key = (failed.node_id, slot.span)
-        if failure.code in REPLAY_SAME_NODE_CODES and key not in self._replayed_this_step:
+        if (
+            failure.code in REPLAY_SAME_NODE_CODES
+            and not usage_credit.is_residue_refusal(str(failure))  # it serves us nothing now
+            and key not in self._replayed_this_step
+        ):
             self._replayed_this_step.add(key)
             return "replay", [failed.node_id]
         if slot.parts:

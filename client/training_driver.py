@@ -694,6 +694,10 @@ class TrainingDriver:
                 # yet), which the node has now taken: the same call again, not a re-sync.
                 log.info("%s on %s waited for an acknowledgment; sent again", method, hop.node_id)
                 return await self._call_hop(index, hop, method, request, resumed=True)
+            if code == grpc.StatusCode.FAILED_PRECONDITION and usage_credit.is_residue_refusal(
+                details
+            ):  # the node serves this client nothing for now: re-plan, not re-sync
+                raise StageFailed(index, hop.node_id, f"{method}: {details}") from err
             if code == grpc.StatusCode.DEADLINE_EXCEEDED:
                 details = f"no answer within {timeout:.1f} s ({details})"
             if code in CLIENT_FAULT_CODES:

@@ -34,7 +34,8 @@ def check_credit(
     *,
     training: bool = False,
 ) -> None:
-    """Refuse a paid call past the credit of unacknowledged work on [start, end)."""
+    """Refuse a paid call past the credit of unacknowledged work on [start, end), or past
+    the credit in what the client's other sessions (jobs) here left unacknowledged."""
     if not claims.client_public_key or claims.usage_credit == 0:
         return
     owed = meter.owed(session_id, start, end)

@@ -44,3 +44,9 @@ def residue_refusal(residue: int, credit: int, *, training: bool = False) -> str
 def is_refusal(details: str) -> bool:
     """Whether a FAILED_PRECONDITION's details are this refusal."""
     return UNACKNOWLEDGED in details
+
+
+def is_residue_refusal(details: str) -> bool:
+    """Whether a FAILED_PRECONDITION's details are the residue refusal: the node serves
+    this client nothing for now, so the work must go to another node."""
+    return LEFT_UNACKNOWLEDGED in details

@@ -367,3 +367,46 @@ async def test_a_paused_session_acknowledges_what_it_owes(
     finally:
         await driver.close()
         await channels.close()
+
+
+async def test_a_node_that_serves_the_client_nothing_for_now_is_failed_over_at_once(
+    start_node, keys: CoordinatorKeys, checkpoint
+) -> None:
+    """Its refusal for the client's residue is not lifted by a replay there, nor by an
+    acknowledgment of this session: the driver goes to the alternate."""
+    credit = 4
+    client = identity.generate_private_key()
+    owing, spare = await start_node([(0, 2)]), await start_node([(0, 2)])
+    last = await start_node([(2, NUM_LAYERS)])
+    earlier = PaidSession.open(owing, keys, "s-earlier")
+    earlier.client = client
+    grants = [(owing.node_id, 0, 2)]
+    try:
+        answer = await earlier.tokens(
+            PROMPT, 0, end=2, capability=earlier.capability(grants=grants)
+        )
+        assert ledger_pb2.UsageReceipt.FromString(answer.usage.receipt).tokens >= credit
+        end = stage_pb2.EndSessionRequest(
+            session_id="s-earlier", capability=earlier.capability(grants=grants)
+        )
+        await stage_pb2_grpc.StageStub(earlier.channel).EndSession(end, timeout=10)
+    finally:
+        await earlier.close()
+    grant = session_grant(
+        keys, [(0, 2, owing, [spare]), (2, NUM_LAYERS, last, [])],
+        client_key=identity.public_key_bytes(client), usage_credit=credit,
+    )  # fmt: skip
+    driver = PipelineDriver(grant, MODEL)
+    channels = ChannelPool()
+    driver.acks = Acknowledger(
+        grant.session_id, credit, client, driver.usage, channels, lambda: driver.capability
+    )
+    try:
+        logits = await driver.step(PROMPT, last_only=True)
+        assert int(np.argmax(logits[0])) == reference_greedy(checkpoint, PROMPT, 1)[0]
+        (event,) = driver.failovers
+        assert (event.failed_node_id, event.via) == (owing.node_id, "alternate"), event
+        assert "other sessions on this node ended or idled" in event.reason
+    finally:
+        await driver.close()
+        await channels.close()

@@ -19,7 +19,8 @@ from training.test_training_rpcs import forward, open_request, refused, stub
 from training.training_harness import SPLIT, TrainingNode, counting_batch, hyper
 
 from client.acknowledgments import Acknowledger
-from client.training_driver import TrainingDriver
+from client.training_driver import StageFailed, StageOutOfSync, TrainingDriver
+from node_agent import receipts
 from protos import codec, identity, usage_credit
 from protos.tessera.v1 import client_api_pb2, ledger_pb2, stage_pb2, training_pb2_grpc
 
@@ -224,5 +225,42 @@ async def test_an_honest_training_driver_acknowledges_as_it_goes_and_is_never_re
             waiting = node.training._settler._pending[JOB][(start, end)][0]
             assert waiting == samples
             assert node.training._usage.owed(JOB, start, end) == 0
+    finally:
+        await driver.close()
+
+
+async def test_a_node_that_serves_the_client_nothing_for_now_fails_its_stage(
+    start_node, keys: CoordinatorKeys, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Another job of the client left the credit unacknowledged on the node (and idled):
+    the node refuses this job's forward until it is acknowledged, which a re-sync there
+    would not change, so the driver fails the stage (the runner re-plans it elsewhere)."""
+    monkeypatch.setattr(receipts, "RESIDUE_IDLE_S", 0.0)
+    node = await start_node([(0, 2)])
+    earlier = paid(keys, [(node, 0, 2)], job="job-earlier")
+    node_stub, channel = stub(node)
+    try:
+        four = hyper("full", micro_batches=4)
+        await node_stub.OpenTraining(open_request(earlier, 0, 2, job_id="job-earlier", hyper=four))
+        for mb in (0, 1):  # the credit's worth, never acknowledged
+            await node_stub.ForwardTrain(first_stage_forward(earlier, mb, "job-earlier"))
+    finally:
+        await channel.close()
+    last = await start_node([(2, 4)])
+    driver = TrainingDriver(
+        job_id=JOB,
+        model="tiny-train",
+        hops=[node.hop(0, 2), last.hop(2, 4)],
+        capability=paid(keys, [(node, 0, 2), (last, 2, 4)]),
+        hyper=hyper("full", micro_batches=2),
+        key=CLIENT,
+    )
+    try:
+        await driver.open()
+        with pytest.raises(StageFailed) as failed:
+            await driver.train_step(0, *counting_batch(0, batch=2, seq=8))
+        assert not isinstance(failed.value, StageOutOfSync)
+        assert failed.value.index == 0 and failed.value.node_id == node.node_id
+        assert "other jobs on this node ended or idled" in str(failed.value)
     finally:
         await driver.close()
