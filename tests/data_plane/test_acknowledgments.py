@@ -68,18 +68,25 @@ class PaidSession(Session):
         return stub.Acknowledge(request, timeout=10)
 
 
-async def paid_pipeline(start_node, keys: CoordinatorKeys, credit: int):  # noqa: ANN001, ANN201
-    """Two nodes in a paid session of a fresh client key, and a driver that acknowledges."""
-    client = identity.generate_private_key()
-    first, second = await start_node([(0, 2)]), await start_node([(2, NUM_LAYERS)])
+def acknowledging_driver(keys: CoordinatorKeys, stages, client, credit: int):  # noqa: ANN001, ANN201
+    """A driver of a paid session over ``stages`` (session_grant's), that acknowledges."""
     grant = session_grant(
-        keys, [(0, 2, first, []), (2, NUM_LAYERS, second, [])],
-        client_key=identity.public_key_bytes(client), usage_credit=credit,
-    )  # fmt: skip
+        keys, stages, client_key=identity.public_key_bytes(client), usage_credit=credit
+    )
     driver = PipelineDriver(grant, MODEL)
     channels = ChannelPool()
     driver.acks = Acknowledger(
         grant.session_id, credit, client, driver.usage, channels, lambda: driver.capability
+    )
+    return driver, channels, grant
+
+
+async def paid_pipeline(start_node, keys: CoordinatorKeys, credit: int):  # noqa: ANN001, ANN201
+    """Two nodes in a paid session of a fresh client key, and a driver that acknowledges."""
+    first, second = await start_node([(0, 2)]), await start_node([(2, NUM_LAYERS)])
+    stages = [(0, 2, first, []), (2, NUM_LAYERS, second, [])]
+    driver, channels, grant = acknowledging_driver(
+        keys, stages, identity.generate_private_key(), credit
     )
     return driver, channels, (first, second), grant
 
@@ -392,15 +399,8 @@ async def test_a_node_that_serves_the_client_nothing_for_now_is_failed_over_at_o
         await stage_pb2_grpc.StageStub(earlier.channel).EndSession(end, timeout=10)
     finally:
         await earlier.close()
-    grant = session_grant(
-        keys, [(0, 2, owing, [spare]), (2, NUM_LAYERS, last, [])],
-        client_key=identity.public_key_bytes(client), usage_credit=credit,
-    )  # fmt: skip
-    driver = PipelineDriver(grant, MODEL)
-    channels = ChannelPool()
-    driver.acks = Acknowledger(
-        grant.session_id, credit, client, driver.usage, channels, lambda: driver.capability
-    )
+    stages = [(0, 2, owing, [spare]), (2, NUM_LAYERS, last, [])]
+    driver, channels, _ = acknowledging_driver(keys, stages, client, credit)
     try:
         logits = await driver.step(PROMPT, last_only=True)
         assert int(np.argmax(logits[0])) == reference_greedy(checkpoint, PROMPT, 1)[0]
