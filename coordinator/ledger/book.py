@@ -532,6 +532,8 @@ class Ledger:
         refunded = amount - charged if close else 0
         if refunded:
             entries += [(ESCROW, -refunded), (client, refunded)]
+        if late:  # the client pays back part of what it was refunded
+            refunded = int(hold["refunded"]) - (charged - charged_before)  # type: ignore[call-overload]
         # The usage paid for so far: disputed work counts as settled (not paid), so a
         # later receipt of it is not paid either.
         paid_rows = [
@@ -551,9 +553,7 @@ class Ledger:
                 # settlement does not pay it after all.
                 with self.db.atomic():
                     self._record_paid(paid_rows)
-                if late:
-                    return self._settled(hold)
-                return SettlementResult(hold_id, amount, charged_before, 0, fee_before, False)
+                return SettlementResult(hold_id, amount, charged_before, refunded, fee_before, late)
             txid = f"usage:{hold_id}:{self._count_usage_settlements(hold_id) + 1}"
             params = {"receipts": sorted(u.receipt_id for u, _, _ in increments)}
         state = "settled" if close else "open"
@@ -562,11 +562,11 @@ class Ledger:
                 if self._existing(txid, params):
                     return self._settled(self.hold(hold_id) or hold)
                 self._post(txid, "settle" if close else "usage", params, entries)
-                if late:  # the client paid part of what it was refunded
+                if late:
                     self.db.execute(
-                        "UPDATE ledger_holds SET charged = ?, refunded = refunded - ?, fee = ? "
+                        "UPDATE ledger_holds SET charged = ?, refunded = ?, fee = ? "
                         "WHERE hold_id = ? AND state != 'open'",
-                        [charged, charged - charged_before, fee_before + fee_total, hold_id],
+                        [charged, refunded, fee_before + fee_total, hold_id],
                     )
                 else:
                     self.db.execute(
@@ -594,9 +594,8 @@ class Ledger:
                 f"a receipt of session {hold_id} was already paid ({exc})",
             ) from None
         failpoint("settle:after-commit")
-        if late:
-            return self._settled(self.hold(hold_id) or hold)
-        return SettlementResult(hold_id, amount, charged, refunded, fee_before + fee_total, close)
+        fee = fee_before + fee_total
+        return SettlementResult(hold_id, amount, charged, refunded, fee, close or late)
 
     def _record_paid(self, rows: list[tuple[str, str, int, int, int, int]]) -> None:
         self.db.conn.executemany(
