@@ -223,6 +223,9 @@ class UsageBook:
             and receipt.node_id == node_id == owner
             and (receipt.layer_start, receipt.layer_end) == (start, end)
             and (receipt.tokens <= sent + checks or where in self._inherited)
+            # The ledger bills the longest prefix any node held (docs/ledger.md,
+            # "Shortfall"): held, so computed, and counted.
+            and receipt.longest <= receipt.tokens
             and identity.verify(
                 receipt.node_public_key,
                 usage.node_signature,
@@ -231,9 +234,9 @@ class UsageBook:
         )
         if not agreed:
             log.warning(
-                "node %s claims %d tokens on layers [%d, %d), the driver sent %d (and %d "
-                "to check others): not signing its receipt", node_id, receipt.tokens,
-                start, end, sent, checks,
+                "node %s claims %d tokens (a prefix of %d held) on layers [%d, %d), the "
+                "driver sent %d (and %d to check others): not signing its receipt", node_id,
+                receipt.tokens, receipt.longest, start, end, sent, checks,
             )  # fmt: skip
             return None
         billed = min(receipt.tokens, sent)

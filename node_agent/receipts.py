@@ -70,9 +70,12 @@ class _Tally:
     client: bytes = b""  # the key of a paid session's client
     ended: bool = False  # EndSession came while some of it was not acknowledged
     active_s: float = 0.0  # the meter's clock at its last call
+    # The longest prefix held after a call, x batch (UsageReceipt.longest); kept on disk
+    # after the other counts, being the newest of them.
+    longest: int = 0
 
     def row(self) -> list[int]:
-        return [self.tokens, self.first_step, self.last_step, self.acknowledged]
+        return [self.tokens, self.first_step, self.last_step, self.acknowledged, self.longest]
 
 
 class ReceiptRefused(ValueError):
@@ -114,9 +117,11 @@ class UsageMeter:
         step: int,
         tokens: int,
         client: bytes = b"",
+        longest: int = 0,
     ) -> ledger_pb2.SignedUsage:
         """Count `tokens` computed at `step` (for `client`, the key of a paid session's
-        client); returns the signed cumulative receipt."""
+        client), after which the node holds a prefix of `longest` positions x batch (0:
+        calls that keep none); returns the signed cumulative receipt."""
         key = (session_id, layer_start, layer_end)
         tally = self._tallies.get(key)
         if tally is None:
@@ -130,6 +135,9 @@ class UsageMeter:
             self._by_client.setdefault(client, set()).add(key)
         tally.active_s = self._clock()
         tally.tokens += tokens
+        # Never past the count: a prefix is computed here before it is held (a node that
+        # restarted in a session counts from its saved counts, and may hold less).
+        tally.longest = min(max(tally.longest, longest), tally.tokens)
         self._dirty = True
         tally.first_step = min(tally.first_step, step)
         tally.last_step = max(tally.last_step, step)
@@ -142,6 +150,7 @@ class UsageMeter:
             tokens=tally.tokens,
             first_step=tally.first_step,
             last_step=tally.last_step,
+            longest=tally.longest,
         ).SerializeToString(deterministic=True)
         return ledger_pb2.SignedUsage(
             receipt=receipt, node_signature=self._key.sign(identity.usage_payload(receipt))
@@ -258,14 +267,18 @@ class UsageMeter:
         try:
             rows = json.loads(path.read_text())
             for session_id, start, end, *counts in rows[-self._max :]:
-                # Six columns before acknowledgments were counted (then none were made).
-                if len(counts) not in (3, 4):
+                # Six columns before acknowledgments were counted (then none were made),
+                # seven before the longest prefix was.
+                if len(counts) not in (3, 4, 5):
                     raise ValueError(f"the row of session {session_id!r} has the wrong length")
                 if not all(isinstance(v, int) and v >= 0 for v in (start, end, *counts)):
                     raise ValueError(f"a count of session {session_id!r} is not a whole number")
-                tally = _Tally(*counts)
-                if tally.acknowledged > tally.tokens:
-                    raise ValueError(f"session {session_id!r} acknowledges more than it counts")
+                tally = _Tally(*counts[:4])
+                tally.longest = counts[4] if len(counts) == 5 else 0
+                if tally.acknowledged > tally.tokens or tally.longest > tally.tokens:
+                    raise ValueError(
+                        f"session {session_id!r} acknowledges, or held, more than it counts"
+                    )
                 self._tallies[(str(session_id), start, end)] = tally
         except FileNotFoundError:
             return

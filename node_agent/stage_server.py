@@ -438,6 +438,7 @@ class StageServicer(stage_pb2_grpc.StageServicer):
                 request.step,
                 batch * tokens,
                 claims.client_public_key,
+                longest=batch * cache_length,
             ),  # fmt: skip
             input_digest=input_digest,
             probe_answers=probed,

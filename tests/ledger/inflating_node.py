@@ -14,8 +14,8 @@ from node_agent import cli, receipts  # noqa: E402
 _honest = receipts.UsageMeter.record
 
 
-def _inflated(self, session_id, layer_start, layer_end, step, tokens, *rest):  # noqa: ANN001, ANN002, ANN202
-    return _honest(self, session_id, layer_start, layer_end, step, tokens * 10, *rest)
+def _inflated(self, session_id, layer_start, layer_end, step, tokens, *rest, **named):  # noqa: ANN001, ANN002, ANN003, ANN202
+    return _honest(self, session_id, layer_start, layer_end, step, tokens * 10, *rest, **named)
 
 
 receipts.UsageMeter.record = _inflated  # type: ignore[method-assign]

@@ -49,10 +49,13 @@ class Node:
         self.price = price
         self.tflops = tflops
 
-    def receipt(self, session_id: str, start: int, end: int, tokens: int) -> ledger_pb2.SignedUsage:
+    def receipt(
+        self, session_id: str, start: int, end: int, tokens: int, longest: int = 0
+    ) -> ledger_pb2.SignedUsage:
         body = ledger_pb2.UsageReceipt(
             session_id=session_id, node_id=self.node_id, node_public_key=self.public,
             layer_start=start, layer_end=end, tokens=tokens, first_step=1, last_step=tokens,
+            longest=longest,
         ).SerializeToString(deterministic=True)  # fmt: skip
         return ledger_pb2.SignedUsage(
             receipt=body, node_signature=self.key.sign(identity.usage_payload(body))
@@ -372,6 +375,12 @@ def test_the_driver_countersigns_only_what_it_sent():
         identity.usage_countersign_payload(signed[0].receipt, 10),
     )
     assert book.countersign("another-session", client) == []
+    # A prefix longer than the node computed: the ledger bills the longest prefix held
+    # (shortfall.py), so the client signs no such claim.
+    book.received(node.node_id, 0, 2, node.receipt("s1", 0, 2, 10, longest=11))
+    assert book.countersign("s1", client) == []
+    book.received(node.node_id, 0, 2, node.receipt("s1", 0, 2, 10, longest=10))
+    assert len(book.countersign("s1", client)) == 1
     # What the driver waits for at the close of a session whose ring ended early: the
     # receipts it would leave unsigned as it stands.
     assert sorted(book.uncovered()) == [(other.node_id, 2, 4)]

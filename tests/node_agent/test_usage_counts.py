@@ -54,7 +54,8 @@ def test_a_restarted_meter_counts_on_from_its_saved_counts(tmp_path: Path) -> No
         '[["s", 0, 4, 1.5, 0, 0]]',
         "[[1, 2]]",
         '[["s", 0, 4, 3, 0, 0, 9]]',  # more acknowledged than counted
-        '[["s", 0, 4, 3, 0, 0, 1, 1]]',
+        '[["s", 0, 4, 3, 0, 0, 1, 4]]',  # a longer prefix held than counted
+        '[["s", 0, 4, 3, 0, 0, 1, 1, 1]]',
     ],
 )
 def test_unreadable_counts_start_again_at_zero_and_are_written_anew(
@@ -68,7 +69,31 @@ def test_unreadable_counts_start_again_at_zero_and_are_written_anew(
     assert "unreadable" in caplog.text and "counting from 0" in caplog.text
     assert tokens_of(meter.record("s", 0, 4, 0, 3), identity.public_key_bytes(key))[0] == 3
     meter.save()
-    assert json.loads(path.read_text()) == [["s", 0, 4, 3, 0, 0, 0]]  # none acknowledged
+    assert json.loads(path.read_text()) == [["s", 0, 4, 3, 0, 0, 0, 0]]  # none acknowledged
+
+
+def test_receipts_say_the_longest_prefix_held_and_keep_it_across_a_restart(
+    tmp_path: Path,
+) -> None:
+    """UsageReceipt.longest, which the ledger bills each layer for at the least: the
+    longest prefix after any call (a rollback holds less, and lowers nothing), never past
+    what the node counted. Counts saved before it existed load with none held."""
+    key = identity.generate_private_key()
+    path = tmp_path / "usage.json"
+    meter = UsageMeter(key, path=path)
+
+    def longest(signed: ledger_pb2.SignedUsage) -> int:
+        return ledger_pb2.UsageReceipt.FromString(signed.receipt).longest
+
+    assert longest(meter.record("s", 0, 4, 0, 7, longest=7)) == 7  # the prompt
+    assert longest(meter.record("s", 0, 4, 1, 1, longest=8)) == 8
+    assert longest(meter.record("s", 0, 4, 2, 1, longest=5)) == 8  # rolled back to 4
+    assert longest(meter.record("s", 0, 4, 3, 1, longest=500)) == 10  # never past the count
+    assert longest(meter.record("t", 4, 8, 0, 3)) == 0  # training: no prefix
+    meter.save()
+    assert longest(UsageMeter(key, path=path).record("s", 0, 4, 4, 1, longest=6)) == 10
+    path.write_text('[["old", 0, 4, 5, 0, 1, 2]]')  # a node of the release before
+    assert longest(UsageMeter(key, path=path).record("old", 0, 4, 2, 1, longest=6)) == 6
 
 
 def test_a_count_that_cannot_be_saved_is_logged_and_the_node_goes_on(
@@ -94,7 +119,7 @@ def test_only_the_most_recently_active_counts_are_written(
         meter.record(session, 0, 4, 0, 1)
     meter.record("a", 0, 4, 1, 1)  # "a" is active again, "b" the oldest now
     meter.save()
-    assert json.loads(path.read_text()) == [["c", 0, 4, 1, 0, 0, 0], ["a", 0, 4, 2, 0, 1, 0]]
+    assert json.loads(path.read_text()) == [["c", 0, 4, 1, 0, 0, 0, 0], ["a", 0, 4, 2, 0, 1, 0, 0]]
 
 
 def test_a_clients_ended_or_idle_sessions_left_unacknowledged_are_its_residue() -> None:

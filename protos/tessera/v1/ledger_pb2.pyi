@@ -112,7 +112,7 @@ class NodePrice(_message.Message):
     def __init__(self, node_id: _Optional[str] = ..., price_per_1k_token_layers: _Optional[int] = ...) -> None: ...
 
 class UsageReceipt(_message.Message):
-    __slots__ = ("session_id", "node_id", "node_public_key", "layer_start", "layer_end", "tokens", "first_step", "last_step")
+    __slots__ = ("session_id", "node_id", "node_public_key", "layer_start", "layer_end", "tokens", "first_step", "last_step", "longest")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     NODE_PUBLIC_KEY_FIELD_NUMBER: _ClassVar[int]
@@ -121,6 +121,7 @@ class UsageReceipt(_message.Message):
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     FIRST_STEP_FIELD_NUMBER: _ClassVar[int]
     LAST_STEP_FIELD_NUMBER: _ClassVar[int]
+    LONGEST_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     node_id: str
     node_public_key: bytes
@@ -129,7 +130,8 @@ class UsageReceipt(_message.Message):
     tokens: int
     first_step: int
     last_step: int
-    def __init__(self, session_id: _Optional[str] = ..., node_id: _Optional[str] = ..., node_public_key: _Optional[bytes] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., tokens: _Optional[int] = ..., first_step: _Optional[int] = ..., last_step: _Optional[int] = ...) -> None: ...
+    longest: int
+    def __init__(self, session_id: _Optional[str] = ..., node_id: _Optional[str] = ..., node_public_key: _Optional[bytes] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., tokens: _Optional[int] = ..., first_step: _Optional[int] = ..., last_step: _Optional[int] = ..., longest: _Optional[int] = ...) -> None: ...
 
 class SignedUsage(_message.Message):
     __slots__ = ("receipt", "node_signature", "client_signature", "billed_tokens")
