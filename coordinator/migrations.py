@@ -24,11 +24,13 @@ from coordinator.jobs.schema import (
     add_replan_key,
     create_jobs_tables,
 )
+from coordinator.ledger.schema import HELD_MIGRATION_NAME as LEDGER_HELD_MIGRATION
 from coordinator.ledger.schema import MIGRATION_NAME as LEDGER_MIGRATION
 from coordinator.ledger.schema import NONCES_MIGRATION_NAME as LEDGER_NONCES_MIGRATION
 from coordinator.ledger.schema import PERIODIC_MIGRATION_NAME as LEDGER_PERIODIC_MIGRATION
 from coordinator.ledger.schema import PRIMARIES_MIGRATION_NAME as LEDGER_PRIMARIES_MIGRATION
 from coordinator.ledger.schema import (
+    add_held_columns,
     create_ledger_tables,
     create_nonce_table,
     create_periodic_settlement_tables,
@@ -110,6 +112,7 @@ MIGRATIONS: list[Migration] = [
     Migration(12, PLAN_STORE_MIGRATION, create_plan_table),
     Migration(13, MEASUREMENTS_MIGRATION, create_measurements_table),
     Migration(14, LEDGER_PRIMARIES_MIGRATION, create_primaries_table),
+    Migration(15, LEDGER_HELD_MIGRATION, add_held_columns),
 ]
 
 

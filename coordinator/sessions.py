@@ -144,7 +144,10 @@ class Sessions:
         claims = self._claims(session_id, info.name, request.max_length, request.account, grants)
         quote = None
         if self._billing is not None:
-            quote = self._billing.open(session_id, request, stages, amount, claims.expires_unix_ms)
+            quote = self._billing.open(
+                session_id, request, stages, amount, claims.expires_unix_ms,
+                checkers=[c.node_id for s in routed for c in s.checkers],
+            )  # fmt: skip
             claims.account = quote.account
             if quote.amount > 0 and self._usage_credit > 0:
                 # The nodes hold the client to acknowledging their receipts as it goes.

@@ -99,10 +99,15 @@ class Billing:
         stages: Sequence[Stage],
         amount: int,
         expires_ms: int,
+        checkers: Sequence[str] = (),
     ) -> ledger_pb2.Quote:
-        """Escrow the quote for a new session (nothing for a free one)."""
+        """Escrow the quote for a new session (nothing for a free one). ``checkers`` are
+        the stages' verification-only replicas: priced too, since a client could send a
+        stage's work there, and the work is then billed to it as a shortfall
+        (shortfall.py); their checks are not billed."""
         account = self.client_of(request)
         nodes = {n: self._price_of(n) for s in stages for n in stage_nodes(s)}
+        nodes |= {n: self._price_of(n) for n in checkers if n not in nodes}
         quote = ledger_pb2.Quote(
             amount=amount,
             account=account,

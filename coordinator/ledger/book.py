@@ -28,6 +28,7 @@ import sqlite_utils
 
 from coordinator.ledger.amounts import INT64_MAX, LedgerError, check_amount, usage_charge
 from coordinator.ledger.failpoints import failpoint
+from coordinator.ledger.shortfall import Held, Where, shortfalls
 
 MINT = "mint"
 ESCROW = "escrow"
@@ -76,6 +77,22 @@ class Usage:
     # What the node counted (the receipt's tokens, which the client signed too); billed in
     # full where the node was the session's primary for these layers. None: as tokens.
     counted: int | None = None
+    # The longest prefix the node held there (UsageReceipt.longest; 0: no evidence).
+    longest: int = 0
+
+
+@dataclass(frozen=True)
+class _Extra:
+    """A shortfall's charge to one (node, layers): what its shortfalls were charged
+    before, and what this adds."""
+
+    where: Where
+    before: int
+    add: int
+
+    def earning_id(self, hold_id: str) -> str:
+        node_id, start, end = self.where
+        return f"shortfall:{hold_id}:{node_id}:{start}-{end}:{self.before + self.add}"
 
 
 @dataclass(frozen=True)
@@ -435,9 +452,10 @@ class Ledger:
     def _increments(
         self, hold: Mapping[str, object], usages: list[Usage], unpaid: set[str]
     ) -> list[tuple[Usage, int, int]]:
-        """(usage, its cumulative charge, what it adds now) for each receipt that adds
-        tokens over the last one paid for its (node, layers), scaled to the escrow left.
-        Work of `unpaid` nodes adds nothing (and takes no share of the escrow)."""
+        """(usage, its cumulative charge, what it adds now) for each receipt (billable:
+        ``_billable_usages``) that adds tokens over the last one paid for its (node,
+        layers), scaled to the escrow left. Work of `unpaid` nodes adds nothing (and takes
+        no share of the escrow)."""
         hold_id = str(hold["hold_id"])
         prices: dict[str, NodeQuote] = hold["prices"]  # type: ignore[assignment]
         paid = {
@@ -448,10 +466,9 @@ class Ledger:
                 [hold_id],
             )
         }
-        primaries = self.primaries(hold_id)
         seen: set[str] = set()
         found: list[tuple[Usage, int, int]] = []
-        for usage in [_billable(u, primaries.get(u.node_id, {})) for u in usages]:
+        for usage in usages:
             if usage.receipt_id in seen:
                 raise LedgerError(
                     grpc.StatusCode.INVALID_ARGUMENT, "the same receipt was sent twice"
@@ -486,6 +503,74 @@ class Ledger:
             spans.setdefault(node_id, {})[int(start)] = int(end)
         return spans
 
+    def _billable_usages(self, hold_id: str, usages: list[Usage]) -> list[Usage]:
+        primaries = self.primaries(hold_id)
+        return [_billable(u, primaries.get(u.node_id, {})) for u in usages]
+
+    def _shortfall(
+        self,
+        hold: Mapping[str, object],
+        usages: list[Usage],
+        unpaid: set[str],
+        room: int,
+    ) -> list[_Extra]:
+        """What the session's receipts, stored and these (billable), bill short of the
+        longest prefix any node held on each layer (shortfall.py), past what such
+        shortfalls were charged before: one charge per (node, layers), within ``room``.
+        Work of `unpaid` nodes, or of nodes the hold has no price for, adds nothing."""
+        hold_id = str(hold["hold_id"])
+        prices: dict[str, NodeQuote] = hold["prices"]  # type: ignore[assignment]
+        rows: dict[Where, list[int]] = {
+            (r[0], int(r[1]), int(r[2])): [int(r[3]), int(r[4]), int(r[5]), int(r[6])]
+            for r in self.db.execute(
+                "SELECT node_id, layer_start, layer_end, tokens, counted, longest, "
+                "extra_charged FROM ledger_usage_paid WHERE hold_id = ?",
+                [hold_id],
+            )
+        }
+        for u in usages:  # what this settlement adds (receipts are cumulative)
+            row = rows.setdefault((u.node_id, u.layer_start, u.layer_end), [0, 0, 0, 0])
+            row[0] = max(row[0], u.tokens)
+            row[1] = max(row[1], u.tokens if u.counted is None else u.counted)
+            row[2] = max(row[2], u.longest)
+        held = [  # a row paid before counts were kept (counted 0) counted what it billed
+            Held(node, start, end, billed=r[0], counted=max(r[0], r[1]), longest=r[2])
+            for (node, start, end), r in rows.items()
+        ]
+        found: list[_Extra] = []
+        for where, token_layers in sorted(shortfalls(held).items()):
+            quote = prices.get(where[0])
+            if quote is None or where[0] in unpaid:
+                continue
+            before = rows[where][3]
+            charge = usage_charge(token_layers, 1, quote.price)
+            if charge > before:
+                found.append(_Extra(where, before, charge - before))
+        total = sum(e.add for e in found)
+        if total > max(room, 0):
+            found = [replace(e, add=e.add * max(room, 0) // total) for e in found]
+        return [e for e in found if e.add > 0]
+
+    def _record_held(self, hold_id: str, usages: list[Usage], extras: list[_Extra]) -> None:
+        """Keep each receipt's count and longest prefix (a receipt paying nothing more
+        still adds its evidence), and what shortfalls were charged."""
+        self.db.conn.executemany(
+            "INSERT INTO ledger_usage_paid (hold_id, node_id, layer_start, layer_end, tokens, "
+            "charged, counted, longest) VALUES (?, ?, ?, ?, 0, 0, ?, ?) ON CONFLICT DO UPDATE "
+            "SET counted = MAX(counted, excluded.counted), longest = MAX(longest, "
+            "excluded.longest)",
+            [
+                (hold_id, u.node_id, u.layer_start, u.layer_end,
+                 u.tokens if u.counted is None else u.counted, u.longest)
+                for u in usages
+            ],
+        )  # fmt: skip
+        self.db.conn.executemany(
+            "UPDATE ledger_usage_paid SET extra_charged = ? WHERE hold_id = ? AND node_id = ? "
+            "AND layer_start = ? AND layer_end = ?",
+            [(e.before + e.add, hold_id, *e.where) for e in extras],
+        )
+
     def _unpaid_nodes(self, hold_id: str) -> set[str]:
         """Nodes whose work in this session is not paid: rejected there, or convicted."""
         return {
@@ -501,7 +586,9 @@ class Ledger:
         self, hold: Mapping[str, object], usages: list[Usage], *, close: bool, late: bool = False
     ) -> SettlementResult:
         """Pay the receipts' increments from the escrow (``late``: from the client's
-        balance, the hold being closed); ``close`` also refunds the rest and closes it."""
+        balance, the hold being closed); ``close`` also refunds the rest and closes it.
+        A close or a late settlement also charges what the session's receipts bill short
+        of the longest prefixes held (``_shortfall``)."""
         hold_id = str(hold["hold_id"])
         prices: dict[str, NodeQuote] = hold["prices"]  # type: ignore[assignment]
         amount = int(hold["amount"])  # type: ignore[call-overload]
@@ -509,25 +596,23 @@ class Ledger:
         fee_before = int(hold["fee"])  # type: ignore[call-overload]
         client = str(hold["account"])
         unpaid = self._unpaid_nodes(hold_id)
+        usages = self._billable_usages(hold_id, usages)
         increments = self._increments(hold, usages, unpaid)
+        room = amount - charged_before  # a client never pays past its quote
         if late:  # what was refunded may have been spent since: never below 0
-            increments = _capped(increments, self._balance(client))
+            room = min(room, self._balance(client))
+            increments = _capped(increments, room)
+        extras: list[_Extra] = []
+        if close or late:
+            extras = self._shortfall(
+                hold, usages, unpaid, room - sum(add for _, _, add in increments)
+            )
         source = client if late else ESCROW
         now = self._clock()
-        entries: list[tuple[str, int]] = []
-        earnings: list[tuple[Usage, str, int]] = []
-        fee_total = 0
-        for usage, _, charge in increments:
-            if charge == 0:
-                continue
-            fee = charge * self.fee_bps // 10_000
-            operator = prices[usage.node_id].operator
-            entries += [(source, -charge), (pending_account(operator), charge - fee)]
-            if fee:
-                entries.append((FEE, fee))
-            fee_total += fee
-            if charge - fee:
-                earnings.append((usage, operator, charge - fee))
+        charges = [(u.receipt_id, u.node_id, add) for u, _, add in increments] + [
+            (e.earning_id(hold_id), e.where[0], e.add) for e in extras
+        ]
+        entries, earnings, fee_total = self._split(charges, prices, source)
         charged = charged_before + sum(-a for acct, a in entries if acct == source)
         refunded = amount - charged if close else 0
         if refunded:
@@ -550,12 +635,15 @@ class Ledger:
             if not entries:
                 # Nothing to pay (older receipts, rejected work, or shares the escrow cap
                 # rounded to 0): still remember the usage as settled, so that a later
-                # settlement does not pay it after all.
+                # settlement does not pay it after all, and what the receipts held.
                 with self.db.atomic():
                     self._record_paid(paid_rows)
+                    self._record_held(hold_id, usages, [])
                 return SettlementResult(hold_id, amount, charged_before, refunded, fee_before, late)
             txid = f"usage:{hold_id}:{self._count_usage_settlements(hold_id) + 1}"
             params = {"receipts": sorted(u.receipt_id for u, _, _ in increments)}
+        if extras:
+            params["shortfall"] = sorted(e.earning_id(hold_id) for e in extras)
         state = "settled" if close else "open"
         try:
             with self.db.atomic():
@@ -577,16 +665,8 @@ class Ledger:
                     )  # fmt: skip
                 failpoint("settle:mid")
                 self._record_paid(paid_rows)
-                self.db.conn.executemany(
-                    "INSERT INTO ledger_earnings (receipt_id, hold_id, node_id, operator, "
-                    "amount, state, settled_ms, release_after_ms) "
-                    "VALUES (?, ?, ?, ?, ?, 'pending', ?, ?)",
-                    [
-                        (u.receipt_id, hold_id, u.node_id, op, a, now,
-                         now + self.challenge_window_ms)
-                        for u, op, a in earnings
-                    ],
-                )  # fmt: skip
+                self._record_held(hold_id, usages, extras)
+                self._record_earnings(hold_id, earnings, now)
                 failpoint("settle:before-commit")
         except sqlite3.IntegrityError as exc:
             raise LedgerError(
@@ -596,6 +676,41 @@ class Ledger:
         failpoint("settle:after-commit")
         fee = fee_before + fee_total
         return SettlementResult(hold_id, amount, charged, refunded, fee, close or late)
+
+    def _split(
+        self, charges: list[tuple[str, str, int]], prices: Mapping[str, NodeQuote], source: str
+    ) -> tuple[list[tuple[str, int]], list[tuple[str, str, str, int]], int]:
+        """Entries moving each (earning id, node id, charge) from ``source`` to its
+        operator's pending account less the fee; the earnings (id, node, operator,
+        amount) they make; the fee in all."""
+        entries: list[tuple[str, int]] = []
+        earnings: list[tuple[str, str, str, int]] = []
+        fee_total = 0
+        for earning_id, node_id, charge in charges:
+            if charge == 0:
+                continue
+            fee = charge * self.fee_bps // 10_000
+            operator = prices[node_id].operator
+            entries += [(source, -charge), (pending_account(operator), charge - fee)]
+            if fee:
+                entries.append((FEE, fee))
+            fee_total += fee
+            if charge - fee:
+                earnings.append((earning_id, node_id, operator, charge - fee))
+        return entries, earnings, fee_total
+
+    def _record_earnings(
+        self, hold_id: str, earnings: list[tuple[str, str, str, int]], now: int
+    ) -> None:
+        self.db.conn.executemany(
+            "INSERT INTO ledger_earnings (receipt_id, hold_id, node_id, operator, "
+            "amount, state, settled_ms, release_after_ms) "
+            "VALUES (?, ?, ?, ?, ?, 'pending', ?, ?)",
+            [
+                (earning_id, hold_id, node_id, op, a, now, now + self.challenge_window_ms)
+                for earning_id, node_id, op, a in earnings
+            ],
+        )
 
     def _record_paid(self, rows: list[tuple[str, str, int, int, int, int]]) -> None:
         self.db.conn.executemany(
@@ -629,18 +744,36 @@ class Ledger:
                 [now],
             )
         ]
-        for hold_id, account, amount in expired:
+        for hold_id, account, left in expired:
             with self.db.atomic():
+                hold = self.hold(hold_id)
+                assert hold is not None
+                # A client that never closes still pays what its receipts, as its nodes
+                # settled them, bill short of the prefixes they held.
+                extras = self._shortfall(hold, [], self._unpaid_nodes(hold_id), left)
+                entries, earnings, fee = self._split(
+                    [(e.earning_id(hold_id), e.where[0], e.add) for e in extras],
+                    hold["prices"],  # type: ignore[arg-type]
+                    ESCROW,
+                )
+                charged = sum(e.add for e in extras)
+                refunded = left - charged
                 txid = f"expire:{hold_id}"
-                params = {"amount": amount}
+                params: dict[str, object] = {"amount": left}
+                if extras:
+                    params["shortfall"] = sorted(e.earning_id(hold_id) for e in extras)
                 if self._existing(txid, params):
                     continue
-                self._post(txid, "expire", params, [(ESCROW, -amount), (account, amount)])
+                if refunded:
+                    entries += [(ESCROW, -refunded), (account, refunded)]
+                self._post(txid, "expire", params, entries)
                 self.db.execute(
-                    "UPDATE ledger_holds SET state = 'expired', closed_ms = ?, refunded = ? "
-                    "WHERE hold_id = ?",
-                    [now, amount, hold_id],
+                    "UPDATE ledger_holds SET state = 'expired', closed_ms = ?, refunded = ?, "
+                    "charged = charged + ?, fee = fee + ? WHERE hold_id = ?",
+                    [now, refunded, charged, fee, hold_id],
                 )
+                self._record_held(hold_id, [], extras)
+                self._record_earnings(hold_id, earnings, now)
         return [h for h, _, _ in expired]
 
     # ---- the challenge window ------------------------------------------------------------

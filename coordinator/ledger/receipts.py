@@ -118,8 +118,16 @@ def _verify_one(
             f"receipt {index}: {item.billed_tokens} billed tokens, but node {receipt.node_id} "
             f"computed only {receipt.tokens}",
         )
-    # The tokens the client agreed to pay for (the rest were its verification checks), and
-    # the node's count, which a stage's primary is paid in full (book._billable).
+    if receipt.longest > receipt.tokens:
+        raise _refuse(
+            grpc.StatusCode.INVALID_ARGUMENT,
+            f"receipt {index}: node {receipt.node_id} held a prefix of {receipt.longest} "
+            f"tokens but computed only {receipt.tokens}",
+        )
+    # The tokens the client agreed to pay for (the rest were its verification checks), the
+    # node's count, which a stage's primary is paid in full (book._billable), and the
+    # longest prefix it held, which the session's layers are billed for at least
+    # (shortfall.py).
     return Usage(
         receipt_id=hashlib.sha256(item.receipt).hexdigest(),
         node_id=receipt.node_id,
@@ -127,4 +135,5 @@ def _verify_one(
         layer_end=receipt.layer_end,
         tokens=item.billed_tokens,
         counted=receipt.tokens,
+        longest=receipt.longest,
     )

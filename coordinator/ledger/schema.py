@@ -158,3 +158,17 @@ def create_primaries_table(db: sqlite_utils.Database) -> None:
         )
         """
     )
+
+
+HELD_MIGRATION_NAME = "ledger: what each receipt key counted and held (shortfall billing)"
+
+
+def add_held_columns(db: sqlite_utils.Database) -> None:
+    # Per (session, node, layers): the newest receipt's count and longest prefix held, and
+    # what its shortfall was charged so far (coordinator/ledger/shortfall.py). A receipt
+    # that adds nothing to pay still adds its evidence, so a row may have tokens = 0.
+    for column in ("counted", "longest", "extra_charged"):
+        db.execute(
+            f"ALTER TABLE ledger_usage_paid ADD COLUMN {column} INTEGER NOT NULL DEFAULT 0 "
+            f"CHECK ({column} >= 0)"
+        )

@@ -10,6 +10,7 @@ import sqlite_utils
 from coordinator.db import open_database
 from coordinator.jobs.repository import JobRepository
 from coordinator.jobs.schema import REPLAN_MIGRATION_NAME as JOBS_REPLAN_MIGRATION
+from coordinator.ledger.schema import HELD_MIGRATION_NAME
 from coordinator.migrations import MIGRATIONS, Migration, SchemaTooNew, apply_migrations
 
 
@@ -109,3 +110,14 @@ def test_jobs_of_an_older_database_get_an_empty_replan_key(tmp_path: Path) -> No
     assert apply_migrations(db) == [m.version for m in MIGRATIONS if m.version >= replan]
     job = JobRepository(db).job("j")
     assert job is not None and job.replan_key == "" and job.replans == 1
+
+
+def test_usage_paid_before_the_upgrade_holds_no_evidence_of_what_was_held(tmp_path: Path) -> None:
+    db = sqlite_utils.Database(tmp_path / "c.db")
+    held = next(m.version for m in MIGRATIONS if m.name == HELD_MIGRATION_NAME)
+    apply_migrations(db, [m for m in MIGRATIONS if m.version < held])
+    db.execute("INSERT INTO ledger_usage_paid VALUES ('s', 'n', 0, 4, 12, 48)")
+    assert apply_migrations(db) == [m.version for m in MIGRATIONS if m.version >= held]
+    row = db.execute("SELECT tokens, charged, counted, longest, extra_charged "
+                     "FROM ledger_usage_paid").fetchone()  # fmt: skip
+    assert row == (12, 48, 0, 0, 0)

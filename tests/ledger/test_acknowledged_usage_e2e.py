@@ -20,26 +20,23 @@ import pytest
 from support.market import (
     MODEL,
     NEW_TOKENS,
-    PRICES,
     PROMPT,
     audit_cli,
     available,
+    bill_nothing,
     expected_shares,
     funded_client,
     generate,
     kill_paying_client,
-    make_market_checkpoint,
     paid_by_node,
     price_of,
-    running_market,
+    settling_market,
     wait_for,
 )
 
 from client.api import AsyncClient, Client
-from client.billing import UsageBook
 from client.errors import TesseraError
 from client.local_swarm import LocalSwarm
-from protos import identity
 
 pytestmark = pytest.mark.slow
 
@@ -48,12 +45,9 @@ CREDIT = 4
 
 @pytest.fixture(scope="module")
 def market(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalSwarm]:
-    checkpoint = make_market_checkpoint(tmp_path_factory.mktemp("ckpt") / "tiny")
-    settle_fast = {name: {"TESSERA_SETTLE_EVERY_S": "0.3"} for name in PRICES}
-    with running_market(
-        tmp_path_factory.mktemp("market"), checkpoint,
-        coordinator_args=("--usage-credit", str(CREDIT)), node_env=settle_fast,
-    ) as swarm:  # fmt: skip
+    with settling_market(
+        tmp_path_factory, coordinator_args=("--usage-credit", str(CREDIT))
+    ) as swarm:
         yield swarm
 
 
@@ -115,21 +109,11 @@ def test_a_client_that_bills_everything_as_checks_still_pays_the_stages_primarie
     primary at open its whole count, which the client signed (its stage's checks ran
     elsewhere). Every node of the route here is a primary: each is paid for every
     position of the generation it acknowledged."""
-    original = UsageBook._countersigned
-
-    def bills_nothing(self, session_id, where, usage, key):  # noqa: ANN001, ANN202
-        signed = original(self, session_id, where, usage, key)
-        if signed is not None:
-            signed.billed_tokens = 0
-            signed.client_signature = key.sign(
-                identity.usage_countersign_payload(signed.receipt, 0)
-            )
-        return signed
 
     async def never_closes(self, request):  # noqa: ANN001, ANN202
         return None
 
-    monkeypatch.setattr(UsageBook, "_countersigned", bills_nothing)
+    bill_nothing(monkeypatch)
     if close == "never":
         monkeypatch.setattr(AsyncClient, "_end_session", never_closes)
     result = generate(market, client_key)

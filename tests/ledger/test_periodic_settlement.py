@@ -4,13 +4,14 @@ a session closes, stakes. On a real SQLite file; the audit runs after every test
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 
 import grpc
 import pytest
+from support.ledger_book import audited_ledger
 
-from coordinator.db import open_database
-from coordinator.ledger import Ledger, LedgerError, NodeQuote, Usage, audit
+from coordinator.ledger import Ledger, LedgerError, NodeQuote, Usage
 from coordinator.ledger.book import (
     ESCROW,
     LATE_SETTLEMENT_MS,
@@ -26,17 +27,10 @@ QUOTE = 10_000
 
 
 @pytest.fixture
-def ledger(tmp_path: Path) -> Ledger:
-    db = open_database(tmp_path / "coordinator.db")
-    clock = {"ms": 1_000_000}
-    book = Ledger(db, challenge_window_ms=10_000, clock_ms=lambda: clock["ms"])
-    book.clock = clock  # type: ignore[attr-defined]
-    book.grant("calice", 100_000, "g1")
-    book.open_hold("s1", "calice", QUOTE, PRICES, 10**15, b"k" * 32)
-    yield book
-    result = audit(db)
-    assert result.ok, result.violations
-    db.close()
+def ledger(tmp_path: Path) -> Iterator[Ledger]:
+    with audited_ledger(tmp_path / "coordinator.db", "calice", 100_000) as book:
+        book.open_hold("s1", "calice", QUOTE, PRICES, 10**15, b"k" * 32)
+        yield book
 
 
 def receipt(node: str, tokens: int, layers: tuple[int, int] = (0, 3)) -> Usage:

@@ -9,7 +9,7 @@ import json
 import sqlite3
 import subprocess
 import sys
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 
 import pytest
@@ -22,6 +22,7 @@ from client import billing
 from client.api import Client, GenerationResult
 from client.local_swarm import LocalSwarm
 from node_agent.failpoints import ENV_VAR
+from protos import identity
 from protos.tessera.v1 import node_pb2
 
 MODEL = "tiny-llama"
@@ -114,6 +115,29 @@ def running_market(
         yield swarm
 
 
+@contextlib.contextmanager
+def settling_market(
+    tmp_path_factory: pytest.TempPathFactory, **market: object
+) -> Iterator[LocalSwarm]:
+    """``running_market`` on the market checkpoint, with nodes that settle what their
+    clients acknowledged every 0.3 s (a test waits for that, not for the default 10 s)."""
+    checkpoint = make_market_checkpoint(tmp_path_factory.mktemp("ckpt") / "tiny")
+    settle_fast = {name: {"TESSERA_SETTLE_EVERY_S": "0.3"} for name in PRICES}
+    with running_market(
+        tmp_path_factory.mktemp("market"),
+        checkpoint,
+        node_env=settle_fast,
+        **market,  # type: ignore[arg-type]
+    ) as swarm:
+        yield swarm
+
+
+def coordinator_rows(market: LocalSwarm, sql: str, params: Sequence[object]) -> list[tuple]:
+    """A query on the coordinator's database, as it stands."""
+    with sqlite3.connect(market.coordinator_dir / "coordinator.db") as db:
+        return db.execute(sql, params).fetchall()
+
+
 def funded_client(market: LocalSwarm, name: str = "client") -> Ed25519PrivateKey:
     """A client key in the market's work dir (`name`.key), granted GRANT credits with the
     admin CLI (twice with one request id: granted once)."""
@@ -202,13 +226,29 @@ def generate(market: LocalSwarm, key, settle_every: int = 0, prefer: str = "") -
         )
 
 
+def bill_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Make the client library a freeloader that acknowledges every receipt but bills
+    nothing on any ("those were all checks"): it counter-signs billed_tokens 0."""
+    original = billing.UsageBook._countersigned
+
+    def bills_nothing(self, session_id, where, usage, key):  # noqa: ANN001, ANN202
+        signed = original(self, session_id, where, usage, key)
+        if signed is not None:
+            signed.billed_tokens = 0
+            signed.client_signature = key.sign(
+                identity.usage_countersign_payload(signed.receipt, 0)
+            )
+        return signed
+
+    monkeypatch.setattr(billing.UsageBook, "_countersigned", bills_nothing)
+
+
 def paid_by_node(market: LocalSwarm, session_id: str) -> dict[str, int]:
-    with sqlite3.connect(market.coordinator_dir / "coordinator.db") as db:
-        rows = db.execute(
-            "SELECT node_id, SUM(amount) FROM ledger_earnings WHERE hold_id = ? GROUP BY node_id",
-            [session_id],
-        ).fetchall()
-    return dict(rows)
+    return dict(coordinator_rows(
+        market,
+        "SELECT node_id, SUM(amount) FROM ledger_earnings WHERE hold_id = ? GROUP BY node_id",
+        [session_id],
+    ))  # fmt: skip
 
 
 _DYING_CLIENT = """
