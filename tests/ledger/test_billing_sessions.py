@@ -325,6 +325,11 @@ async def test_hostile_receipts_are_refused_and_the_hold_survives(world: World):
             "never granted",
         ),  # noqa: E501
         ([overflowing], "INVALID_ARGUMENT", "do not fit"),
+        (  # a longer prefix than it computed: shortfall billing would pay for it
+            [countersign(node.receipt(grant.session_id, start, end, 10, longest=11), world.client)],
+            "INVALID_ARGUMENT",
+            "held a prefix of 11",
+        ),
         ([countersign(honest, world.client)] * 2, "INVALID_ARGUMENT", "second receipt"),
         ([ledger_pb2.SignedUsage(receipt=b"\xff\xff garbage")], "INVALID_ARGUMENT", "not a Usage"),
         ([ledger_pb2.SignedUsage(receipt=b"x" * 5000)], "INVALID_ARGUMENT", "at most"),

@@ -8,20 +8,16 @@ from __future__ import annotations
 from collections.abc import Iterator
 from pathlib import Path
 
-import grpc
 import pytest
 from support.ledger_book import audited_ledger
 
-from coordinator.ledger import Ledger, LedgerError, NodeQuote, Usage
+from coordinator.ledger import Ledger, NodeQuote, Usage
 from coordinator.ledger.book import (
     ESCROW,
     client_account,
     pending_account,
 )
-from coordinator.ledger.receipts import verify_usage
 from coordinator.ledger.shortfall import Held, shortfalls
-from protos import identity
-from protos.tessera.v1 import ledger_pb2
 
 # ---- the rule ---------------------------------------------------------------------------
 
@@ -160,24 +156,6 @@ def test_a_shortfall_never_pays_rejected_work_nor_past_the_quote(ledger: Ledger)
     ledger.open_hold("s2", "calice", 100, PRICES, 10**9, b"k" * 32)
     capped = ledger.settle("s2", [usage("alternate", 0, 28, 25)])  # 200 due, 100 held
     assert (capped.charged, capped.refunded) == (100, 0)
-
-
-def test_a_receipt_that_claims_a_longer_prefix_than_it_computed_is_refused() -> None:
-    node_key, client_key = identity.generate_private_key(), identity.generate_private_key()
-    public = identity.public_key_bytes(node_key)
-    receipt = ledger_pb2.UsageReceipt(
-        session_id="s1", node_id=identity.node_id(public), node_public_key=public,
-        layer_start=0, layer_end=4, tokens=10, longest=11,
-    ).SerializeToString()  # fmt: skip
-    signed = ledger_pb2.SignedUsage(
-        receipt=receipt,
-        node_signature=node_key.sign(identity.usage_payload(receipt)),
-        client_signature=client_key.sign(identity.usage_countersign_payload(receipt, 0)),
-    )
-    with pytest.raises(LedgerError) as refused:
-        verify_usage("s1", [signed], identity.public_key_bytes(client_key))
-    assert refused.value.code == grpc.StatusCode.INVALID_ARGUMENT
-    assert "held a prefix of 11" in str(refused.value)
 
 
 def test_what_a_session_paid_before_the_upgrade_counts_as_billed(ledger: Ledger) -> None:
