@@ -267,10 +267,11 @@ class Ledger:
     # ---- grants and stakes ----------------------------------------------------------------
 
     def usage_settled(self, hold_id: str) -> list[Usage]:
-        """The cumulative usage settled so far per (node, layers) of a hold."""
+        """The cumulative usage settled so far per (node, layers) of a hold (where only a
+        count and a prefix were kept, nothing was settled)."""
         rows = self.db.execute(
             "SELECT node_id, layer_start, layer_end, tokens FROM ledger_usage_paid "
-            "WHERE hold_id = ? ORDER BY node_id, layer_start",
+            "WHERE hold_id = ? AND tokens > 0 ORDER BY node_id, layer_start",
             [hold_id],
         ).fetchall()
         return [Usage("", n, start, end, tokens) for n, start, end, tokens in rows]

@@ -136,6 +136,7 @@ def test_a_hold_that_expires_pays_the_shortfall_of_what_its_nodes_settled(
     and refunds the rest."""
     ledger.settle_usage("s1", [usage("alternate", 0, 20, 20), usage("checker", 0, 20, 20)])
     assert ledger.hold("s1")["charged"] == 0  # type: ignore[index]
+    assert ledger.usage_settled("s1") == [], "their counts are kept, but nothing was settled"
     ledger.clock["ms"] = 10**10  # type: ignore[attr-defined]
     assert ledger.expire_holds() == ["s1"]
     # 20 positions held on 4 layers, none billed: to the alternate, whose id sorts first.
