@@ -95,9 +95,16 @@ class UsageMeter:
         max_tracked: int = MAX_TRACKED,
         path: Path | None = None,
         clock: Callable[[], float] = time.monotonic,
+        *,
+        whole_counts: bool = False,
     ) -> None:
+        """``whole_counts``: calls keep no prefix (training micro-batches), so a receipt's
+        ``longest`` is its whole count: a stage's lockstep shadow only ever computes the
+        samples its primary computes, so the most any node counted on a layer is work the
+        job needed there once (what the ledger bills at the least, docs/ledger.md)."""
         self._key = private_key
         self._clock = clock
+        self._whole_counts = whole_counts
         # client key -> the (session, layers) of its paid sessions counted here
         self._by_client: dict[bytes, set[tuple[str, int, int]]] = {}
         self._public = identity.public_key_bytes(private_key)
@@ -135,9 +142,11 @@ class UsageMeter:
             self._by_client.setdefault(client, set()).add(key)
         tally.active_s = self._clock()
         tally.tokens += tokens
-        # Never past the count: a prefix is computed here before it is held (a node that
-        # restarted in a session counts from its saved counts, and may hold less).
-        tally.longest = min(max(tally.longest, longest), tally.tokens)
+        # Never past the count, which the client and the ledger would refuse: a tally
+        # dropped while its cache lived (past MAX_TRACKED) counts again from 0.
+        tally.longest = (
+            tally.tokens if self._whole_counts else min(max(tally.longest, longest), tally.tokens)
+        )
         self._dirty = True
         tally.first_step = min(tally.first_step, step)
         tally.last_step = max(tally.last_step, step)

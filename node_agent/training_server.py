@@ -158,7 +158,7 @@ class TrainingStageServicer(training_pb2_grpc.TrainingStageServicer):
         # Samples computed per (job, layers), signed on every forward reply: what the job's
         # client pays for per sample-layer (docs/ledger.md, "Jobs"). Kept after a job
         # closes, so a resumed job's receipts stay cumulative.
-        self._usage = UsageMeter(ctx.private_key, path=ctx.data_dir / USAGE_FILE)
+        self._usage = UsageMeter(ctx.private_key, path=ctx.data_dir / USAGE_FILE, whole_counts=True)
         # A paid job's runner acknowledges those receipts as it goes (Acknowledge); the node
         # settles them itself, so it is paid even if the runner never reports again.
         self._settler = UsageSettler(

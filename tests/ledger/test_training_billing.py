@@ -59,10 +59,12 @@ def _open_request(job_id: str, key=None, max_price: int = 0):
 
 
 def _receipt(node_key, job_id: str, start: int, end: int, samples: int, step: int = 0):
+    """As a training node signs it: its whole count is its longest (no prefix is held)."""
     public = identity.public_key_bytes(node_key)
     receipt = ledger_pb2.UsageReceipt(
         session_id=job_id, node_id=identity.node_id(public), node_public_key=public,
         layer_start=start, layer_end=end, tokens=samples, first_step=0, last_step=step,
+        longest=samples,
     ).SerializeToString(deterministic=True)  # fmt: skip
     return ledger_pb2.SignedUsage(
         receipt=receipt, node_signature=node_key.sign(identity.usage_payload(receipt))
@@ -387,13 +389,11 @@ def _claims(session: jobs_pb2.TrainingSession) -> client_api_pb2.CapabilityClaim
     return client_api_pb2.CapabilityClaims.FromString(session.capability.claims)
 
 
-async def test_a_first_stage_node_never_checks_the_job_it_is_billed_whole_for(
+async def _opened_with_checkers(
     start_jobs: Callable[..., Awaitable[JobsCoordinator]],  # noqa: F811 - the fixture
-) -> None:
-    """Its receipts of the job are billed in full (a client cannot call its work checks),
-    so its shadow samples there would be billed as work: after it fails and its cool-down
-    is over, it is still never the job's checker. Six nodes of six operators: checkers
-    are needed and possible."""
+) -> tuple[JobsCoordinator, jobs_pb2.JobInfo, object, jobs_pb2.TrainingSession]:
+    """A paid job opened on six nodes of six operators (3 per sample-layer), two stages:
+    checkers are needed and possible. (served, job, client key, session)"""
     served = await start_jobs(nodes=0)
     for index in range(6):
         await served.add_node(f"n{index}", f"op{index}", price_per_sample_layer_units=3)
@@ -402,6 +402,16 @@ async def test_a_first_stage_node_never_checks_the_job_it_is_billed_whole_for(
     job = await _job(served)
     client = _funded(served, 10_000_000)
     session = await served.stub.OpenTrainingSession(_open_request(job.job_id, client))
+    return served, job, client, session
+
+
+async def test_a_first_stage_node_never_checks_the_job_it_is_billed_whole_for(
+    start_jobs: Callable[..., Awaitable[JobsCoordinator]],  # noqa: F811 - the fixture
+) -> None:
+    """Its receipts of the job are billed in full (a client cannot call its work checks),
+    so its shadow samples there would be billed as work: after it fails and its cool-down
+    is over, it is still never the job's checker."""
+    served, job, client, session = await _opened_with_checkers(start_jobs)
     first = {h.node_id for h in session.hops}
     assert session.checkers and not first & {c.node_id for c in session.checkers}
     for stage in range(2):
@@ -412,3 +422,46 @@ async def test_a_first_stage_node_never_checks_the_job_it_is_billed_whole_for(
         session = await report_failure(served, request)
         served.jobs.manager._failed.clear()  # the failed node's cool-down is over
         assert session.checkers and not first & {c.node_id for c in session.checkers}
+
+
+async def test_a_runner_that_trains_a_stage_on_its_checker_pays_for_those_samples(
+    start_jobs: Callable[..., Awaitable[JobsCoordinator]],  # noqa: F811 - the fixture
+) -> None:
+    """The stage's node computed 2 samples (billed whole, as a first stage node's are);
+    its checker, which a runner may call like the stage, computed 12, and the runner billed
+    them all as checks. A lockstep shadow computes only what its stage's node computes, so
+    the job pays for the 10 more, to the checker, when it ends (docs/ledger.md,
+    "Shortfall"). The other stage's node, billed what it computed, pays as ever."""
+    served, job, client, session = await _opened_with_checkers(start_jobs)
+    keys = {n.node_id: n.key for n in served.nodes}
+    checker = session.checkers[0]
+    stage = next(h for h in session.hops if h.layers == checker.layers)
+    start, end = checker.layers.start, checker.layers.end
+    usage = [
+        _countersigned(_receipt(keys[stage.node_id], job.job_id, start, end, 2), client, 0),
+        _countersigned(_receipt(keys[checker.node_id], job.job_id, start, end, 12), client, 0),
+    ]
+    for other in session.hops:
+        if other.node_id != stage.node_id:
+            s, e = other.layers.start, other.layers.end
+            usage.append(_countersigned(_receipt(keys[other.node_id], job.job_id, s, e, 12),
+                                        client, 12))  # fmt: skip
+    ledger = ledger_pb2_grpc.LedgerStub(served.channel)
+    periodic = await ledger.SettleUsage(
+        ledger_pb2.SettleUsageRequest(session_id=job.job_id, usage=usage)
+    )
+    layers = end - start
+    honest = 2 * layers * 3 + sum(
+        12 * (h.layers.end - h.layers.start) * 3 for h in session.hops if h != stage
+    )
+    assert periodic.charged == honest, "a periodic settlement reckons no shortfall"
+    done = jobs_pb2.FinishJobRequest(
+        job_id=job.job_id, capability=session.capability, state=jobs_pb2.JOB_STATE_FAILED
+    )
+    await served.stub.FinishJob(done)
+    hold = _ledger(served).hold(f"job:{job.job_id}")
+    assert hold["state"] == "settled" and hold["charged"] == honest + 10 * layers * 3
+    earned = _ledger(served).earnings(checker.node_id)
+    assert earned.pending == 10 * layers * 3
+    result = audit(served.coordinator.ctx.db)
+    assert result.ok, result.violations

@@ -89,11 +89,15 @@ def test_receipts_say_the_longest_prefix_held_and_keep_it_across_a_restart(
     assert longest(meter.record("s", 0, 4, 1, 1, longest=8)) == 8
     assert longest(meter.record("s", 0, 4, 2, 1, longest=5)) == 8  # rolled back to 4
     assert longest(meter.record("s", 0, 4, 3, 1, longest=500)) == 10  # never past the count
-    assert longest(meter.record("t", 4, 8, 0, 3)) == 0  # training: no prefix
+    assert longest(meter.record("t", 4, 8, 0, 3)) == 0  # no prefix held
     meter.save()
     assert longest(UsageMeter(key, path=path).record("s", 0, 4, 4, 1, longest=6)) == 10
     path.write_text('[["old", 0, 4, 5, 0, 1, 2]]')  # a node of the release before
     assert longest(UsageMeter(key, path=path).record("old", 0, 4, 2, 1, longest=6)) == 6
+    # A training node's micro-batches keep no prefix: its whole count is its longest.
+    training = UsageMeter(key, whole_counts=True)
+    assert longest(training.record("job", 0, 4, 1, 8)) == 8
+    assert longest(training.record("job", 0, 4, 2, 8)) == 16
 
 
 def test_a_count_that_cannot_be_saved_is_logged_and_the_node_goes_on(
