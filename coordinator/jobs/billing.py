@@ -24,6 +24,7 @@ from coordinator.ledger.billing import (
     check_fresh,
     check_nonce,
     job_hold_id,
+    log_shortfall,
 )
 from coordinator.ledger.book import Ledger, NodeQuote, SettlementResult
 from coordinator.ledger.receipts import verify_usage
@@ -213,4 +214,5 @@ class JobBilling:
             "job %s: %d charged, %d refunded%s (%d receipts)", job_id, result.charged,
             result.refunded, "" if close else " so far", len(usages),
         )  # fmt: skip
+        log_shortfall(hold_id(job_id), result)
         return result

@@ -154,6 +154,7 @@ class Billing:
             "session %s settled: %d charged, %d refunded (%d receipts)", session_id,
             result.charged, result.refunded, len(usages),
         )  # fmt: skip
+        log_shortfall(session_id, result)
         return _settlement(result)
 
     def settle_usage(
@@ -177,7 +178,19 @@ class Billing:
         result = self.ledger.settle_usage(hold_id, usages)
         log.info("%s: %d charged so far (periodic, %d receipts)", hold_id, result.charged,
                  len(usages))  # fmt: skip
+        log_shortfall(hold_id, result)
         return _settlement(result)
+
+
+def log_shortfall(hold_id: str, result: SettlementResult) -> None:
+    """A warning for the operator where a settlement billed a shortfall."""
+    if result.shortfall:
+        log.warning(
+            "%s: its receipts billed less than the longest prefixes its nodes held; %d credit "
+            "units charged to those nodes for it (docs/ledger.md, \"Shortfall\"): a client "
+            "that passes its work off as checks, or one that refused a primary's receipt",
+            hold_id, result.shortfall,
+        )  # fmt: skip
 
 
 def _settlement(result: SettlementResult) -> ledger_pb2.Settlement:

@@ -103,6 +103,10 @@ class SettlementResult:
     refunded: int
     fee: int
     closed: bool = True  # False after a periodic settlement: the session is still open
+    # Charged by this settlement because the receipts billed less than the longest
+    # prefixes held (shortfall.py): a client passing work off as checks, or one that
+    # rightly refused a primary's receipt.
+    shortfall: int = 0
 
 
 @dataclass(frozen=True)
@@ -676,7 +680,9 @@ class Ledger:
             ) from None
         failpoint("settle:after-commit")
         fee = fee_before + fee_total
-        return SettlementResult(hold_id, amount, charged, refunded, fee, close or late)
+        return SettlementResult(
+            hold_id, amount, charged, refunded, fee, close or late, sum(e.add for e in extras)
+        )
 
     def _split(
         self, charges: list[tuple[str, str, int]], prices: Mapping[str, NodeQuote], source: str

@@ -97,7 +97,7 @@ def test_a_close_bills_an_alternates_work_that_the_client_called_checks(ledger: 
     # The alternate's receipt billed nothing; it held 25 positions on 4 layers, and the
     # primary (billed in full, as ever) only 5. 20 x 4 x 2000 / 1000 = 160 to op2.
     closed = ledger.settle("s1", [usage("primary", 0, 5, 5), usage("alternate", 0, 28, 25)])
-    assert closed.charged == 5 * 4 * 1000 // 1000 + 160
+    assert closed.charged == 5 * 4 * 1000 // 1000 + 160 and closed.shortfall == 160
     assert closed.refunded == QUOTE - closed.charged
     assert ledger.balance(pending_account("op2")) == 160
     assert ledger.balance(client_account("calice")) == 1_000_000 - closed.charged
@@ -105,7 +105,7 @@ def test_a_close_bills_an_alternates_work_that_the_client_called_checks(ledger: 
 
 def test_an_honest_close_pays_exactly_what_its_receipts_bill(ledger: Ledger) -> None:
     closed = ledger.settle("s1", [usage("primary", 30, 30, 28), usage("checker", 0, 40, 28)])
-    assert closed.charged == 30 * 4 * 1000 // 1000
+    assert closed.charged == 30 * 4 * 1000 // 1000 and closed.shortfall == 0
     assert ledger.balance(pending_account("op3")) == 0
 
 
@@ -115,7 +115,7 @@ def test_receipts_the_nodes_settle_after_the_close_are_billed_late(ledger: Ledge
     balance. A replay of it adds nothing; a newer receipt adds its growth."""
     assert ledger.settle("s1", []).charged == 0
     late = ledger.settle_usage("s1", [usage("alternate", 0, 12, 12)])
-    assert (late.charged, late.closed) == (12 * 4 * 2, True)
+    assert (late.charged, late.closed, late.shortfall) == (12 * 4 * 2, True, 96)
     assert ledger.balance(client_account("calice")) == 1_000_000 - 96
     assert ledger.settle_usage("s1", [usage("alternate", 0, 12, 12)]).charged == 96
     assert ledger.settle_usage("s1", [usage("alternate", 0, 20, 20)]).charged == 160

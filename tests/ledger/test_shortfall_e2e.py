@@ -68,6 +68,7 @@ def test_an_honest_client_pays_its_primary_and_nothing_for_checks(market):
     wait_for(lambda: len(held(market, result.session_id)) >= 2,
              "a checker to settle its receipts", timeout_s=30)  # fmt: skip
     assert paid_by_node(market, result.session_id) == shares
+    assert f"{result.session_id}: its receipts billed less" not in market.coordinator.log_text()
 
 
 @pytest.mark.parametrize("elsewhere", ["alternates", "checkers"])
@@ -103,5 +104,8 @@ def test_work_sent_off_the_primary_and_billed_as_checks_is_paid_for(
         shares = {node_id: result.quote}
     wait_for(lambda: paid_by_node(market, result.session_id) == shares,
              "the node's settlement to bill the shortfall", timeout_s=30)  # fmt: skip
+    # The operator is told, in the coordinator's log.
+    warned = f"{result.session_id}: its receipts billed less than the longest prefixes"
+    assert warned in market.coordinator.log_text()
     audit = audit_cli(market)
     assert audit.returncode == 0 and "ledger OK" in audit.stdout, audit.stdout
