@@ -34,7 +34,8 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from client import billing
 from client.acknowledgments import Acknowledger
 from client.channels import ChannelPool, open_channel
-from client.datasets import TokenDataset, load_dataset
+from client.dataset_cache import DatasetCache
+from client.datasets import Progress, TokenDataset, load_dataset
 from client.driver import DriverConfig, PipelineDriver, RingPlan
 from client.errors import (
     CoordinatorError,
@@ -218,8 +219,11 @@ class AsyncClient:
         max_price: int = 0,
         prefer: str = "",
         settle_every: int = DEFAULT_SETTLE_EVERY,
+        cache_dir: Path | None = None,
     ) -> None:
         self.coordinator = coordinator or default_coordinator()
+        # A job runner's downloaded datasets (client/dataset_cache.py for the default).
+        self.dataset_cache = DatasetCache(cache_dir)
         self.account = account
         # Paid sessions settle their usage every this many generated tokens (0: at close
         # only), so operators are paid as the session goes, the escrow shrinks, and a
@@ -489,15 +493,20 @@ class AsyncClient:
     # ---- training (client/jobs.py) ---------------------------------------------------
 
     async def submit_training(
-        self, model: str, data: str | Path | TokenDataset, spec: TrainSpec
+        self,
+        model: str,
+        data: str | Path | TokenDataset,
+        spec: TrainSpec,
+        progress: Progress | None = None,
     ) -> tuple[jobs_pb2.JobInfo, TokenDataset]:
-        """Upload the dataset (once: the coordinator keeps it) and submit the job."""
+        """Upload the dataset (once: the coordinator keeps it) and submit the job.
+        ``progress(what, bytes done, bytes in all)`` follows hashing and uploading it."""
         handle = await self._model(model)
         if isinstance(data, TokenDataset):
             dataset = data
-        else:
-            dataset = load_dataset(Path(data), handle.tokenizer)
-        info = await self.jobs_api.upload_dataset(dataset)
+        else:  # checking a large file's ids takes a while: off the event loop
+            dataset = await asyncio.to_thread(load_dataset, Path(data), handle.tokenizer)
+        info = await self.jobs_api.upload_dataset(dataset, progress)
         # A job with a key is owned by it: nobody else can open its session and cut its
         # runner off (job ids are listed for all to see).
         owner = identity.public_key_bytes(self.key) if self.key is not None else b""
@@ -514,13 +523,21 @@ class AsyncClient:
     ) -> jobs_pb2.JobInfo:
         """Drive the job to the end from its last consistent checkpoint (also --resume).
         ``driver_config``: the stage calls' timeouts and deadlines (defaults: a node that
-        hangs mid-job is re-planned after max(30 s, 8x its recent calls))."""
+        hangs mid-job is re-planned after max(30 s, 8x its recent calls)). Without
+        ``dataset``, the job's comes from ``job_dataset``."""
         runner = JobRunner(self.jobs_api, job_id, self._stage_channels, dataset=dataset,
                            after_step=after_step, key=self.key, max_price=self.max_price,
-                           driver_config=driver_config)  # fmt: skip
+                           driver_config=driver_config,
+                           dataset_cache=self.dataset_cache)  # fmt: skip
         if on_event is not None:
             runner.on_event = on_event
         return await runner.run()
+
+    async def job_dataset(self, job_id: str, progress: Progress | None = None) -> TokenDataset:
+        """The job's dataset, memory-mapped from the dataset cache; downloaded there first
+        when it is not yet (``progress(what, bytes done, bytes in all)`` follows that)."""
+        job = await self.jobs_api.job(job_id)
+        return await self.jobs_api.download_dataset(job.dataset_id, self.dataset_cache, progress)
 
     async def jobs(self, limit: int = 100) -> list[jobs_pb2.JobInfo]:
         return await self.jobs_api.jobs(limit)
@@ -759,6 +776,7 @@ class Client:
         max_price: int = 0,
         prefer: str = "",
         settle_every: int = DEFAULT_SETTLE_EVERY,
+        cache_dir: Path | None = None,
     ) -> None:
         self._loop = _LoopThread()
 
@@ -772,6 +790,7 @@ class Client:
                 max_price=max_price,
                 prefer=prefer,
                 settle_every=settle_every,
+                cache_dir=cache_dir,
             )
 
         self._async = self._loop.run(build())
@@ -910,6 +929,7 @@ class Client:
         batch_size: int,
         seq_len: int,
         lr: float,
+        progress: Progress | None = None,
         **options: Any,
     ) -> TrainingJob:
         """Submit a training job and run it in the background; returns a watchable handle.
@@ -917,14 +937,18 @@ class Client:
         `data` is a .npy of token ids or a text file (see client/datasets.py); `options` are
         the other TrainSpec fields (micro_batches, checkpoint_every, mode, lora_rank,
         lora_alpha, weight_decay, max_grad_norm, seed, output_model, account).
+        `progress(what, bytes done, bytes in all)` follows hashing and uploading the data.
         """
         spec = TrainSpec(steps=steps, batch_size=batch_size, seq_len=seq_len, lr=lr, **options)
-        info, dataset = self._loop.run(self._async.submit_training(model, data, spec))
+        info, dataset = self._loop.run(self._async.submit_training(model, data, spec, progress))
         return self._start_runner(info.job_id, dataset)
 
-    def resume(self, job_id: str) -> TrainingJob:
-        """Continue a job whose runner went away, from its last consistent checkpoint."""
-        return self._start_runner(job_id, None)
+    def resume(self, job_id: str, progress: Progress | None = None) -> TrainingJob:
+        """Continue a job whose runner went away, from its last consistent checkpoint.
+        Its dataset comes from the dataset cache, or is downloaded there first
+        (`progress` follows that)."""
+        dataset = self._loop.run(self._async.job_dataset(job_id, progress))
+        return self._start_runner(job_id, dataset)
 
     def jobs(self, limit: int = 100) -> list[jobs_pb2.JobInfo]:
         return self._loop.run(self._async.jobs(limit))
@@ -932,7 +956,7 @@ class Client:
     def job(self, job_id: str) -> jobs_pb2.JobInfo:
         return self._loop.run(self._async.job(job_id))
 
-    def _start_runner(self, job_id: str, dataset: TokenDataset | None) -> TrainingJob:
+    def _start_runner(self, job_id: str, dataset: TokenDataset) -> TrainingJob:
         events: queue.Queue[JobEvent | None] = queue.Queue()
         future = asyncio.run_coroutine_threadsafe(
             self._async.run_job(job_id, dataset=dataset, on_event=events.put), self._loop.loop

@@ -2,7 +2,10 @@
 
 Files: `.npy` arrays of integer token ids, 1-D (a stream, cut into windows of seq_len + 1)
 or 2-D (one fixed-length example per row), or text (`.txt` and anything else), encoded
-with the model's tokenizer. No pickle is ever loaded (`allow_pickle=False`).
+with the model's tokenizer. No pickle is ever loaded (`allow_pickle=False`). A `.npy`
+file is memory-mapped, not read: hashing and uploading it hold one 4 MiB shard at a time,
+and a batch reads only its own windows, so a dataset may be larger than memory. A text
+file is encoded whole in memory: tokenize a corpus larger than that to `.npy` first.
 
 Batches are a pure function of (dataset, seq_len, batch_size, seed, step): sample indices
 come from a permutation seeded by (seed, epoch), so a resumed job, or a bench run, sees
@@ -12,8 +15,8 @@ exactly the batches the first run would have.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Iterator
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -25,22 +28,34 @@ from protos.tessera.v1 import jobs_pb2
 SHARD_TOKENS = 1 << 20  # 4 MiB shards
 CHUNK_BYTES = 1 << 20
 
+Progress = Callable[[str, int, int], None]  # (what, bytes done, bytes in all)
 
-@dataclass(frozen=True)
+
+@dataclass(eq=False)
 class TokenDataset:
     name: str
-    tokens: np.ndarray  # int32, 1-D
+    # Integer token ids, 1-D, in any integer dtype: a .npy file's memory map as it is
+    # (batches and shards read only what they need), or an array in memory.
+    tokens: np.ndarray
     example_len: int = 0  # 0: a plain stream
+    _shard_list: list[tuple[str, int]] | None = field(default=None, init=False, repr=False)
 
     @property
-    def shards(self) -> list[np.ndarray]:
-        return [self.tokens[i : i + SHARD_TOKENS] for i in range(0, len(self.tokens), SHARD_TOKENS)]
+    def shards(self) -> Iterator[np.ndarray]:
+        """Each shard's ids as int32 little-endian, one shard in memory at a time."""
+        for start in range(0, len(self.tokens), SHARD_TOKENS):
+            yield np.asarray(self.tokens[start : start + SHARD_TOKENS]).astype(TOKEN_DTYPE)
 
-    def shard_list(self) -> list[tuple[str, int]]:
-        return [
-            (hashlib.sha256(s.astype(TOKEN_DTYPE).tobytes()).hexdigest(), len(s))
-            for s in self.shards
-        ]
+    def shard_list(self, progress: Progress | None = None) -> list[tuple[str, int]]:
+        """(sha256, tokens) of each shard, hashed once (a large file takes a while)."""
+        if self._shard_list is None:
+            listed, total = [], len(self.tokens) * TOKEN_BYTES
+            for shard in self.shards:
+                listed.append((hashlib.sha256(shard.tobytes()).hexdigest(), len(shard)))
+                if progress is not None:
+                    progress("hashing dataset", sum(n for _, n in listed) * TOKEN_BYTES, total)
+            self._shard_list = listed
+        return self._shard_list
 
     @property
     def id(self) -> str:
@@ -53,7 +68,8 @@ def load_dataset(path: Path, tokenizer: TextTokenizer | None = None) -> TokenDat
         raise ValueError(f"dataset file {path} does not exist")
     if path.suffix == ".npy":
         try:
-            array = np.load(path, allow_pickle=False)
+            # Memory-mapped: a dataset may be larger than this machine's memory.
+            array = np.load(path, mmap_mode="r", allow_pickle=False)
         except (ValueError, EOFError) as err:  # an empty file is an EOFError
             raise ValueError(
                 f"{path} is not a plain .npy array of token ids ({err}); write one with numpy.save"
@@ -89,12 +105,15 @@ def load_dataset(path: Path, tokenizer: TextTokenizer | None = None) -> TokenDat
         raise ValueError(f"{path} holds no tokens")
     if tokens.min() < 0 or tokens.max() >= 2**31:
         raise ValueError(f"{path} holds token ids outside [0, 2^31)")
-    return TokenDataset(path.stem[:128] or "dataset", tokens.astype(np.int32), example_len)
+    return TokenDataset(path.stem[:128] or "dataset", tokens, example_len)
 
 
-def upload_messages(dataset: TokenDataset) -> Iterator[jobs_pb2.DatasetChunk]:
+def upload_messages(
+    dataset: TokenDataset, progress: Progress | None = None
+) -> Iterator[jobs_pb2.DatasetChunk]:
     """The UploadDataset stream: header, then each shard's bytes in order."""
-    shard_list = dataset.shard_list()
+    shard_list = dataset.shard_list(progress)
+    total, sent = len(dataset.tokens) * TOKEN_BYTES, 0
     yield jobs_pb2.DatasetChunk(
         header=jobs_pb2.DatasetHeader(
             name=dataset.name,
@@ -104,31 +123,16 @@ def upload_messages(dataset: TokenDataset) -> Iterator[jobs_pb2.DatasetChunk]:
     )
     step = CHUNK_BYTES - CHUNK_BYTES % TOKEN_BYTES
     for index, shard in enumerate(dataset.shards):
-        data = shard.astype(TOKEN_DTYPE).tobytes()
+        data = shard.tobytes()
         for offset in range(0, len(data), step):
             yield jobs_pb2.DatasetChunk(
                 data=jobs_pb2.DatasetData(
                     shard=index, offset=offset, data=data[offset : offset + step]
                 )
             )
-
-
-def tokens_from_chunks(chunks: list[jobs_pb2.DatasetChunk]) -> TokenDataset:
-    """Rebuild a dataset from a DownloadDataset stream, checking every shard's digest."""
-    if not chunks or not chunks[0].HasField("header"):
-        raise ValueError("the dataset stream did not start with its header")
-    header = chunks[0].header
-    parts: list[bytearray] = [bytearray() for _ in header.shards]
-    for chunk in chunks[1:]:
-        data = chunk.data
-        if data.shard >= len(parts) or data.offset != len(parts[data.shard]):
-            raise ValueError("the dataset stream is out of order")
-        parts[data.shard] += data.data
-    for index, (part, shard) in enumerate(zip(parts, header.shards, strict=True)):
-        if hashlib.sha256(part).hexdigest() != shard.sha256:
-            raise ValueError(f"shard {index} of the downloaded dataset is corrupt")
-    tokens = np.frombuffer(b"".join(parts), dtype=TOKEN_DTYPE).astype(np.int32)
-    return TokenDataset(header.name, tokens, header.example_len)
+            sent += min(step, len(data) - offset)
+            if progress is not None:
+                progress("uploading dataset", sent, total)
 
 
 class BatchSampler:

@@ -36,7 +36,8 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from client import billing
 from client.billing import UsageBook
 from client.channels import ChannelPool
-from client.datasets import BatchSampler, TokenDataset, tokens_from_chunks, upload_messages
+from client.dataset_cache import CACHE_ENV, DatasetCache
+from client.datasets import BatchSampler, Progress, TokenDataset, upload_messages
 from client.errors import CoordinatorError, TesseraError
 from client.training_driver import (
     StageFailed,
@@ -130,8 +131,12 @@ class JobsApi:
         self.call = call
         self.clock = clock  # the client's: stamps signed opens by the coordinator's time
 
-    async def upload_dataset(self, dataset: TokenDataset) -> jobs_pb2.DatasetInfo:
+    async def upload_dataset(
+        self, dataset: TokenDataset, progress: Progress | None = None
+    ) -> jobs_pb2.DatasetInfo:
         """Send the dataset unless the coordinator already holds the same tokens."""
+        # Hashing a large file takes seconds: off the event loop, which other work shares.
+        await asyncio.to_thread(dataset.shard_list, progress)
         try:
             return await self.call(
                 "looking up the dataset", self.stub.GetDataset, jobs_pb2.DatasetRef(id=dataset.id)
@@ -140,22 +145,39 @@ class JobsApi:
             if err.code != grpc.StatusCode.NOT_FOUND:
                 raise
         try:
-            return await self.stub.UploadDataset(_aiter(upload_messages(dataset)))
+            return await self.stub.UploadDataset(_aiter(upload_messages(dataset, progress)))
         except grpc.aio.AioRpcError as err:
             raise CoordinatorError(
                 "uploading the dataset", err.code(), err.details() or ""
             ) from err
 
-    async def download_dataset(self, dataset_id: str) -> TokenDataset:
+    async def download_dataset(
+        self, dataset_id: str, cache: DatasetCache, progress: Progress | None = None
+    ) -> TokenDataset:
+        """The job's dataset from the runner's disk cache, downloaded there first if it is
+        not yet (client/dataset_cache.py)."""
+        cached = cache.load(dataset_id)
+        if cached is not None:
+            return cached
+        stream = self.stub.DownloadDataset(jobs_pb2.DatasetRef(id=dataset_id))
         try:
-            chunks = [
-                c async for c in self.stub.DownloadDataset(jobs_pb2.DatasetRef(id=dataset_id))
-            ]
+            return await cache.download(dataset_id, stream, progress)
         except grpc.aio.AioRpcError as err:
             raise CoordinatorError(
                 "downloading the dataset", err.code(), err.details() or ""
             ) from err
-        return tokens_from_chunks(chunks)
+        except OSError as err:
+            raise TesseraError(
+                f"cannot keep the dataset in {cache.dir} ({err}); set {CACHE_ENV} to a "
+                "writable directory with room for it"
+            ) from err
+        except ValueError as err:  # the stream itself was wrong; nothing of it was kept
+            raise TesseraError(
+                f"downloading dataset {dataset_id[:12]} failed: {err}; try again, and report "
+                "it to the coordinator's operator if it happens again"
+            ) from err
+        finally:
+            stream.cancel()  # a stream refused half-way would otherwise still be sending
 
     async def submit(
         self, model: str, dataset_id: str, spec: TrainSpec, owner: bytes = b""
@@ -200,6 +222,8 @@ class JobRunner:
     job_id: str
     channels: ChannelPool
     dataset: TokenDataset | None = None  # downloaded from the coordinator when None
+    # Where a downloaded dataset is kept (memory-mapped, reused by a later resume).
+    dataset_cache: DatasetCache = field(default_factory=DatasetCache)
     on_event: Callable[[JobEvent], None] = lambda event: None
     # Test and demo hook: called after every applied step with the stages' new step.
     after_step: Callable[[int], Any] | None = None
@@ -221,10 +245,11 @@ class JobRunner:
     _reported: set[bytes] = field(default_factory=set, init=False)
 
     async def run(self) -> jobs_pb2.JobInfo:
+        if self.dataset is None:  # before the session opens: its nodes would wait meanwhile
+            info = await self.api.job(self.job_id)
+            self.dataset = await self.api.download_dataset(info.dataset_id, self.dataset_cache)
         session = await self._open_session()
         job = session.job
-        if self.dataset is None:
-            self.dataset = await self.api.download_dataset(job.dataset_id)
         sampler = BatchSampler(self.dataset, job.seq_len, job.batch_size, job.hyper.seed)
         driver = TrainingDriver(
             job_id=job.job_id,

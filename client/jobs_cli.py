@@ -42,7 +42,9 @@ examples:
   tessera train --model llama-tiny --data tokens.npy --steps 200 --batch-size 8 \\
       --seq-len 64 --lr 3e-4 --max-price 50000
 
-The dataset is uploaded once and kept by the coordinator, so --resume needs no file.
+The dataset is uploaded once and kept by the coordinator, so --resume needs no file: it
+downloads the dataset once to ~/.cache/tessera/datasets (or $TESSERA_CACHE_DIR/datasets).
+A .npy file is memory-mapped, never read into memory whole, so it may be larger than RAM.
 If a stage node fails, or stops answering (given up after {_GIVEN_UP} its recent calls of
 the same kind)), the job re-plans that stage and rolls back to the last checkpoint.
 A priced job escrows its quote when it opens, pays per sample-layer at every checkpoint
@@ -216,12 +218,13 @@ def train_command(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
 
     # The key owns the job: without one, anyone who lists the job ids could take it over.
     key = load_client_key(args.key or billing.default_key_path(), create=args.key is None)
-    with Client(
-        args.coordinator, account=args.account, key=key, max_price=args.max_price
-    ) as client:
+    with (
+        Client(args.coordinator, account=args.account, key=key, max_price=args.max_price) as client,
+        _TransferBars(quiet=args.json) as bars,
+    ):
         if args.resume:
             info = client.job(args.resume)
-            handle = client.resume(args.resume)
+            handle = client.resume(args.resume, progress=bars)
         else:
             handle = client.train(
                 args.model,
@@ -240,8 +243,10 @@ def train_command(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
                 seed=args.seed,
                 output_model=args.output_model or "",
                 account=args.account,
+                progress=bars,
             )
             info = client.job(handle.job_id)
+        bars.close()
         print(
             f"job {handle.job_id}: {info.model}, {info.steps} steps "
             f"(tessera train --resume {handle.job_id} continues it)",
@@ -265,6 +270,38 @@ def train_command(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
             f"loss {final.last_loss:.4f}{saved}"
         )
     return 0
+
+
+class _TransferBars:
+    """A progress bar, in bytes, for each part of moving the dataset: hashing and uploading
+    it, or downloading it for --resume."""
+
+    def __init__(self, quiet: bool) -> None:
+        self.quiet = quiet
+        self._what = ""
+        self._bar: Any = None
+
+    def __call__(self, what: str, done: int, total: int) -> None:
+        from tqdm import tqdm  # the client extra; only the progress bar needs it
+
+        if what != self._what:
+            self.close()
+            self._what = what
+            self._bar = tqdm(total=total, desc=what, unit="B", unit_scale=True,
+                             unit_divisor=1024, disable=self.quiet, dynamic_ncols=True,
+                             file=sys.stderr)  # fmt: skip
+        self._bar.update(done - self._bar.n)
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
+            self._bar, self._what = None, ""
+
+    def __enter__(self) -> _TransferBars:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
 
 def _follow(handle: TrainingJob, info: jobs_pb2.JobInfo, quiet: bool) -> None:

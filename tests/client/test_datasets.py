@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from client.datasets import load_dataset
+from client.datasets import TokenDataset, load_dataset
 from client.demo_checkpoint import character_vocab, write_tokenizer
 from client.tokenizer import TextTokenizer, load_tokenizer
 
@@ -30,11 +30,17 @@ def test_a_token_stream_and_fixed_examples(tmp_path: Path) -> None:
     np.save(tmp_path / "stream.npy", np.arange(100, dtype=np.int64))
     stream = load_dataset(tmp_path / "stream.npy")
     assert stream.example_len == 0 and stream.tokens.tolist() == list(range(100))
-    assert stream.tokens.dtype == np.int32 and stream.name == "stream"
+    assert stream.name == "stream"
+    # Mapped, not read: a dataset may be larger than memory. What travels is int32 all
+    # the same, so the file's own dtype does not change the dataset's id.
+    assert isinstance(stream.tokens, np.memmap) and stream.tokens.dtype == np.int64
+    assert [s.dtype.str for s in stream.shards] == ["<i4"]
+    assert stream.id == TokenDataset("other", np.arange(100, dtype=np.int32)).id
 
     np.save(tmp_path / "rows.npy", np.arange(60, dtype=np.uint16).reshape(6, 10))
     rows = load_dataset(tmp_path / "rows.npy")
     assert rows.example_len == 10 and rows.tokens.tolist() == list(range(60))
+    assert isinstance(rows.tokens, np.memmap)
 
 
 def test_text_is_encoded_with_the_models_tokenizer(

@@ -6,6 +6,7 @@ import asyncio
 import hashlib
 import sqlite3
 import time
+from pathlib import Path
 
 import grpc
 import numpy as np
@@ -13,13 +14,10 @@ import pytest
 from jobs.jobs_harness import JobsCoordinator, aiter_of
 from support.coordinator_harness import wait_until
 
-from client.datasets import (
-    SHARD_TOKENS,
-    BatchSampler,
-    TokenDataset,
-    tokens_from_chunks,
-    upload_messages,
-)
+from client.api import AsyncClient
+from client.dataset_cache import DatasetCache
+from client.datasets import SHARD_TOKENS, BatchSampler, TokenDataset, upload_messages
+from client.errors import CoordinatorError
 from coordinator.jobs.limits import JobLimits
 from protos.datasets import dataset_id
 from protos.tessera.v1 import jobs_pb2
@@ -55,7 +53,12 @@ async def _refused(jc: JobsCoordinator, messages: list) -> grpc.aio.AioRpcError:
     return caught.value
 
 
-async def test_upload_is_stored_once_and_comes_back_intact(start_jobs) -> None:
+async def _downloaded(jc: JobsCoordinator, dataset: str, cache: Path) -> np.ndarray:
+    stream = jc.stub.DownloadDataset(jobs_pb2.DatasetRef(id=dataset))
+    return (await DatasetCache(cache).download(dataset, stream)).tokens
+
+
+async def test_upload_is_stored_once_and_comes_back_intact(start_jobs, tmp_path: Path) -> None:
     jc = await start_jobs(nodes=0)
     tokens = np.arange(SHARD_TOKENS + 1000, dtype=np.int32) % 50  # two shards
     dataset = TokenDataset("d", tokens)
@@ -68,8 +71,7 @@ async def test_upload_is_stored_once_and_comes_back_intact(start_jobs) -> None:
     assert again.id == info.id and sorted(jc.jobs.blobs.all_digests()) == blobs_before
 
     assert (await jc.stub.GetDataset(jobs_pb2.DatasetRef(id=info.id))).num_tokens == len(tokens)
-    chunks = [c async for c in jc.stub.DownloadDataset(jobs_pb2.DatasetRef(id=info.id))]
-    assert np.array_equal(tokens_from_chunks(chunks).tokens, tokens)
+    assert np.array_equal(await _downloaded(jc, info.id, tmp_path), tokens)
 
 
 async def test_unknown_dataset_is_not_found(start_jobs) -> None:
@@ -154,7 +156,7 @@ def test_upload_messages_split_on_token_boundaries() -> None:
 
 
 async def test_a_dataset_no_job_uses_is_deleted_with_its_blobs_once_nobody_asks_for_it(
-    jc: JobsCoordinator,
+    jc: JobsCoordinator, tmp_path: Path
 ) -> None:
     unused = await jc.upload(np.arange(3000, dtype=np.int32) % 50)
     used = await jc.upload(np.arange(4000, dtype=np.int32) % 40)
@@ -179,8 +181,7 @@ async def test_a_dataset_no_job_uses_is_deleted_with_its_blobs_once_nobody_asks_
     assert "upload it with UploadDataset" in caught.value.details()
     kept = set(jc.jobs.blobs.all_digests())
     assert not blobs[unused.id] & kept and blobs[used.id] | blobs[asked.id] <= kept
-    chunks = [c async for c in jc.stub.DownloadDataset(jobs_pb2.DatasetRef(id=used.id))]
-    assert np.array_equal(tokens_from_chunks(chunks).tokens, np.arange(4000) % 40)
+    assert np.array_equal(await _downloaded(jc, used.id, tmp_path), np.arange(4000) % 40)
     # A job's dataset stays however old it is; uploaded again, a deleted one is back.
     assert await jc.jobs.prune_datasets(int(time.time() * 1000) + 1) == [asked.id]
     assert (await jc.upload(np.arange(3000, dtype=np.int32) % 50)).id == unused.id
@@ -194,3 +195,32 @@ async def test_the_coordinator_prunes_unused_datasets_by_itself(start_jobs) -> N
         lambda: jc.jobs.repo.dataset(info.id) is None, 10.0, "the unused dataset to go"
     )
     await wait_until(lambda: not list(jc.jobs.blobs.all_digests()), 10.0, "its blobs to go")
+
+
+async def test_a_runner_downloads_the_jobs_dataset_once_and_then_reads_its_copy(
+    jc: JobsCoordinator, tmp_path: Path
+) -> None:
+    tokens = (np.arange(SHARD_TOKENS + 5000) * 3) % 61
+    info = await jc.upload(tokens)
+    job = await jc.submit(info.id)
+    async with AsyncClient(jc.coordinator.address, cache_dir=tmp_path / "cache") as client:
+        seen: list[int] = []
+        first = await client.job_dataset(job.job_id, lambda what, done, total: seen.append(done))
+        assert np.array_equal(first.tokens, tokens) and isinstance(first.tokens, np.memmap)
+        assert seen[-1] == len(tokens) * 4
+        # The coordinator loses the shards: a resume still trains, from the runner's copy.
+        for shard in info.shards:
+            jc.jobs.blobs.delete(shard.sha256)
+        again = await client.job_dataset(job.job_id)
+        assert np.array_equal(again.tokens, tokens)
+        sampler = BatchSampler(again, seq_len=16, batch_size=4, seed=1)
+        inputs, labels = sampler.batch(3)
+        assert np.array_equal(labels[:, :-1], inputs[:, 1:]) and inputs.max() < 61
+
+    # Without that copy the runner says what went wrong, and keeps nothing half-written.
+    async with AsyncClient(jc.coordinator.address, cache_dir=tmp_path / "other") as client:
+        with pytest.raises(CoordinatorError) as caught:
+            await client.job_dataset(job.job_id)
+    assert caught.value.code == grpc.StatusCode.DATA_LOSS
+    assert "upload the dataset again" in caught.value.details
+    assert list((tmp_path / "other" / "datasets").iterdir()) == []

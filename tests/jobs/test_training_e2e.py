@@ -37,6 +37,7 @@ from support.waiting import wait_for
 
 from client import billing
 from client.api import AsyncClient, Client
+from client.dataset_cache import CACHE_ENV
 from client.datasets import TokenDataset
 from client.jobs import JobEvent, TrainSpec
 from client.local_swarm import LocalSwarm
@@ -245,6 +246,8 @@ def test_a_killed_runner_is_resumed_with_tessera_train_resume(
     heal(swarm)
     # Both runs use one client key, which the first creates: it owns the job.
     monkeypatch.setenv(billing.KEY_ENV, str(tmp_path / "client.key"))
+    # The resumed runner has no file: it downloads the dataset, and keeps it here.
+    monkeypatch.setenv(CACHE_ENV, str(tmp_path / "cache"))
     cli = [sys.executable, "-m", "client.cli", "train", "--coordinator", swarm.address]
     runner = subprocess.Popen(
         [*cli, "--model", MODEL, "--data", str(dataset[1]), "--steps", str(SPEC.steps),
@@ -271,6 +274,8 @@ def test_a_killed_runner_is_resumed_with_tessera_train_resume(
             assert final["state"] == "done" and int(final["step"]) == SPEC.steps
             assert int(final["checkpoint_step"]) == SPEC.steps
             losses = {p.step: p.loss for p in client.job(job_id).losses}
+            kept = tmp_path / "cache" / "datasets" / f"{job.dataset_id}.npy"
+            assert np.array_equal(np.load(kept), np.load(dataset[1]))
     finally:
         if runner.poll() is None:
             runner.kill()
