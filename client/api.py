@@ -33,7 +33,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from client import billing
 from client.acknowledgments import Acknowledger
-from client.channels import ChannelPool, open_channel
+from client.channels import CHANNEL_OPTIONS, ChannelPool
 from client.dataset_cache import DatasetCache
 from client.datasets import Progress, TokenDataset, load_dataset
 from client.driver import DriverConfig, PipelineDriver, RingPlan
@@ -50,7 +50,7 @@ from client.sampling import Sampler, SamplingParams
 from client.tokenizer import TextTokenizer, load_tokenizer
 from client.training_driver import TrainingDriverConfig
 from client.verification import StageVerifier, VerificationStats
-from protos import identity
+from protos import dialing, identity
 from protos.coordinator_clock import StampClock
 from protos.tessera.v1 import (
     client_api_pb2,
@@ -237,7 +237,7 @@ class AsyncClient:
         self.prefer = prefer
         self.timeout_s = timeout_s
         self.driver_config = driver_config or DriverConfig()
-        self._channel = open_channel(self.coordinator)
+        self._channel = dialing.aio_channel(self.coordinator, CHANNEL_OPTIONS)
         self._stub = client_api_pb2_grpc.ClientApiStub(self._channel)
         self._ledger = ledger_pb2_grpc.LedgerStub(self._channel)
         self._verification = verification_pb2_grpc.VerificationStub(self._channel)

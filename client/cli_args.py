@@ -116,7 +116,8 @@ def coordinator_address(text: str) -> str:
     "http://host:7000" as a host name, then fail with a resolver message; say it here."""
     if not dialable(text):
         raise argparse.ArgumentTypeError(
-            f"{text!r} is not HOST:PORT; give the address `tessera-coordinator serve` logs "
-            "as 'serving on HOST:PORT', e.g. 127.0.0.1:7000 or coord.example.org:7000"
+            f"{text!r} is not HOST:PORT or grpcs://HOST:PORT; give the address "
+            "`tessera-coordinator serve` logs as 'serving on HOST:PORT', e.g. 127.0.0.1:7000 "
+            "or grpcs://coord.example.org:7000"
         )
     return text

@@ -6,6 +6,8 @@ from collections.abc import Sequence
 
 import grpc
 
+from protos.dialing import tls_hint
+
 
 class TesseraError(Exception):
     """Base class for every error the client library raises on purpose."""
@@ -14,9 +16,10 @@ class TesseraError(Exception):
 class CoordinatorUnavailable(TesseraError):
     def __init__(self, address: str, detail: str) -> None:
         super().__init__(
-            f"cannot reach the coordinator at {address} ({detail}). Is it running? Start one "
-            "with `tessera-coordinator serve`, or point the client elsewhere with "
-            "--coordinator HOST:PORT or the TESSERA_COORDINATOR environment variable."
+            f"cannot reach the coordinator at {address} ({detail}{tls_hint(address, detail)})."
+            " Is it running? Start one with `tessera-coordinator serve`, or point the client "
+            "elsewhere with --coordinator HOST:PORT (grpcs://HOST:PORT over TLS) or the "
+            "TESSERA_COORDINATOR environment variable."
         )
         self.address = address
 

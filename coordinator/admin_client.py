@@ -24,6 +24,7 @@ import grpc
 
 from coordinator.admin_auth import bearer_metadata
 from coordinator.secrets_store import ADDRESS_FILE, ADMIN_TOKEN_FILE
+from protos import dialing
 from protos.dialing import DIAL_OPTIONS, dialable
 
 DATA_DIR_ENV = "TESSERA_COORDINATOR_DATA_DIR"
@@ -49,8 +50,9 @@ def coordinator_address(text: str) -> str:
     name, and fail later with a resolver message that names neither mistake."""
     if not dialable(text):
         raise argparse.ArgumentTypeError(
-            f"{text!r} is not HOST:PORT; give the address `tessera-coordinator serve` logs as "
-            "'serving on HOST:PORT' (or --data-dir DIR of the coordinator instead)"
+            f"{text!r} is not HOST:PORT or grpcs://HOST:PORT; give the address "
+            "`tessera-coordinator serve` logs as 'serving on HOST:PORT' (or --data-dir DIR of "
+            "the coordinator instead)"
         )
     return text
 
@@ -110,4 +112,7 @@ def resolve_admin_token(args: argparse.Namespace) -> str:
 
 
 def open_channel(address: str) -> grpc.Channel:
-    return grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
+    try:
+        return dialing.sync_channel(address, CHANNEL_OPTIONS)
+    except ValueError as err:  # $TESSERA_CA_CERT names no readable certificate
+        raise CliError(str(err)) from None

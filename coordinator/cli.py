@@ -146,7 +146,8 @@ def _add_serve_parser(subparsers: Any) -> None:
         "serve",
         help="run the coordinator",
         description="Run the coordinator: node registry, model store, sessions. Logs "
-        "'serving on HOST:PORT' when ready and writes that address to DATA_DIR/coordinator.addr. "
+        "'serving on HOST:PORT' (grpcs://HOST:PORT with TLS) when ready and writes that address to "
+        "DATA_DIR/coordinator.addr. "
         "The admin token is created in DATA_DIR/admin.token (mode 0600) on first start.",
         epilog=EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -156,6 +157,17 @@ def _add_serve_parser(subparsers: Any) -> None:
         help="where to accept nodes and clients; port 0 picks a free port (default: "
         "%(default)s, where `tessera` looks by default; use 0.0.0.0:PORT to accept other "
         "machines)",
+    )  # fmt: skip
+    serve_parser.add_argument(
+        "--tls-cert", type=Path, metavar="PEM",
+        help="serve over TLS with this certificate chain (server certificate first; its "
+        "names must include the host nodes and clients dial). They then dial "
+        "grpcs://HOST:PORT; a private CA's or self-signed certificate must be in their "
+        "TESSERA_CA_CERT. Needs --tls-key (default: plain gRPC, for a private network)",
+    )  # fmt: skip
+    serve_parser.add_argument(
+        "--tls-key", type=Path, metavar="PEM",
+        help="the certificate's private key, unencrypted, readable only by the coordinator",
     )  # fmt: skip
     serve_parser.add_argument(
         "--db", type=Path, metavar="PATH",
@@ -323,12 +335,18 @@ def _run_serve(args: argparse.Namespace) -> int:
             "--relay-ports and --relay-bind shape the relay, which runs only with "
             "--relay-host HOST (the address clients reach this machine at)"
         )
+    if (args.tls_cert is None) != (args.tls_key is None):
+        args.command_parser.error(
+            "TLS needs both --tls-cert PEM (the certificate chain) and --tls-key PEM (its key)"
+        )
     db_path = (args.db or args.data_dir / DB_FILE).expanduser().resolve()
     data_dir = (args.data_dir or db_path.parent).expanduser().resolve()
     settings = Settings(
         db_path=db_path,
         data_dir=data_dir,
         listen=args.listen,
+        tls_cert=args.tls_cert,
+        tls_key=args.tls_key,
         mqtt_url=args.mqtt,
         heartbeat_interval_s=args.heartbeat_interval,
         offline_after_s=args.offline_after,

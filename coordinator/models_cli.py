@@ -29,6 +29,7 @@ from coordinator.model_store.checkpoint import Checkpoint, CheckpointTensor, ope
 from coordinator.model_store.errors import CheckpointError
 from coordinator.model_store.importer import MODEL_NAME
 from coordinator.secrets_store import ADMIN_TOKEN_FILE
+from protos.dialing import tls_hint
 from protos.tessera.v1 import admin_pb2, admin_pb2_grpc, client_api_pb2_grpc, common_pb2
 from protos.units import human_bytes
 
@@ -291,7 +292,7 @@ def _rpc_problem(err: grpc.RpcError, address: str, action: str) -> str:
     if code == grpc.StatusCode.UNAVAILABLE:
         return (
             f"cannot reach the coordinator at {address} ({err.details()}); is "
-            "`tessera-coordinator serve` running there?"
+            f"`tessera-coordinator serve` running there?{tls_hint(address, err.details() or '')}"
         )
     if code == grpc.StatusCode.UNAUTHENTICATED:
         # The coordinator's own message may already say where the token is.

@@ -44,8 +44,9 @@ from coordinator.services import (
     VerificationService,
 )
 from coordinator.settings import Settings
+from coordinator.tls import ServerTls, TlsFileError, dial_host, load_server_tls
 from protos import identity
-from protos.dialing import MESSAGE_LIMITS
+from protos.dialing import MESSAGE_LIMITS, TLS_SCHEME
 from protos.request_parsing import ParseErrorsAreInvalidArgument
 from protos.tessera.v1 import (
     admin_pb2_grpc,
@@ -215,6 +216,7 @@ async def running_coordinator(
     presence = PresenceWatcher(ctx.bus, ctx.registry)
     try:
         host, _ = split_host_port(settings.listen)
+        tls = _server_tls(settings)
         components = await _build_components(ctx)
         await ctx.registry.start()
         await ctx.bus.start()
@@ -225,7 +227,10 @@ async def running_coordinator(
                 started.append(component)
         server = build_server(ctx)
         try:
-            port = server.add_insecure_port(settings.listen)
+            if tls is None:
+                port = server.add_insecure_port(settings.listen)
+            else:
+                port = server.add_secure_port(settings.listen, tls.credentials)
         except RuntimeError as exc:
             # gRPC says only "Failed to bind": the port may be taken, or the host may not
             # be an address of this machine (a typo, or another machine's address).
@@ -235,13 +240,22 @@ async def running_coordinator(
                 "(0.0.0.0:PORT for every interface), or port 0 for any free port"
             ) from exc
         await server.start()
-        address = f"{host}:{port}"
+        address = f"{host}:{port}" if tls is None else f"{TLS_SCHEME}{dial_host(host, tls)}:{port}"
         ctx.bus.publish_nowait(
             COORDINATOR_PRESENCE_TOPIC, {"state": "online", "address": address}, retain=True
         )
         yield RunningCoordinator(ctx, server, address, presence, components)
     finally:
         await _shutdown(ctx, server, presence, started)
+
+
+def _server_tls(settings: Settings) -> ServerTls | None:
+    if settings.tls_cert is None or settings.tls_key is None:
+        return None
+    try:
+        return load_server_tls(settings.tls_cert, settings.tls_key)
+    except TlsFileError as exc:
+        raise StartupError(str(exc)) from None
 
 
 async def _shutdown(

@@ -13,6 +13,9 @@ class Settings:
     db_path: Path
     data_dir: Path
     listen: str = "127.0.0.1:0"
+    # PEM certificate chain and key: serve over TLS (coordinator/tls.py); None: plain gRPC.
+    tls_cert: Path | None = None
+    tls_key: Path | None = None
     mqtt_url: str | None = None
     heartbeat_interval_s: float = 5.0
     # None means three heartbeat intervals.

@@ -35,7 +35,7 @@ from node_agent.data_plane import (
 from node_agent.mqtt_presence import MqttPresence
 from node_agent.nat_tunnel import NatTunnel
 from node_agent.rtt_probe import RttProber
-from protos import identity
+from protos import dialing, identity
 from protos.dialing import DIAL_OPTIONS
 from protos.tessera.v1 import coordinator_pb2, coordinator_pb2_grpc, node_pb2, stage_pb2_grpc
 
@@ -185,8 +185,8 @@ class NodeAgent:
             "data plane listening on %s:%d, advertised as %s", listen_host, port, self.data_address
         )
         probing = asyncio.create_task(self.rtt_probe.run(), name="rtt probe")
-        channel = grpc.aio.insecure_channel(
-            self.config.coordinator, options=CHANNEL_OPTIONS + keepalive_options(self.config)
+        channel = dialing.aio_channel(
+            self.config.coordinator, CHANNEL_OPTIONS + keepalive_options(self.config)
         )
         try:
             return await self._control_loop(coordinator_pb2_grpc.CoordinatorStub(channel))
@@ -235,6 +235,7 @@ class NodeAgent:
                     )
                     return ExitCode.REFUSED
                 reason = describe_rpc_error(exc)
+                reason += dialing.tls_hint(self.config.coordinator, exc.details() or "")
             except (StreamLost, TimeoutError) as exc:
                 reason = str(exc) or "timed out"
             if self._leave is not None:

@@ -22,6 +22,7 @@ import grpc
 
 from node_agent.context import AgentContext
 from node_agent.shard_fetcher import NODE_ID_METADATA, TICKET_METADATA
+from protos import dialing
 from protos.tessera.v1 import common_pb2, training_pb2, training_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -220,9 +221,7 @@ class CheckpointClient:
 
 class _StoreChannel:
     def __init__(self, ctx: AgentContext) -> None:
-        self._channel = grpc.aio.insecure_channel(
-            ctx.coordinator_address, options=ctx.channel_options
-        )
+        self._channel = dialing.aio_channel(ctx.coordinator_address, ctx.channel_options)
 
     async def __aenter__(self) -> training_pb2_grpc.TrainingStoreStub:
         return training_pb2_grpc.TrainingStoreStub(self._channel)

@@ -17,6 +17,7 @@ import grpc
 
 from node_agent.context import AgentContext
 from node_agent.plugins import load_plugin
+from protos import dialing
 from protos.dialing import DATA_WINDOW, MESSAGE_LIMITS
 from protos.request_parsing import ParseErrorsAreInvalidArgument
 from protos.tessera.v1 import common_pb2, stage_pb2, stage_pb2_grpc, training_pb2_grpc
@@ -159,7 +160,7 @@ def _is_wildcard(host: str) -> bool:
 
 
 def _route_source_ip(coordinator_address: str) -> str:
-    host, port = split_host_port(coordinator_address)
+    host, port = split_host_port(dialing.host_port(coordinator_address))
     try:
         family, _, _, _, sockaddr = socket.getaddrinfo(host, port, type=socket.SOCK_DGRAM)[0]
         with socket.socket(family, socket.SOCK_DGRAM) as probe:

@@ -15,6 +15,7 @@ import grpc
 from node_agent import identity
 from node_agent.agent import CHANNEL_OPTIONS
 from node_agent.data_dir import default_data_dir
+from protos import dialing
 from protos import identity as wire_identity
 from protos.coordinator_clock import StampClock
 from protos.dialing import dialable
@@ -86,8 +87,9 @@ def coordinator_address(text: str) -> str:
     "localhost" as port 443 and fail later with a message that names no flag."""
     if not dialable(text):
         raise argparse.ArgumentTypeError(
-            f"{text!r} is not HOST:PORT; give the coordinator's address as `tessera-coordinator "
-            "serve` logs it ('serving on HOST:PORT'), e.g. 127.0.0.1:7000 or [::1]:7000"
+            f"{text!r} is not HOST:PORT or grpcs://HOST:PORT; give the coordinator's address "
+            "as `tessera-coordinator serve` logs it ('serving on HOST:PORT'), e.g. "
+            "127.0.0.1:7000, [::1]:7000 or grpcs://coord.example.org:7000"
         )
     return text
 
@@ -132,7 +134,7 @@ def run(args: argparse.Namespace) -> int:
     key = identity.load_or_create_key(args.data_dir)
     request_id = args.request_id or uuid.uuid4().hex if args.command == "stake" else ""
     clock = StampClock()
-    with grpc.insecure_channel(args.coordinator, options=CHANNEL_OPTIONS) as channel:
+    with dialing.sync_channel(args.coordinator, CHANNEL_OPTIONS) as channel:
         stub = ledger_pb2_grpc.LedgerStub(channel)
 
         def ask() -> Any:
@@ -190,7 +192,7 @@ def _problem(err: grpc.RpcError, address: str) -> str:
     if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
         return (
             f"cannot reach the coordinator at {address} ({details}); is it running, and is "
-            "--coordinator its address?"
+            f"--coordinator its address?{dialing.tls_hint(address, details or '')}"
         )
     if code == grpc.StatusCode.UNIMPLEMENTED:
         # A node's data-plane port, or another server: "Method not found!" names no cause.

@@ -20,7 +20,7 @@ import grpc
 from node_agent.backoff import Backoff
 from node_agent.context import AgentContext
 from node_agent.data_plane import split_host_port
-from protos import tunnel_writes
+from protos import dialing, tunnel_writes
 from protos.tessera.v1 import relay_pb2, relay_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -95,9 +95,7 @@ class NatTunnel:
             pumps.add(task)
             task.add_done_callback(pumps.discard)
 
-        channel = grpc.aio.insecure_channel(
-            self._ctx.coordinator_address, options=self._ctx.channel_options
-        )
+        channel = dialing.aio_channel(self._ctx.coordinator_address, self._ctx.channel_options)
         call = relay_pb2_grpc.RelayStub(channel).Tunnel()
 
         async def send() -> None:

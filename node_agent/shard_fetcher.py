@@ -36,6 +36,7 @@ import grpc
 from tqdm import tqdm
 
 from node_agent import backoff
+from protos import dialing
 from protos.dialing import DIAL_OPTIONS
 from protos.tessera.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc
 
@@ -142,7 +143,7 @@ class ShardFetcher:
         registers again, assign the new one to `fetcher.ticket`.
         """
         if isinstance(coordinator, str):
-            self._channel = grpc.aio.insecure_channel(coordinator, options=DIAL_OPTIONS)
+            self._channel = dialing.aio_channel(coordinator, DIAL_OPTIONS)
             self._owns_channel = True
         else:
             self._channel = coordinator

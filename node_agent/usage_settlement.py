@@ -20,6 +20,7 @@ from collections.abc import Sequence
 
 import grpc
 
+from protos import dialing
 from protos.tessera.v1 import ledger_pb2, ledger_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -117,7 +118,7 @@ class UsageSettler:
         self, session_id: str, batch: dict[_Layers, tuple[int, ledger_pb2.SignedUsage]]
     ) -> None:
         if self._channel is None:
-            self._channel = grpc.aio.insecure_channel(self._address, options=self._options)
+            self._channel = dialing.aio_channel(self._address, self._options)
         stub = ledger_pb2_grpc.LedgerStub(self._channel)
         request = ledger_pb2.SettleUsageRequest(
             session_id=session_id, usage=[signed for _, signed in batch.values()]

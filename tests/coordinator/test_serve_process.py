@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import logging
 import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
@@ -11,6 +10,7 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 import pytest
 import sqlite_utils
+from support.coordinator_cli import run_main
 from support.coordinator_harness import CHANNEL_OPTIONS, FakeNode, wait_until
 from support.procs import (
     REPO_ROOT,
@@ -21,7 +21,6 @@ from support.procs import (
     start_node,
 )
 
-from coordinator.cli import main
 from protos.tessera.v1 import client_api_pb2, client_api_pb2_grpc, node_pb2
 
 
@@ -291,21 +290,6 @@ def test_serve_refuses_a_host_that_is_not_this_machine(tmp_path, capsys) -> None
     assert code == 2
     assert "cannot listen on 192.0.2.1:7000" in err
     assert "not an address of this machine" in err and "Traceback" not in err
-
-
-def run_main(args: list[str], capsys) -> tuple[int, str, str]:
-    """The CLI in-process (argparse exits via SystemExit): fast enough for many cases."""
-    root = logging.getLogger()
-    handlers, level = root.handlers[:], root.level
-    try:
-        code = main(args)
-    except SystemExit as exc:
-        code = int(exc.code or 0)
-    finally:  # main() configures logging for a whole process; give pytest its own back
-        root.handlers[:] = handlers
-        root.setLevel(level)
-    out = capsys.readouterr()
-    return code, out.out, out.err
 
 
 @pytest.mark.parametrize(
