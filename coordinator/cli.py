@@ -180,8 +180,9 @@ def _add_serve_parser(subparsers: Any) -> None:
     )  # fmt: skip
     serve_parser.add_argument(
         "--mqtt", type=_mqtt_url, metavar="URL",
-        help="publish presence through this MQTT broker, e.g. mqtt://127.0.0.1:1883 "
-        "(default: an in-process event bus, no broker needed)",
+        help="publish presence through this MQTT broker, e.g. mqtt://127.0.0.1:1883, or "
+        "mqtts://USER@broker.example.org:8883 for TLS and a login, the password in "
+        "$TESSERA_MQTT_PASSWORD (default: an in-process event bus, no broker needed)",
     )  # fmt: skip
     serve_parser.add_argument(
         "--heartbeat-interval", type=_positive_seconds, default=5.0, metavar="S",

@@ -28,12 +28,12 @@ import secrets
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
-from urllib.parse import urlsplit
+
+from protos.mqtt_url import BrokerAddress, parse_broker_url
 
 log = logging.getLogger(__name__)
 
 DEFAULT_QUEUE = 10_000
-DEFAULT_MQTT_PORT = 1883
 
 
 @dataclass(frozen=True)
@@ -216,17 +216,13 @@ class InProcessBus(EventBus):
         sub._ready.set()
 
 
-def parse_mqtt_url(url: str) -> tuple[str, int]:
-    parts = urlsplit(url)
-    if parts.scheme != "mqtt" or not parts.hostname:
+def parse_mqtt_url(url: str) -> BrokerAddress:
+    """mqtt://[USER:PASS@]HOST[:PORT], or mqtts://... over TLS (protos/mqtt_url.py)."""
+    if "://" not in url:
         raise ValueError(
-            f"{url!r} is not an MQTT URL like mqtt://HOST:PORT (TLS brokers are not supported yet)"
+            f"{url!r} is not an MQTT URL like mqtt://HOST:PORT or mqtts://HOST:PORT (TLS)"
         )
-    try:
-        port = parts.port or DEFAULT_MQTT_PORT
-    except ValueError as exc:
-        raise ValueError(f"{url!r} has an invalid port") from exc
-    return parts.hostname, port
+    return parse_broker_url(url, bare=False)
 
 
 @dataclass(frozen=True)
@@ -258,8 +254,8 @@ class MqttBus(EventBus):
         reconnect_max_s: float = 5.0,
     ) -> None:
         super().__init__()
-        self.url = url
-        self.host, self.port = parse_mqtt_url(url)
+        self.broker = parse_mqtt_url(url)
+        self.url = str(self.broker)  # for logs: without the password
         self.client_id = client_id or f"tessera-{secrets.token_hex(6)}"
         self._will = will
         self._keepalive_s = keepalive_s
@@ -343,8 +339,11 @@ class MqttBus(EventBus):
                 will = aiomqtt.Will(self._will[0], self._will[1], qos=1, retain=True)
             try:
                 async with aiomqtt.Client(
-                    self.host,
-                    self.port,
+                    self.broker.host,
+                    self.broker.port,
+                    username=self.broker.username,
+                    password=self.broker.password,
+                    tls_context=self.broker.tls_context(),
                     identifier=self.client_id,
                     will=will,
                     keepalive=self._keepalive_s,

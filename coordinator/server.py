@@ -308,7 +308,7 @@ async def serve(settings: Settings) -> None:
     async with running_coordinator(settings) as coordinator:
         secrets_store.write_address(settings.data_dir, coordinator.address)
         if isinstance(coordinator.ctx.bus, MqttBus):
-            log.info("event bus: MQTT broker %s", settings.mqtt_url)
+            log.info("event bus: MQTT broker %s", coordinator.ctx.bus.url)
         log.info(
             "serving on %s (db %s, data dir %s, heartbeat every %g s, offline after %g s)",
             coordinator.address, settings.db_path, settings.data_dir,

@@ -237,7 +237,8 @@ def build_parser() -> argparse.ArgumentParser:
         type=_mqtt_url,
         metavar="URL",
         help="also publish presence (with a last will) and telemetry to this MQTT broker, "
-        "e.g. mqtt://127.0.0.1:1883",
+        "e.g. mqtt://127.0.0.1:1883, or mqtts://USER@broker.example.org:8883 for TLS and a "
+        "login, the password in $TESSERA_MQTT_PASSWORD",
     )
     join.add_argument(
         "--heartbeat-s",

@@ -10,17 +10,17 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import ssl
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
-from urllib.parse import unquote, urlsplit
 
 import aiomqtt
 from google.protobuf import json_format
 
 from node_agent.backoff import Backoff
+from protos.mqtt_url import BrokerAddress, parse_broker_url
 from protos.tessera.v1 import node_pb2
+
+__all__ = ["BrokerAddress", "MqttPresence", "parse_broker_url"]
 
 log = logging.getLogger(__name__)
 
@@ -34,41 +34,6 @@ def presence_topic(node_id: str) -> str:
 
 def telemetry_topic(node_id: str) -> str:
     return f"tessera/nodes/{node_id}/telemetry"
-
-
-@dataclass(frozen=True)
-class BrokerAddress:
-    host: str
-    port: int
-    tls: bool = False
-    username: str | None = None
-    password: str | None = None
-
-    def __str__(self) -> str:
-        return f"{'mqtts' if self.tls else 'mqtt'}://{self.host}:{self.port}"
-
-
-def parse_broker_url(url: str) -> BrokerAddress:
-    """mqtt://[user:pass@]host[:1883], mqtts://host[:8883] (TLS), or a bare host[:port]."""
-    if "://" not in url:
-        url = "mqtt://" + url
-    parts = urlsplit(url)
-    if parts.scheme not in ("mqtt", "tcp", "mqtts", "ssl") or not parts.hostname:
-        raise ValueError(
-            f"{url!r} is not a broker URL; use mqtt://HOST[:PORT] or mqtts://HOST[:PORT]"
-        )
-    tls = parts.scheme in ("mqtts", "ssl")
-    try:
-        port = parts.port or (8883 if tls else 1883)
-    except ValueError as exc:
-        raise ValueError(f"{url!r} has a bad port: {exc}") from exc
-    return BrokerAddress(
-        host=parts.hostname,
-        port=port,
-        tls=tls,
-        username=unquote(parts.username) if parts.username else None,
-        password=unquote(parts.password) if parts.password else None,
-    )
 
 
 def presence_payload(node_id: str, state: str, ts_s: float | None) -> bytes:
@@ -176,7 +141,7 @@ class MqttPresence:
             ),
             keepalive=KEEPALIVE_S,
             timeout=10,
-            tls_context=ssl.create_default_context() if self._broker.tls else None,
+            tls_context=self._broker.tls_context(),
         )
 
     async def _session(self) -> None:

@@ -28,6 +28,7 @@ from coordinator.events import (
 )
 from coordinator.node_state import NodeState
 from coordinator.presence import PresenceWatcher
+from protos.mqtt_url import PASSWORD_ENV, BrokerAddress
 
 # -- topic matching -------------------------------------------------------------------------------
 
@@ -70,11 +71,19 @@ def test_bad_patterns_are_refused(pattern: str) -> None:
         check_pattern(pattern)
 
 
-def test_mqtt_urls() -> None:
-    assert parse_mqtt_url("mqtt://broker.example:1884") == ("broker.example", 1884)
-    assert parse_mqtt_url("mqtt://127.0.0.1") == ("127.0.0.1", 1883)
-    for bad in ("http://x:1", "mqtt://", "127.0.0.1:1883", "mqtts://x:8883"):
-        with pytest.raises(ValueError, match="mqtt://"):
+def test_mqtt_urls(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert parse_mqtt_url("mqtt://broker.example:1884") == BrokerAddress("broker.example", 1884)
+    assert parse_mqtt_url("mqtt://127.0.0.1") == BrokerAddress("127.0.0.1", 1883)
+    # A hosted broker: TLS and a login, the password never printed.
+    hosted = parse_mqtt_url("mqtts://tessera:s%3Acret@broker.example")
+    assert hosted == BrokerAddress("broker.example", 8883, True, "tessera", "s:cret")
+    assert str(hosted) == "mqtts://tessera@broker.example:8883" and "cret" not in repr(hosted)
+    # ... or the password from the environment, out of `ps`'s sight.
+    monkeypatch.setenv(PASSWORD_ENV, "from-env")
+    assert parse_mqtt_url("mqtts://tessera@broker.example").password == "from-env"
+    assert parse_mqtt_url("mqtts://tessera:given@broker.example").password == "given"
+    for bad in ("http://x:1", "mqtt://", "127.0.0.1:1883", "mqtt://x:99999"):
+        with pytest.raises(ValueError, match="mqtt://|bad port"):
             parse_mqtt_url(bad)
 
 
@@ -261,7 +270,8 @@ async def test_last_will_marks_an_attached_node_offline(
     await harness.coordinator.presence.ready()
     node = await harness.registered_node("mqtt-node", attach=True)
 
-    host, port = parse_mqtt_url(mosquitto)
+    broker = parse_mqtt_url(mosquitto)
+    host, port = broker.host, broker.port
     agent = ManagedProcess(
         [sys.executable, "-c", LAST_WILL_CLIENT, host, str(port), node.node_id],
         tmp_path / "agent.log", name="mqtt agent",
@@ -299,8 +309,8 @@ async def test_own_retained_presence_never_marks_a_node_offline(
     assert harness.state(node.node_id) is NodeState.ONLINE
 
     # A raw client sees the coordinator's retained presence for the node.
-    host, port = parse_mqtt_url(mosquitto)
-    async with aiomqtt.Client(host, port) as client:
+    broker = parse_mqtt_url(mosquitto)
+    async with aiomqtt.Client(broker.host, broker.port) as client:
         await client.subscribe(f"tessera/nodes/{node.node_id}/presence")
         message = await asyncio.wait_for(anext(aiter(client.messages)), 5)
         payload = json.loads(message.payload)

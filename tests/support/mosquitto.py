@@ -21,6 +21,7 @@ from __future__ import annotations
 import os
 import re
 import shutil
+import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -50,20 +51,58 @@ def render_config(port: int, source: Path = PROJECT_CONFIG) -> str:
     return text
 
 
-class MosquittoBroker:
-    """One broker process on a fixed free port; restartable on the same port."""
+def secure_config(config: str, cert: Path, key: Path, password_file: Path) -> str:
+    """``config`` with its listener over TLS and a login required, as a hosted broker is."""
+    config = re.sub(
+        r"^(listener\s.*)$", rf"\1\ncertfile {cert}\nkeyfile {key}", config, flags=re.MULTILINE
+    )
+    config, replaced = re.subn(
+        r"^allow_anonymous\s+true$", "allow_anonymous false", config, flags=re.MULTILINE
+    )
+    if replaced != 1:
+        raise ValueError("the config must contain exactly one `allow_anonymous true` line")
+    config += f"\npassword_file {password_file}\n"
+    if os.geteuid() == 0:
+        # Started as root, Mosquitto drops to the `mosquitto` user before it reads the
+        # password file, which sits in this test's private temporary folder.
+        config += "user root\n"
+    return config
 
-    def __init__(self, work_dir: Path, binary: str) -> None:
+
+class MosquittoBroker:
+    """One broker process on a fixed free port; restartable on the same port.
+
+    With ``tls`` (certificate chain, key) it listens over TLS, and with ``login`` (user,
+    password) it refuses anyone else: ``url`` then is mqtts://USER:PASS@127.0.0.1:PORT."""
+
+    def __init__(
+        self,
+        work_dir: Path,
+        binary: str,
+        tls: tuple[Path, Path] | None = None,
+        login: tuple[str, str] | None = None,
+    ) -> None:
         self.work_dir = work_dir
         self.binary = binary
         self.port = free_port()
+        self.tls, self.login = tls, login
         self.config_path = work_dir / "mosquitto.conf"
-        self.config_path.write_text(render_config(self.port))
+        config = render_config(self.port)
+        if tls is not None and login is not None:
+            passwords = work_dir / "passwords"
+            subprocess.run(
+                ["mosquitto_passwd", "-b", "-c", str(passwords), *login],
+                check=True, capture_output=True, timeout=30,
+            )  # fmt: skip
+            config = secure_config(config, *tls, passwords)
+        self.config_path.write_text(config)
         self.process: ManagedProcess | None = None
         self._starts = 0
 
     @property
     def url(self) -> str:
+        if self.tls is not None and self.login is not None:
+            return f"mqtts://{self.login[0]}:{self.login[1]}@127.0.0.1:{self.port}"
         return f"mqtt://127.0.0.1:{self.port}"
 
     def start(self) -> None:
