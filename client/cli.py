@@ -21,6 +21,7 @@ from client.driver import DriverConfig
 from client.errors import CoordinatorError, TesseraError
 from client.jobs_cli import add_training_commands as _add_training_commands
 from client.jobs_cli import jobs_command, train_command
+from protos.dialing import CA_ENV
 from protos.tessera.v1 import client_api_pb2, node_pb2
 from protos.units import human_bytes
 
@@ -29,6 +30,7 @@ log = logging.getLogger("tessera")
 EXAMPLES = f"""\
 examples:
   tessera nodes --coordinator coord.example.org:7000
+  tessera nodes --coordinator grpcs://coord.example.org:7000   # over TLS
   tessera models
   tessera generate --model llama-tiny --prompt "Once upon a time" --max-new-tokens 32
   tessera generate --model llama-tiny --token-ids 1,15,27 --max-new-tokens 8 --json
@@ -41,7 +43,9 @@ examples:
   tessera jobs
   tessera demo
 
-The coordinator defaults to ${COORDINATOR_ENV}, else {default_coordinator()}.
+The coordinator defaults to ${COORDINATOR_ENV}, else {default_coordinator()}. A grpcs://
+address is dialed over TLS and its certificate checked against the system's roots, or the
+private CA in ${CA_ENV}.
 """
 
 

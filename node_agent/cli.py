@@ -180,7 +180,8 @@ def build_parser() -> argparse.ArgumentParser:
         type=earnings_cli.coordinator_address,
         metavar="HOST:PORT",
         help="the coordinator's address, as `tessera-coordinator serve` logs it ('serving on "
-        "HOST:PORT')",
+        "HOST:PORT'); grpcs://HOST:PORT for one served over TLS, whose certificate is checked "
+        "against the system's roots or the private CA in $TESSERA_CA_CERT",
     )
     join.add_argument(
         "--name",

@@ -100,7 +100,7 @@ def _add_common(parser: argparse.ArgumentParser) -> None:
         required=True,
         type=coordinator_address,
         metavar="HOST:PORT",
-        help="the coordinator's address",
+        help="the coordinator's address (grpcs://HOST:PORT over TLS)",
     )
     parser.add_argument(
         "--data-dir",
