@@ -33,6 +33,7 @@ from coordinator import secrets_store
 from coordinator.addresses import split_host_port
 from coordinator.context import CoordinatorContext
 from coordinator.events import EventBus, MqttBus, create_bus
+from coordinator.health import HealthServicer, add_health, serving, stopping
 from coordinator.node_state import SHUTDOWN_REASON
 from coordinator.presence import PresenceWatcher
 from coordinator.registry import Registry
@@ -213,6 +214,7 @@ async def running_coordinator(
     components: list[Any] = []
     started: list[Any] = []
     server: grpc.aio.Server | None = None
+    health: HealthServicer | None = None
     presence = PresenceWatcher(ctx.bus, ctx.registry)
     try:
         host, _ = split_host_port(settings.listen)
@@ -226,6 +228,7 @@ async def running_coordinator(
                 await component.start()
                 started.append(component)
         server = build_server(ctx)
+        health = add_health(server)
         try:
             if tls is None:
                 port = server.add_insecure_port(settings.listen)
@@ -240,12 +243,15 @@ async def running_coordinator(
                 "(0.0.0.0:PORT for every interface), or port 0 for any free port"
             ) from exc
         await server.start()
+        await serving(health)
         address = f"{host}:{port}" if tls is None else f"{TLS_SCHEME}{dial_host(host, tls)}:{port}"
         ctx.bus.publish_nowait(
             COORDINATOR_PRESENCE_TOPIC, {"state": "online", "address": address}, retain=True
         )
         yield RunningCoordinator(ctx, server, address, presence, components)
     finally:
+        if health is not None:
+            await stopping(health)
         await _shutdown(ctx, server, presence, started)
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import pytest
 from google.protobuf.descriptor import MethodDescriptor
+from grpc_health.v1 import health_pb2
 from support.coordinator_harness import Harness
 from support.hostile import (
     every_method_refuses_garbage,
@@ -38,6 +39,7 @@ SERVICES = [
     ledger_pb2.DESCRIPTOR.services_by_name["Ledger"],
     jobs_pb2.DESCRIPTOR.services_by_name["Jobs"],
     verification_pb2.DESCRIPTOR.services_by_name["Verification"],
+    health_pb2.DESCRIPTOR.services_by_name["Health"],  # grpc.health.v1, for load balancers
     *(
         s
         for name, s in training_pb2.DESCRIPTOR.services_by_name.items()
