@@ -51,7 +51,10 @@ def test_a_swarm_whose_coordinator_serves_tls(tmp_path: Path, monkeypatch) -> No
                 MODEL, token_ids=PROMPT, max_new_tokens=NEW_TOKENS, stop_at_eos=False
             )
         assert result.token_ids == reference
-        assert len({hop.node_id for hop in result.initial_route}) == 2
+        # Two stages (--min-stages 2), served by the nodes that joined over TLS; the router
+        # may give both stages to one node, which holds both (2 replicas on 2 nodes).
+        assert len(result.initial_route) == 2
+        assert {hop.node_id for hop in result.initial_route} <= {n.node_id for n in nodes}
 
         earnings = subprocess.run(
             [sys.executable, "-m", "node_agent.cli", "earnings", "--coordinator", address,
