@@ -21,10 +21,12 @@ import pytest
 from support.checkpoints import TINY_SHAPE, make_checkpoint, transformers_greedy
 from support.link_emulator import LinkEmulator
 from support.ports import free_port, free_port_range
+from support.tls_files import write_tls_files
 from support.waiting import wait_for
 
 from client.api import Client
 from client.local_swarm import LocalProcess, LocalSwarm
+from protos.dialing import CA_ENV
 from protos.tessera.v1 import client_api_pb2, client_api_pb2_grpc, node_pb2
 
 pytestmark = pytest.mark.slow
@@ -203,10 +205,14 @@ def one_node_swarm(
         yield s, echo
 
 
-def test_a_node_nobody_can_dial_serves_through_the_relay(tmp_path: Path) -> None:
+@pytest.mark.parametrize("tls", [False, True], ids=["plain", "coordinator-over-tls"])
+def test_a_node_nobody_can_dial_serves_through_the_relay(
+    tmp_path: Path, tls: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
     # The only node advertises an address nobody answers on (a NAT). The coordinator runs
     # the relay (--relay-host): the node dials out a tunnel, the relay gives it a port of
-    # its own, and every session reaches the node through it.
+    # its own, and every session reaches the node through it. With the coordinator over
+    # TLS the tunnel is a TLS stream to the coordinator's port like the node's others.
     checkpoint = make_checkpoint(tmp_path / "tiny", "llama", num_layers=6, **TINY_SHAPE, seed=7)
     (reference,) = transformers_greedy(checkpoint, [PROMPT], NEW_TOKENS)
     port = free_port()
@@ -215,8 +221,13 @@ def test_a_node_nobody_can_dial_serves_through_the_relay(tmp_path: Path) -> None
     low, high = free_port_range(8)
     args = ["--replicas", "1", "--heartbeat-interval", "1", "--relay-host", "127.0.0.1",
             "--relay-bind", "127.0.0.1", "--relay-ports", f"{low}-{high}"]  # fmt: skip
+    if tls:
+        files = write_tls_files(tmp_path / "tls")
+        monkeypatch.setenv(CA_ENV, str(files.ca))
+        args += ["--tls-cert", str(files.cert), "--tls-key", str(files.key)]
     try:
         with one_node_swarm(tmp_path, checkpoint, port, advertised, args) as (s, echo):
+            assert s.address.startswith("grpcs://") == tls
             with Client(s.address) as client:
                 wait_for(lambda: serves(client, echo.node_id), "the node to be placed", 90)
                 assert not reachable(client, echo.node_id)
