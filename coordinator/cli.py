@@ -185,6 +185,12 @@ def _add_serve_parser(subparsers: Any) -> None:
         "$TESSERA_MQTT_PASSWORD (default: an in-process event bus, no broker needed)",
     )  # fmt: skip
     serve_parser.add_argument(
+        "--metrics-listen", type=_listen_address, metavar="HOST:PORT",
+        help="serve Prometheus metrics at http://HOST:PORT/metrics (nodes by state, each "
+        "model's availability and fewest ready replicas); plain HTTP: keep it off the "
+        "internet, e.g. 127.0.0.1:9464 (default: off)",
+    )  # fmt: skip
+    serve_parser.add_argument(
         "--heartbeat-interval", type=_positive_seconds, default=5.0, metavar="S",
         help="how often nodes send heartbeats (default: %(default)s s); a node silent for "
         "1.5 intervals becomes 'suspect'",
@@ -349,6 +355,7 @@ def _run_serve(args: argparse.Namespace) -> int:
         tls_cert=args.tls_cert,
         tls_key=args.tls_key,
         mqtt_url=args.mqtt,
+        metrics_listen=args.metrics_listen,
         heartbeat_interval_s=args.heartbeat_interval,
         offline_after_s=args.offline_after,
         reachability_recheck_s=args.reachability_recheck,

@@ -34,6 +34,7 @@ from coordinator.addresses import split_host_port
 from coordinator.context import CoordinatorContext
 from coordinator.events import EventBus, MqttBus, create_bus
 from coordinator.health import HealthServicer, add_health, serving, stopping
+from coordinator.metrics import MetricsEndpoint
 from coordinator.node_state import SHUTDOWN_REASON
 from coordinator.presence import PresenceWatcher
 from coordinator.registry import Registry
@@ -203,6 +204,7 @@ class RunningCoordinator:
     address: str
     presence: PresenceWatcher
     components: list[Any] = field(default_factory=list)
+    metrics_address: str = ""  # HOST:PORT of /metrics, with --metrics-listen
 
 
 @contextlib.asynccontextmanager
@@ -215,6 +217,7 @@ async def running_coordinator(
     started: list[Any] = []
     server: grpc.aio.Server | None = None
     health: HealthServicer | None = None
+    metrics: MetricsEndpoint | None = None
     presence = PresenceWatcher(ctx.bus, ctx.registry)
     try:
         host, _ = split_host_port(settings.listen)
@@ -244,14 +247,27 @@ async def running_coordinator(
             ) from exc
         await server.start()
         await serving(health)
+        if settings.metrics_listen is not None:
+            metrics = MetricsEndpoint(ctx, settings.metrics_listen)
+            try:
+                await metrics.start()
+            except OSError as exc:
+                raise StartupError(
+                    f"cannot serve metrics on {settings.metrics_listen} ({exc.strerror}); pick "
+                    "another --metrics-listen, or port 0 for any free port"
+                ) from exc
         address = f"{host}:{port}" if tls is None else f"{TLS_SCHEME}{dial_host(host, tls)}:{port}"
         ctx.bus.publish_nowait(
             COORDINATOR_PRESENCE_TOPIC, {"state": "online", "address": address}, retain=True
         )
-        yield RunningCoordinator(ctx, server, address, presence, components)
+        yield RunningCoordinator(
+            ctx, server, address, presence, components, metrics.address if metrics else ""
+        )
     finally:
         if health is not None:
             await stopping(health)
+        if metrics is not None:
+            await metrics.stop()
         await _shutdown(ctx, server, presence, started)
 
 

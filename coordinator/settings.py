@@ -17,6 +17,8 @@ class Settings:
     tls_cert: Path | None = None
     tls_key: Path | None = None
     mqtt_url: str | None = None
+    # Prometheus metrics over HTTP at HOST:PORT/metrics (coordinator/metrics.py); None: off.
+    metrics_listen: str | None = None
     heartbeat_interval_s: float = 5.0
     # None means three heartbeat intervals.
     offline_after_s: float | None = None

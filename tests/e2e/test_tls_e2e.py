@@ -5,14 +5,17 @@ Attach, shard downloads, the admin API, clients' sessions, the ledger) behind TL
 program then dials `grpcs://HOST:PORT` and checks the certificate against
 `$TESSERA_CA_CERT`. Here the node agents join, download their shards and serve; the
 admin CLI imports a model through the address file `serve` wrote; a client generates
-exactly what transformers does; a node's earnings CLI answers. A client that dials the
+exactly what transformers does; a node's earnings CLI answers; the metrics page (plain
+HTTP on its own port) counts the nodes and the model. A client that dials the
 port without TLS, or trusts another CA, is told what to change.
 """
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -37,7 +40,8 @@ def test_a_swarm_whose_coordinator_serves_tls(tmp_path: Path, monkeypatch) -> No
     checkpoint = make_checkpoint(tmp_path / "tiny", "llama", num_layers=4, **TINY_SHAPE, seed=5)
     (reference,) = transformers_greedy(checkpoint, [PROMPT], NEW_TOKENS)
     monkeypatch.setenv(CA_ENV, str(tls.ca))  # every process started below trusts our CA
-    args = ["--tls-cert", str(tls.cert), "--tls-key", str(tls.key), "--min-stages", "2"]
+    args = ["--tls-cert", str(tls.cert), "--tls-key", str(tls.key), "--min-stages", "2",
+            "--metrics-listen", "127.0.0.1:0"]  # fmt: skip
     with LocalSwarm(tmp_path / "swarm", coordinator_args=args) as swarm:
         address = swarm.start_coordinator()
         assert address.startswith("grpcs://127.0.0.1:")  # the address file says TLS
@@ -51,6 +55,14 @@ def test_a_swarm_whose_coordinator_serves_tls(tmp_path: Path, monkeypatch) -> No
                 MODEL, token_ids=PROMPT, max_new_tokens=NEW_TOKENS, stop_at_eos=False
             )
         assert result.token_ids == reference
+        # What an operator's Prometheus scrapes meanwhile (plain HTTP, beside the TLS port).
+        metrics = re.search(r"metrics on (http://\S+)", swarm.coordinator.log_text())
+        assert metrics is not None
+        with urllib.request.urlopen(metrics.group(1), timeout=10) as page:
+            scraped = page.read().decode()
+        assert 'tessera_nodes{state="online"} 2' in scraped
+        assert f'tessera_model_available{{model="{MODEL}"}} 1' in scraped
+        assert f'tessera_model_ready_replicas_min{{model="{MODEL}"}} ' in scraped
         # Two stages (--min-stages 2), served by the nodes that joined over TLS; the router
         # may give both stages to one node, which holds both (2 replicas on 2 nodes).
         assert len(result.initial_route) == 2
