@@ -41,7 +41,14 @@ examples:
   # run a coordinator on all interfaces, state in /var/lib/tessera
   tessera-coordinator serve --listen 0.0.0.0:7000 --db /var/lib/tessera/coordinator.db
 
-  # with an MQTT broker for presence and telemetry (see deploy/mosquitto.conf)
+  # on the internet: over TLS (nodes and clients dial grpcs://coord.example.org:7000),
+  # with Prometheus metrics for a local scraper (deploy/README.md: the systemd unit)
+  tessera-coordinator serve --listen 0.0.0.0:7000 --data-dir /var/lib/tessera \\
+      --tls-cert /etc/tessera/tls/fullchain.pem --tls-key /etc/tessera/tls/privkey.pem \\
+      --metrics-listen 127.0.0.1:9464
+
+  # with an MQTT broker for presence and telemetry (see deploy/mosquitto.conf); a hosted
+  # one over TLS with a login: mqtts://USER@HOST:8883, password in $TESSERA_MQTT_PASSWORD
   tessera-coordinator serve --listen 0.0.0.0:7000 --db state/coordinator.db \\
       --mqtt mqtt://127.0.0.1:1883
 
