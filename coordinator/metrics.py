@@ -1,9 +1,10 @@
 """Prometheus metrics over plain HTTP (`serve --metrics-listen HOST:PORT`, off by default).
 
 `GET /metrics` answers in Prometheus' text format (0.0.4) what an operator alerts on: nodes
-by state, each model's availability and its fewest ready replicas of any layer, the
-coordinator's resident memory. The page is made on the event loop, the one thread that
-reads the coordinator's state, from a tiny HTTP/1.1 server on asyncio (no web framework):
+by state, each model's availability and its fewest ready replicas of any layer, training
+jobs by state, the coordinator's resident memory. The page is made on the event loop, the
+one thread that reads the coordinator's state, from a tiny HTTP/1.1 server on asyncio (no
+web framework):
 one request per connection, a request head of at most 8 KiB read within 5 s, anything
 else answered 400, 404, 405 or 431 and closed. Keep the port off the internet (a
 firewall, or a 127.0.0.1 listen address that a local Prometheus scrapes).
@@ -19,6 +20,7 @@ from collections.abc import Iterable
 
 from coordinator.addresses import split_host_port
 from coordinator.context import CoordinatorContext
+from coordinator.jobs.manager import STATES as JOB_STATES
 from coordinator.node_state import NodeState
 from protos.tessera.v1 import common_pb2
 
@@ -72,6 +74,17 @@ async def render(ctx: CoordinatorContext) -> str:
                     (f'{{model="{_label(m.name)}"}}', min(m.ready_replicas, default=0))
                     for m in models
                 ],
+            )
+        )
+    jobs = getattr(ctx, "jobs", None)
+    if jobs is not None:
+        counts = jobs.repo.state_counts()
+        families.append(
+            _family(
+                "tessera_jobs",
+                "gauge",
+                "Training jobs by state (kept until --job-retention after they end).",
+                [(f'{{state="{state}"}}', counts.get(state, 0)) for state in JOB_STATES],
             )
         )
     rss = _resident_bytes()

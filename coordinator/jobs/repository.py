@@ -204,6 +204,10 @@ class JobRepository:
         ).fetchall()
         return [_job(row) for row in rows]
 
+    def state_counts(self) -> dict[str, int]:
+        rows = self._conn.execute("SELECT state, COUNT(*) FROM jobs GROUP BY state").fetchall()
+        return {state: count for state, count in rows}
+
     def jobs_in_states(self, states: tuple[str, ...]) -> list[JobRecord]:
         marks = ",".join("?" * len(states))
         rows = self._conn.execute(
