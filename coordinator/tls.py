@@ -102,4 +102,7 @@ def dial_host(listen_host: str, tls: ServerTls) -> str:
         )
     except ValueError:
         wildcard = False
-    return tls.names[0] if wildcard else listen_host
+    if not wildcard:
+        return listen_host
+    # A wildcard name (*.example.org) is no host either: the first plain one, if any.
+    return next((name for name in tls.names if not name.startswith("*")), tls.names[0])

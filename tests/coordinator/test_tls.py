@@ -24,13 +24,15 @@ def files(tmp_path_factory: pytest.TempPathFactory) -> TlsFiles:
     return write_tls_files(tmp_path_factory.mktemp("tls"), dns=("coord.example.org",))
 
 
-def test_a_good_pair_names_the_hosts_clients_may_dial(files: TlsFiles) -> None:
+def test_a_good_pair_names_the_hosts_clients_may_dial(files: TlsFiles, tmp_path: Path) -> None:
     tls = load_server_tls(files.cert, files.key)
     assert tls.names == ("coord.example.org", "127.0.0.1")
     # Every interface is no host to dial: the address names the certificate's first name.
     assert dial_host("0.0.0.0", tls) == "coord.example.org"
     assert dial_host("[::]", tls) == "coord.example.org"
     assert dial_host("127.0.0.1", tls) == "127.0.0.1"
+    wildcard = write_tls_files(tmp_path / "wildcard", dns=("*.example.org", "coord.example.org"))
+    assert dial_host("0.0.0.0", load_server_tls(wildcard.cert, wildcard.key)) == "coord.example.org"
 
 
 def _refused(cert: Path, key: Path, *words: str, now: dt.datetime | None = None) -> None:
