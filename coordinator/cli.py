@@ -31,7 +31,12 @@ from coordinator.settings import Settings
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 DB_FILE = "coordinator.db"  # in --data-dir, when --db is not given
 LOCK_FILE = "coordinator.lock"
-SUBCOMMAND_MODULES = ("coordinator.nodes_cli", "coordinator.models_cli", "coordinator.ledger.cli")
+SUBCOMMAND_MODULES = (
+    "coordinator.nodes_cli",
+    "coordinator.models_cli",
+    "coordinator.ledger.cli",
+    "coordinator.backup_cli",
+)
 
 EPILOG = """\
 examples:
