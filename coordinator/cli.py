@@ -147,7 +147,7 @@ def _listen_address(text: str) -> str:
 
 def _mqtt_url(text: str) -> str:
     try:
-        parse_mqtt_url(text)
+        parse_mqtt_url(text).tls_context()  # a bad $TESSERA_CA_CERT is a usage error too
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
     return text

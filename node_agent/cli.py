@@ -113,7 +113,7 @@ def _non_negative_int(text: str) -> int:
 
 def _mqtt_url(text: str) -> str:
     try:
-        parse_broker_url(text)
+        parse_broker_url(text).tls_context()  # a bad $TESSERA_CA_CERT is a usage error too
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from exc
     return text

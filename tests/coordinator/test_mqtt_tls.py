@@ -14,11 +14,13 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
+from support.coordinator_cli import run_main
 from support.mosquitto import MosquittoBroker, require_mosquitto_binary
 from support.tls_files import TlsFiles, write_tls_files
 
 from coordinator.events import MqttBus
 from node_agent.backoff import Backoff
+from node_agent.cli import build_parser as node_parser
 from node_agent.mqtt_presence import MqttPresence
 from protos.dialing import CA_ENV
 from protos.mqtt_url import PASSWORD_ENV, parse_broker_url
@@ -107,3 +109,22 @@ async def test_a_wrong_password_or_an_untrusted_certificate_keeps_the_bus_out(
         assert expected in said.lower(), said
     finally:
         await bus.close()
+
+
+def test_a_ca_file_that_is_not_one_is_a_usage_error_at_start(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys
+) -> None:
+    """Both programs check $TESSERA_CA_CERT for an mqtts:// broker before they start, rather
+    than failing every connection later."""
+    monkeypatch.setenv(CA_ENV, str(tmp_path / "missing.pem"))
+    serve = ["serve", "--data-dir", str(tmp_path), "--listen", "127.0.0.1:0"]
+    code, _, err = run_main([*serve, "--mqtt", "mqtts://u@broker:8883"], capsys)
+    assert code == 2 and CA_ENV in err and "not a readable PEM certificate" in err
+    with pytest.raises(SystemExit) as exited:
+        node_parser().parse_args(
+            ["join", "--coordinator", "h:1", "--name", "n", "--mqtt", "mqtts://u@broker:8883"]
+        )
+    assert exited.value.code == 2
+    assert "not a readable PEM certificate" in capsys.readouterr().err
+    plain = ["join", "--coordinator", "h:1", "--name", "n", "--mqtt", "mqtt://broker:1883"]
+    assert node_parser().parse_args(plain).mqtt == "mqtt://broker:1883"  # never reads it
