@@ -91,6 +91,11 @@ def coordinator_address(text: str) -> str:
             "as `tessera-coordinator serve` logs it ('serving on HOST:PORT'), e.g. "
             "127.0.0.1:7000, [::1]:7000 or grpcs://coord.example.org:7000"
         )
+    if dialing.uses_tls(text):
+        try:
+            dialing.channel_credentials()  # a bad $TESSERA_CA_CERT: say so now, not per call
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
     return text
 
 

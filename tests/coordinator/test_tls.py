@@ -116,3 +116,21 @@ def test_a_ca_file_that_is_not_one_is_refused(
     with pytest.raises(ValueError, match="holds no PEM certificate"):
         dialing.sync_channel("grpcs://h:1")
     dialing.sync_channel("h:1").close()  # a plain address never reads it
+
+
+def test_a_node_given_a_grpcs_coordinator_checks_its_ca_file_at_start(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys
+) -> None:
+    from node_agent.cli import build_parser as node_parser
+
+    monkeypatch.setenv(dialing.CA_ENV, str(tmp_path / "missing.pem"))
+    for argv in (
+        ["join", "--coordinator", "grpcs://h:7000", "--name", "n"],
+        ["earnings", "--coordinator", "grpcs://h:7000", "--data-dir", str(tmp_path)],
+    ):
+        with pytest.raises(SystemExit) as exited:
+            node_parser().parse_args(argv)
+        assert exited.value.code == 2
+        assert "cannot read it" in capsys.readouterr().err
+    plain = node_parser().parse_args(["join", "--coordinator", "h:7000", "--name", "n"])
+    assert plain.coordinator == "h:7000"  # a plain address never reads it
