@@ -49,11 +49,12 @@ class TokenDataset:
     def shard_list(self, progress: Progress | None = None) -> list[tuple[str, int]]:
         """(sha256, tokens) of each shard, hashed once (a large file takes a while)."""
         if self._shard_list is None:
-            listed, total = [], len(self.tokens) * TOKEN_BYTES
+            listed, done, total = [], 0, len(self.tokens) * TOKEN_BYTES
             for shard in self.shards:
                 listed.append((hashlib.sha256(shard.tobytes()).hexdigest(), len(shard)))
+                done += shard.nbytes
                 if progress is not None:
-                    progress("hashing dataset", sum(n for _, n in listed) * TOKEN_BYTES, total)
+                    progress("hashing dataset", done, total)
             self._shard_list = listed
         return self._shard_list
 

@@ -85,16 +85,16 @@ def run_backup(args: argparse.Namespace) -> int:
         if (args.data_dir / name).is_file():
             shutil.copy2(args.data_dir / name, target / name)  # keeps mode 0600
     problems: list[str] = []
-    copied = copied_bytes = 0
+    copied: set[str] = set()
+    copied_bytes = 0
     if not args.no_blobs:
         for folder in BLOB_DIRS:
-            count, size = _copy_blobs(args.data_dir / folder, target / folder, problems)
-            copied, copied_bytes = copied + count, copied_bytes + size
-        problems += _missing_blobs(target)
+            copied_bytes += _copy_blobs(args.data_dir / folder, target / folder, copied, problems)
+        problems += _missing_blobs(target / DB_FILE, copied)
     print(
         f"backed up {source_db} ({(target / DB_FILE).stat().st_size / 2**20:.1f} MiB) and "
         + ("no blobs (--no-blobs)" if args.no_blobs else
-           f"{copied} blobs ({copied_bytes / 2**20:.1f} MiB)")
+           f"{len(copied)} blobs ({copied_bytes / 2**20:.1f} MiB)")
         + f" into {target} in {time.monotonic() - started:.1f} s"
     )  # fmt: skip
     problems += _audit(target / DB_FILE)
@@ -120,10 +120,11 @@ def _snapshot(source: Path, target: Path) -> None:
     target.chmod(0o600)
 
 
-def _copy_blobs(source: Path, target: Path, problems: list[str]) -> tuple[int, int]:
-    count = size = 0
+def _copy_blobs(source: Path, target: Path, copied: set[str], problems: list[str]) -> int:
+    """Copy every intact blob, adding its digest to ``copied``; returns the bytes copied."""
+    size = 0
     if not source.is_dir():
-        return 0, 0
+        return 0
     for prefix in sorted(p for p in source.iterdir() if p.is_dir() and len(p.name) == 2):
         for blob in sorted(prefix.iterdir()):
             (target / prefix.name).mkdir(parents=True, exist_ok=True)
@@ -134,8 +135,9 @@ def _copy_blobs(source: Path, target: Path, problems: list[str]) -> tuple[int, i
                     f"{blob} is corrupt (its bytes do not hash to its name); not copied"
                 )
                 continue
-            count, size = count + 1, size + written
-    return count, size
+            copied.add(prefix.name + blob.name)
+            size += written
+    return size
 
 
 def _copy_checked(source: Path, target: Path, digest: str) -> int | None:
@@ -152,9 +154,9 @@ def _copy_checked(source: Path, target: Path, digest: str) -> int | None:
     return written
 
 
-def _missing_blobs(target: Path) -> list[str]:
-    """Blobs the database names that the copy lacks (every table's `sha256` column)."""
-    db = sqlite3.connect(target / DB_FILE)
+def _missing_blobs(db_path: Path, copied: set[str]) -> list[str]:
+    """Blobs the database names (every table's `sha256` column) that were not copied."""
+    db = sqlite3.connect(db_path)
     try:
         tables = [row[0] for row in db.execute("SELECT name FROM sqlite_master WHERE type='table'")]
         named: set[str] = set()
@@ -164,17 +166,10 @@ def _missing_blobs(target: Path) -> list[str]:
                 named |= {row[0] for row in db.execute(f'SELECT DISTINCT sha256 FROM "{table}"')}
     finally:
         db.close()
-    have = {
-        prefix.name + blob.name
-        for folder in BLOB_DIRS
-        if (target / folder).is_dir()
-        for prefix in (target / folder).iterdir()
-        for blob in prefix.iterdir()
-    }
     return [
         f"blob {digest} is named in the database but missing (deleted while copying, or "
         "already gone from the data dir)"
-        for digest in sorted(named - have)
+        for digest in sorted(named - copied)
     ]
 
 
